@@ -1,0 +1,53 @@
+"""The one small async interface every object store implements.
+
+Keys are '/'-separated and relative to the store's root (a directory, or a bucket).
+`list(prefix)` returns objects sorted by key. `read(key, start, end)` is a ranged read of
+`[start, end)` (`end=None` means to the end). `put(..., if_none_match=True)` is a conditional
+create that raises `AlreadyExists` when the key exists.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import msgspec
+
+
+class ObjectInfo(msgspec.Struct, frozen=True):
+    """One object: its key, size in bytes, and a version tag (ETag, or mtime for files)."""
+
+    key: str
+    size: int
+    etag: str
+
+
+class StoreStatistics(msgspec.Struct, frozen=True):
+    """Counters of one store since it was opened."""
+
+    requests: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    retries: int = 0
+    in_flight: int = 0
+    peak_in_flight: int = 0
+
+
+@runtime_checkable
+class Store(Protocol):
+    """An object store: local directory, memory, or S3."""
+
+    async def list(self, prefix: str = "") -> list[ObjectInfo]: ...
+
+    async def head(self, key: str) -> ObjectInfo: ...
+
+    async def read(self, key: str, start: int = 0, end: int | None = None) -> bytes: ...
+
+    async def put(self, key: str, data: bytes, *, if_none_match: bool = False) -> None: ...
+
+    async def delete(self, key: str) -> None: ...
+
+    async def copy(self, src_key: str, dst_key: str) -> None: ...
+
+    def statistics(self) -> StoreStatistics: ...
+
+    async def aclose(self) -> None: ...

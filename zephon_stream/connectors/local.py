@@ -1,0 +1,126 @@
+"""A local directory as an object store: the embedded default.
+
+Keys are paths under `root`. A key that would leave the root (`..`, an absolute path, or a
+symlink that points outside) is refused with `AccessDenied`. Blocking file calls run in a
+worker thread so the event loop never waits on the disk.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import anyio
+
+from .._exceptions import AccessDenied, AlreadyExists, ObjectNotFound
+from .base import ObjectInfo, StoreStatistics
+
+
+class LocalStore:
+    """Objects are files under `root`; keys are their '/'-separated relative paths."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).resolve()
+        self._requests = 0
+        self._bytes_read = 0
+        self._bytes_written = 0
+
+    def __repr__(self) -> str:
+        return f"LocalStore({str(self.root)!r})"
+
+    def _path(self, key: str) -> Path:
+        if not key or key.startswith("/") or "\\" in key or ".." in key.split("/"):
+            raise AccessDenied(f"key {key!r} is not a relative path inside {self.root}")
+        path = self.root / key
+        real = path.resolve()
+        if real != self.root and self.root not in real.parents:
+            raise AccessDenied(f"key {key!r} resolves to {real}, outside the store root {self.root}")
+        return path
+
+    async def list(self, prefix: str = "") -> list[ObjectInfo]:
+        return await anyio.to_thread.run_sync(self._list, prefix)
+
+    def _list(self, prefix: str) -> list[ObjectInfo]:
+        self._requests += 1
+        if not self.root.is_dir():
+            raise ObjectNotFound(f"store root {self.root} is not a directory: check the file:// URI")
+        out = []
+        for dirpath, _dirs, files in os.walk(self.root, followlinks=False):
+            for name in files:
+                rel = os.path.relpath(os.path.join(dirpath, name), self.root).replace(os.sep, "/")
+                if rel.startswith(prefix):
+                    out.append(self._info(rel))
+        return sorted(out, key=lambda o: o.key)
+
+    def _info(self, key: str) -> ObjectInfo:
+        try:
+            st = self._path(key).stat()
+        except FileNotFoundError as exc:
+            raise ObjectNotFound(f"no object {key!r} under {self.root}") from exc
+        return ObjectInfo(key=key, size=st.st_size, etag=f"{st.st_mtime_ns:x}-{st.st_size:x}")
+
+    async def head(self, key: str) -> ObjectInfo:
+        self._requests += 1
+        return await anyio.to_thread.run_sync(self._info, key)
+
+    async def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        data = await anyio.to_thread.run_sync(self._read, key, start, end)
+        self._requests += 1
+        self._bytes_read += len(data)
+        return data
+
+    def _read(self, key: str, start: int, end: int | None) -> bytes:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                return f.read() if end is None else f.read(max(0, end - start))
+        except FileNotFoundError as exc:
+            raise ObjectNotFound(f"no object {key!r} under {self.root}") from exc
+        except IsADirectoryError as exc:
+            raise ObjectNotFound(f"{key!r} under {self.root} is a directory, not an object") from exc
+
+    async def put(self, key: str, data: bytes, *, if_none_match: bool = False) -> None:
+        await anyio.to_thread.run_sync(self._put, key, data, if_none_match)
+        self._requests += 1
+        self._bytes_written += len(data)
+
+    def _put(self, key: str, data: bytes, if_none_match: bool) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{id(data):x}.tmp")
+        tmp.write_bytes(data)
+        try:
+            if if_none_match:
+                try:
+                    os.link(tmp, path)  # atomic create-if-absent
+                except FileExistsError as exc:
+                    raise AlreadyExists(f"object {key!r} already exists under {self.root}") from exc
+            else:
+                os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    async def delete(self, key: str) -> None:
+        self._requests += 1
+        await anyio.to_thread.run_sync(lambda: self._path(key).unlink(missing_ok=True))
+
+    async def copy(self, src_key: str, dst_key: str) -> None:
+        data = await self.read(src_key)
+        await self.put(dst_key, data)
+
+    def statistics(self) -> StoreStatistics:
+        return StoreStatistics(
+            requests=self._requests, bytes_read=self._bytes_read, bytes_written=self._bytes_written
+        )
+
+    async def aclose(self) -> None:
+        pass
+
+    async def __aenter__(self) -> LocalStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
