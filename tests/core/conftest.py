@@ -1,0 +1,64 @@
+"""A small generated two-source dataset (JSONL and multi-frame JSONL.zst) and a BPE tokenizer."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import msgspec
+import pytest
+import zstandard
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from zephon_stream._core.config import Config, SourceConfig
+
+WORDS = ("the of and to in is that for it as with was on be by this are or from at an which not have "
+         "loader lane shard token sample batch epoch seed order state window pack mix read split").split()
+
+
+def make_docs(rng: random.Random, n: int, max_words: int) -> list[str]:
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(0, max_words))) + rng.choice([".", "!", "?\n"])
+            for _ in range(n)]
+
+
+def write_jsonl(path: Path, docs: list[str], zst: bool = False, frame_docs: int = 7) -> None:
+    lines = [msgspec.json.encode({"id": i, "text": t}) + b"\n" for i, t in enumerate(docs)]
+    if not zst:
+        path.write_bytes(b"".join(lines))
+        return
+    c = zstandard.ZstdCompressor(level=3)
+    path.write_bytes(b"".join(c.compress(b"".join(lines[i:i + frame_docs]))
+                              for i in range(0, len(lines), frame_docs)))
+
+
+def build_dataset(root: Path) -> dict[str, list[str]]:
+    rng = random.Random(7)
+    docs = {"a": make_docs(rng, 600, 60), "b": make_docs(rng, 300, 200)}
+    (root / "a").mkdir(parents=True)
+    (root / "b").mkdir()
+    for i in range(3):
+        write_jsonl(root / "a" / f"a-{i}.jsonl", docs["a"][i * 200:(i + 1) * 200])
+    for i in range(2):
+        write_jsonl(root / "b" / f"b-{i}.jsonl.zst", docs["b"][i * 150:(i + 1) * 150], zst=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(docs["a"][:100], trainer=trainer)
+    tok.save(str(root / "tokenizer.json"))
+    return docs
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[str]]]:
+    root = tmp_path_factory.mktemp("data")
+    return root, build_dataset(root)
+
+
+@pytest.fixture()
+def config(dataset: tuple[Path, dict[str, list[str]]]) -> Config:
+    root, _ = dataset
+    return Config(seed=1234, lanes=12, seq_len=64, global_batch_size=24, tokenizer=str(root / "tokenizer.json"),
+                  shuffle_window=8, split_bytes=4096, sample_batch=2,
+                  sources=[SourceConfig(name="a", uri=f"file://{root}/a/", weight=0.6),
+                           SourceConfig(name="b", uri=f"file://{root}/b/", weight=0.4)])

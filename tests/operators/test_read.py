@@ -1,0 +1,110 @@
+import anyio
+import msgspec
+import pytest
+import zstandard
+from hypothesis import given, settings, strategies as st
+
+from zephon_stream import ConfigError, DataError
+from zephon_stream.connectors import MemoryStore
+from zephon_stream.operators.read import Parser, SplitReader, plan_source
+
+
+def _lines(texts):
+    return b"".join(msgspec.json.encode({"text": t}) + b"\n" for t in texts)
+
+
+def _zst(texts, frame_every, cut_mid_line=False):
+    data = _lines(texts)
+    if cut_mid_line:
+        pieces = [data[i:i + frame_every] for i in range(0, len(data), frame_every)]
+    else:
+        pieces, cur = [], b""
+        for line in data.splitlines(keepends=True):
+            cur += line
+            if len(cur) >= frame_every:
+                pieces.append(cur)
+                cur = b""
+        pieces += [cur] if cur else []
+    c = zstandard.ZstdCompressor(level=1)
+    return b"".join(c.compress(p) for p in pieces)
+
+
+async def _read_all(store, plan, parser):
+    texts = []
+    for split in plan.splits:
+        reader = SplitReader(store, plan.prefix, plan.shards[split.shard], split, 1 << 20)
+        async for pos, block in reader.blocks():
+            texts += [t for _, _, t in parser.parse(reader, pos, block)]
+    return texts
+
+
+def _run(store, lanes, split_bytes, on_bad="error"):
+    async def go():
+        plan = await plan_source(store, "", "s", "memory://x/", "text", lanes, split_bytes, on_bad)
+        return plan, await _read_all(store, plan, Parser("text", on_bad))
+    return anyio.run(go)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    texts=st.lists(st.text(min_size=0, max_size=300), min_size=1, max_size=60),
+    shards=st.integers(1, 3),
+    lanes=st.integers(1, 12),
+    kind=st.sampled_from(["jsonl", "zst", "zst-mid-line"]),
+    frame_every=st.integers(20, 2000),
+)
+def test_every_record_read_exactly_once_in_order(texts, shards, lanes, kind, frame_every):
+    store = MemoryStore()
+    per = -(-len(texts) // shards)
+    groups = [texts[i:i + per] for i in range(0, len(texts), per)]
+    for i, g in enumerate(groups):
+        if kind == "jsonl":
+            store.objects[f"s-{i}.jsonl"] = _lines(g)
+        else:
+            store.objects[f"s-{i}.jsonl.zst"] = _zst(g, frame_every, kind == "zst-mid-line")
+    plan, got = _run(store, lanes, 1024)
+    assert got == texts
+
+
+def test_small_source_spreads_over_lanes():
+    store = MemoryStore()
+    store.objects["a.jsonl"] = _lines([f"doc {i} " * 20 for i in range(400)])
+    plan, got = _run(store, 12, 1 << 20)
+    assert len(plan.splits) >= 12
+    assert len(got) == 400
+
+
+def test_bad_inputs_name_object_and_offset():
+    store = MemoryStore()
+    store.objects["a.jsonl"] = b'{"text": "ok"}\n{"text": broken\n'
+    with pytest.raises(DataError, match=r"'a.jsonl' at byte 15"):
+        _run(store, 1, 1 << 20)
+    store.objects["a.jsonl"] = b'{"text": "ok"}\n{"text": "\xff"}\n'
+    with pytest.raises(DataError, match=r"'a.jsonl' at byte 15.*UTF-8"):
+        _run(store, 1, 1 << 20)
+    store.objects["a.jsonl"] = b'{"body": "no text"}\n'
+    with pytest.raises(DataError, match=r"'a.jsonl' at byte 0.*missing required field `text`"):
+        _run(store, 1, 1 << 20)
+    store.objects["a.jsonl"] = b""
+    with pytest.raises(DataError, match=r"empty shard 'a.jsonl'"):
+        _run(store, 1, 1 << 20)
+    good = _zst(["x" * 100] * 50, 500)
+    store.objects = {"b.jsonl.zst": good[:-7]}
+    with pytest.raises(DataError, match=r"truncated .zst shard 'b.jsonl.zst'"):
+        _run(store, 1, 1 << 20)
+    store.objects = {"other.txt": b"x"}
+    with pytest.raises(ConfigError, match="no \\*.jsonl"):
+        _run(store, 1, 1 << 20)
+
+
+def test_skip_policy_counts_bad_records():
+    store = MemoryStore()
+    store.objects["a.jsonl"] = b'{"text": "a"}\n{bad\n{"text": "b"}\n{"x": 1}\n'
+    store.objects["b.jsonl"] = b""
+
+    async def go():
+        plan = await plan_source(store, "", "s", "memory://x/", "text", 1, 1024, "skip")
+        parser = Parser("text", "skip")
+        return plan, await _read_all(store, plan, parser), parser.skipped
+    plan, got, skipped = anyio.run(go)
+    assert got == ["a", "b"] and skipped == 2 and plan.skipped_shards == ["b.jsonl"]

@@ -1,0 +1,230 @@
+"""Backends decide where lanes run, and nothing else: the order never depends on them.
+
+- `inline`: every lane on the caller's event loop, CPU steps too.
+- `threads`: lanes on the event loop, CPU steps (decode, tokenize) in worker threads under a
+  `CapacityLimiter(cpu_threads)`; the default, and the one that keeps the trainer's loop free.
+- `processes`: this rank's lanes split into `workers` spawned processes, each running its lanes
+  with the threads policy. Samples come back as msgpack over pipes (never pickle), with
+  per-lane credits so a slow lane never blocks a fast one's pipe.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import msgspec
+import numpy as np
+
+from . import _exceptions
+from ._core.config import Config
+from ._core.state import LaneState
+from ._exceptions import ZephonError
+from ._pipeline import DataPlan, Lanes, TextLane
+from .connectors.base import Store
+from .operators.pack import Sample
+from .operators.tokenize import Tokenize
+
+if TYPE_CHECKING:
+    from ._loader import Loader
+
+Streams = dict[int, anyio.abc.ObjectReceiveStream[list[Sample]]]
+
+
+def cpu_policy(config: Config) -> Callable[..., Any]:
+    if config.backend == "inline":
+        async def inline(fn: Callable[..., Any], *args: Any) -> Any:
+            return fn(*args)
+        return inline
+    limiter = anyio.CapacityLimiter(config.cpu_threads)
+
+    async def threads(fn: Callable[..., Any], *args: Any) -> Any:
+        return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
+    return threads
+
+
+@asynccontextmanager
+async def run_lanes(loader: Loader, plan: DataPlan, stores: list[Store], states: dict[int, LaneState]
+                    ) -> AsyncIterator[tuple[Streams, Callable[[int], None], Callable[[], int]]]:
+    """Run `states`' lanes on the configured backend; yield (streams, credit, skipped-records)."""
+    if loader.config.backend == "processes":
+        async with _run_processes(loader, plan, states) as out:
+            yield out
+        return
+    async with _run_local(loader.config, plan, stores, loader.tokenizer, states) as (streams, shared):
+        yield streams, lambda lane: None, shared.skipped
+
+
+@asynccontextmanager
+async def _run_local(config: Config, plan: DataPlan, stores: list[Store], tokenizer: Tokenize,
+                     states: dict[int, LaneState]) -> AsyncIterator[tuple[Streams, Lanes]]:
+    shared = Lanes(config, plan, stores, tokenizer, cpu_policy(config))
+    streams: Streams = {}
+    async with anyio.create_task_group() as tg:
+        for lane, state in states.items():
+            send, recv = anyio.create_memory_object_stream[list[Sample]](config.sample_buffer)
+            tg.start_soon(TextLane(shared, lane, state).run, send)
+            streams[lane] = recv
+        try:
+            yield streams, shared
+        finally:
+            tg.cancel_scope.cancel()
+
+
+# ---- processes ----------------------------------------------------------------------------------
+
+class _Msg(msgspec.Struct, array_like=True):
+    kind: str  # "batch" | "end" | "error" | "skipped"
+    lane: int = -1
+    samples: list[tuple[int, bytes, bytes, bytes, list[int], int, LaneState]] = []
+    error: tuple[str, str] = ("", "")
+    count: int = 0
+
+
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(_Msg)
+
+
+def _pack(lane: int, batch: list[Sample]) -> bytes:
+    return _enc.encode(_Msg("batch", lane, [(s.index, s.input_ids.tobytes(), s.labels.tobytes(),
+                                              s.position_ids.tobytes(), s.segments, s.num_tokens, s.state)
+                                             for s in batch]))
+
+
+def _unpack(msg: _Msg) -> list[Sample]:
+    return [Sample(np.frombuffer(ids, np.uint32), np.frombuffer(lab, np.int32), np.frombuffer(pos, np.int32),
+                   segs, n, msg.lane, index, state) for index, ids, lab, pos, segs, n, state in msg.samples]
+
+
+@asynccontextmanager
+async def _run_processes(loader: Loader, plan: DataPlan, states: dict[int, LaneState]
+                         ) -> AsyncIterator[tuple[Streams, Callable[[int], None], Callable[[], int]]]:
+    cfg = loader.config
+    lanes = sorted(states)
+    groups = [lanes[w::cfg.workers] for w in range(min(cfg.workers, len(lanes)))]
+    ctx = multiprocessing.get_context("spawn")
+    streams: Streams = {}
+    sends: dict[int, Any] = {}
+    for lane in lanes:
+        sends[lane], streams[lane] = anyio.create_memory_object_stream[list[Sample]](cfg.sample_buffer + 1)
+    workers, skipped = [], [0] * len(groups)
+    async with AsyncExitStack() as stack:
+        for w, group in enumerate(groups):
+            data_r, data_w = ctx.Pipe(duplex=False)
+            ctrl_r, ctrl_w = ctx.Pipe(duplex=False)
+            payload = msgspec.msgpack.encode((cfg, plan, [states[lane] for lane in group]))
+            proc = ctx.Process(target=_worker_main, args=(payload, data_w, ctrl_r, loader.wrap_store),
+                               name=f"zephon-lanes-{w}", daemon=True)
+            proc.start()
+            data_w.close()
+            ctrl_r.close()
+            workers.append((proc, data_r, ctrl_w, group))
+            stack.callback(_stop_worker, proc, data_r, ctrl_w)
+
+        def credit(lane: int) -> None:
+            for _proc, _r, ctrl_w, group in workers:
+                if lane in group:
+                    ctrl_w.send_bytes(lane.to_bytes(4, "little"))
+
+        async with anyio.create_task_group() as tg:
+            for w, (_proc, data_r, _ctrl, group) in enumerate(workers):
+                tg.start_soon(_receive, data_r, {lane: sends[lane] for lane in group}, skipped, w)
+            try:
+                yield streams, credit, lambda: sum(skipped)
+            finally:
+                tg.cancel_scope.cancel()
+
+
+async def _receive(conn: Any, sends: dict[int, Any], skipped: list[int], w: int) -> None:
+    open_lanes = set(sends)
+    while open_lanes:
+        try:
+            raw = await anyio.to_thread.run_sync(conn.recv_bytes, abandon_on_cancel=True)
+        except EOFError:
+            raise ZephonError(f"lane worker process {w} died (lanes {sorted(open_lanes)}): see its stderr") from None
+        msg = _dec.decode(raw)
+        if msg.kind == "batch":
+            await sends[msg.lane].send(_unpack(msg))
+        elif msg.kind == "end":
+            await sends[msg.lane].aclose()
+            open_lanes.discard(msg.lane)
+        elif msg.kind == "skipped":
+            skipped[w] = msg.count
+        else:
+            cls = getattr(_exceptions, msg.error[0], ZephonError)
+            raise cls(msg.error[1]) if isinstance(cls, type) and issubclass(cls, Exception) else ZephonError(
+                msg.error[1])
+
+
+def _stop_worker(proc: Any, data_r: Any, ctrl_w: Any) -> None:
+    for conn in (ctrl_w, data_r):
+        conn.close()
+    proc.join(timeout=5)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(timeout=5)
+
+
+def _worker_main(payload: bytes, data_w: Any, ctrl_r: Any, wrap_store: Callable[[Store], Store] | None) -> None:
+    cfg_raw, plan_raw, states_raw = msgspec.msgpack.decode(payload)
+    cfg = msgspec.convert(cfg_raw, Config)
+    plan = msgspec.convert(plan_raw, DataPlan)
+    states = [msgspec.convert(s, LaneState) for s in states_raw]
+    try:
+        anyio.run(_worker, cfg, plan, states, data_w, ctrl_r, wrap_store)
+    except BaseException as exc:  # report, then exit: the parent raises it
+        err = exc.exceptions[0] if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1 else exc
+        try:
+            data_w.send_bytes(_enc.encode(_Msg("error", error=(type(err).__name__, str(err)))))
+        except OSError:
+            pass
+
+
+async def _worker(cfg: Config, plan: DataPlan, states: list[LaneState], data_w: Any, ctrl_r: Any,
+                  wrap_store: Callable[[Store], Store] | None) -> None:
+    from ._loader import open_stores
+
+    tokenizer = Tokenize(cfg.tokenizer, cfg.eos_token)
+    credits = {s.lane: anyio.Semaphore(cfg.sample_buffer) for s in states}
+    out_send, out_recv = anyio.create_memory_object_stream[bytes](len(states))
+    async with AsyncExitStack() as stack:
+        stores = await open_stores(cfg, stack, wrap_store)
+        local = cfg.replace(backend="threads")
+        async with _run_local(local, plan, stores, tokenizer, {s.lane: s for s in states}) as (streams, shared):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_credits, ctrl_r, credits, tg.cancel_scope)
+                tg.start_soon(_send_all, out_recv, data_w)
+                async with anyio.create_task_group() as lanes_tg:
+                    for lane, recv in streams.items():
+                        lanes_tg.start_soon(_forward, lane, recv, credits[lane], out_send.clone(), shared)
+                out_send.close()
+
+
+async def _forward(lane: int, recv: Any, credit: anyio.Semaphore, out: Any, shared: Lanes) -> None:
+    async with out:
+        async for batch in recv:
+            await credit.acquire()
+            await out.send(_pack(lane, batch))
+            await out.send(_enc.encode(_Msg("skipped", count=shared.skipped())))
+        await out.send(_enc.encode(_Msg("end", lane)))
+
+
+async def _send_all(recv: Any, conn: Any) -> None:
+    async for raw in recv:
+        await anyio.to_thread.run_sync(conn.send_bytes, raw)
+
+
+async def _credits(conn: Any, credits: dict[int, anyio.Semaphore], scope: anyio.CancelScope) -> None:
+    while True:
+        try:
+            raw = await anyio.to_thread.run_sync(conn.recv_bytes, abandon_on_cancel=True)
+        except (EOFError, OSError):
+            scope.cancel()  # the parent is gone or done: stop
+            return
+        credits[int.from_bytes(raw, "little")].release()
+
+

@@ -1,0 +1,120 @@
+"""The configuration tree: one msgspec Struct, loadable from TOML and printed back in full.
+
+Settings split in two groups. *Order* settings (seed, lanes, sources, tokenizer, sequence
+packing, shuffle, split size, global batch size) define the sample sequence; they go into
+`order_digest()` and a checkpoint refuses to load under different ones. *Execution* settings
+(backend, workers, every buffer capacity, read-ahead, tokenizer batch) only decide how fast
+the same sequence is produced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from .._exceptions import ConfigError
+
+Backend = Literal["inline", "threads", "processes"]
+
+
+class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """A named dataset: every `*.jsonl` and `*.jsonl.zst` object under `uri`, sorted by key."""
+
+    name: str
+    uri: str
+    weight: float = 1.0
+    text_field: str = "text"
+    endpoint_url: str | None = None
+    region: str | None = None
+    addressing_style: Literal["auto", "path", "virtual"] | None = None
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True):
+    seed: int
+    lanes: int
+    seq_len: int
+    global_batch_size: int
+    tokenizer: str
+    sources: list[SourceConfig]
+    eos_token: str = "<|endoftext|>"
+    pad_token_id: int | None = None  # None: the EOS id
+    shuffle_window: int = 64  # documents per lane; 0 = off
+    max_epochs: int = 0  # 0 = forever
+    mix: Literal["tokens", "documents"] = "tokens"
+    mask_cross_document_labels: bool = True
+    split_bytes: int = 1 << 20  # target bytes per split (a byte range, or a group of zstd frames)
+    on_bad_record: Literal["error", "skip"] = "error"
+    max_record_bytes: int = 16 << 20
+    # execution settings: never change the order
+    backend: Backend = "threads"
+    workers: int = 2  # worker processes per rank (processes backend)
+    cpu_threads: int = 2  # CapacityLimiter for CPU steps (threads backend)
+    tokenize_batch: int = 64  # documents per tokenizer call
+    doc_buffer: int = 4  # tokenized document batches buffered per source per lane
+    sample_buffer: int = 4  # sample batches buffered per lane
+    sample_batch: int = 4  # samples per lane-to-sequencer hand-off
+
+    def __post_init__(self) -> None:
+        _check(self.lanes >= 1, "lanes", self.lanes, "must be >= 1")
+        _check(self.seq_len >= 2, "seq_len", self.seq_len, "must be >= 2")
+        _check(self.global_batch_size >= 1, "global_batch_size", self.global_batch_size, "must be >= 1")
+        _check(self.shuffle_window >= 0, "shuffle_window", self.shuffle_window, "must be >= 0 (0 = off)")
+        _check(self.max_epochs >= 0, "max_epochs", self.max_epochs, "must be >= 0 (0 = forever)")
+        _check(self.split_bytes >= 1024, "split_bytes", self.split_bytes, "must be >= 1024")
+        _check(len(self.sources) >= 1, "sources", self.sources, "needs at least one [[sources]] table")
+        names = [s.name for s in self.sources]
+        _check(len(set(names)) == len(names), "sources", names, "source names must be unique")
+        for s in self.sources:
+            _check(s.weight > 0 and math.isfinite(s.weight), f"sources[{s.name}].weight", s.weight, "must be > 0")
+        for field in ("workers", "cpu_threads", "tokenize_batch", "doc_buffer", "sample_buffer", "sample_batch"):
+            _check(getattr(self, field) >= 1, field, getattr(self, field), "must be >= 1")
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> Config:
+        try:
+            return msgspec.toml.decode(Path(path).read_bytes(), type=cls)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"invalid config {path}: {exc}") from exc
+        except msgspec.DecodeError as exc:
+            raise ConfigError(f"config {path} is not valid TOML: {exc}") from exc
+
+    def to_toml(self) -> str:
+        """The full configuration, defaults included, as TOML that `from_toml` reads back."""
+        plain = msgspec.to_builtins(self)
+        sources = plain.pop("sources")
+        lines = [f"{k} = {_toml_value(v)}" for k, v in plain.items() if v is not None]
+        for src in sources:
+            lines += ["", "[[sources]]"] + [f"{k} = {_toml_value(v)}" for k, v in src.items() if v is not None]
+        return "\n".join(lines) + "\n"
+
+    def replace(self, **changes: object) -> Config:
+        return msgspec.structs.replace(self, **changes)
+
+    def order_digest(self, tokenizer_sha: str) -> str:
+        """Digest of every setting that shapes the sample sequence (not execution settings)."""
+        order = {
+            f: getattr(self, f)
+            for f in ("seed", "lanes", "seq_len", "global_batch_size", "eos_token", "pad_token_id",
+                      "shuffle_window", "max_epochs", "mix", "mask_cross_document_labels",
+                      "split_bytes", "on_bad_record", "max_record_bytes")
+        }
+        order["sources"] = [(s.name, s.weight, s.text_field) for s in self.sources]
+        order["tokenizer_sha256"] = tokenizer_sha
+        return hashlib.sha256(msgspec.json.encode(order)).hexdigest()[:32]
+
+
+def _toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return msgspec.json.encode(v).decode()  # a JSON string is a valid TOML basic string
+    return repr(v)
+
+
+def _check(ok: bool, name: str, value: object, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"config {name} = {value!r}: {why}")

@@ -1,0 +1,38 @@
+"""The sequencer's arithmetic: which lane serves which global slot, and which slots a rank gets.
+
+Global slot `i` is served by lane `i mod L` as that lane's sample `i div L`. Step `b` is slots
+`[b*G, (b+1)*G)`. DP rank `r` of `R` takes the slots of each step with `i mod R == r`, in slot
+order; since `R` divides `L`, those come only from lanes `l mod R == r`, so no rank ever needs
+another rank's lanes.
+"""
+
+from __future__ import annotations
+
+from .._exceptions import ConfigError
+
+
+def check_world(lanes: int, global_batch: int, dp_size: int, dp_rank: int) -> None:
+    """Refuse a world size that cannot keep the order identical to a single-rank run."""
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ConfigError(f"dp_rank={dp_rank} dp_size={dp_size}: need 0 <= dp_rank < dp_size")
+    if lanes % dp_size:
+        ok = [d for d in range(1, lanes + 1) if lanes % d == 0]
+        raise ConfigError(f"dp_size={dp_size} does not divide lanes={lanes}: use a dp_size in {ok}, "
+                          f"or set lanes to a multiple of {dp_size} (which changes the order)")
+    if global_batch % dp_size:
+        raise ConfigError(f"dp_size={dp_size} does not divide global_batch_size={global_batch}: "
+                          f"use a global_batch_size that is a multiple of {dp_size}")
+
+
+def rank_lanes(lanes: int, dp_size: int, dp_rank: int) -> list[int]:
+    return [lane for lane in range(lanes) if lane % dp_size == dp_rank]
+
+
+def rank_slots(step: int, global_batch: int, dp_size: int, dp_rank: int) -> range:
+    first = step * global_batch
+    return range(first + dp_rank, first + global_batch, dp_size)
+
+
+def consumed(lane: int, lanes: int, slots: int) -> int:
+    """Samples lane `lane` has served once the first `slots` global slots are consumed."""
+    return max(0, (slots - lane + lanes - 1) // lanes)

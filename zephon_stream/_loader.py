@@ -1,0 +1,308 @@
+"""The loader: plans the data, runs this rank's lanes on a backend, and sequences batches."""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+from ._collate import collate, padding_sample
+from ._core.config import Config
+from ._core.sequencer import check_world, consumed, rank_lanes, rank_slots
+from ._core.state import FORMAT_VERSION, LaneState, LoaderState, decode_state, encode_state
+from ._exceptions import CheckpointError, IncompatibleState, ZephonError
+from ._pipeline import DataPlan, Lanes, TextLane
+from .connectors import open_store
+from .connectors.base import Store
+from .operators.read import plan_source
+from .operators.tokenize import Tokenize
+
+StoreWrapper = Callable[[Store], Store]
+
+
+class LoaderStatistics(msgspec.Struct, frozen=True):
+    """A snapshot of the loader's progress and buffers (see `Loader.statistics()`)."""
+
+    step: int
+    samples: int
+    tokens: int
+    skipped_records: int
+    skipped_shards: int
+    buffered_batches: int  # sample batches waiting in lane buffers now
+    peak_buffered_batches: int
+    buffer_capacity: int  # sample_buffer x lanes of this rank
+    store_requests: int
+    store_retries: int
+    store_bytes_read: int
+
+
+class Loader:
+    """A deterministic, resumable stream of packed token batches for one data-parallel rank.
+
+    ```
+    loader = Loader.from_toml("stream.toml")           # dp_rank/dp_size from torch.distributed
+    for batch in loader:                                # or: async with loader.open() as s: async for ...
+        loss = model(batch["input_ids"], labels=batch["labels"])
+        if step % 100 == 0:
+            torch.save(...); state = loader.state_dict()
+    ```
+    The sample at every global slot is a pure function of (config, seed, data): it does not
+    depend on dp_size, backend, buffer sizes or resume points.
+    """
+
+    def __init__(self, config: Config, *, dp_rank: int | None = None, dp_size: int | None = None,
+                 backend: str | None = None, wrap_store: StoreWrapper | None = None) -> None:
+        if dp_size is None:
+            dp_rank, dp_size = _dist_rank_size() if dp_rank is None else (dp_rank, 1)
+        self.config = config.replace(backend=backend) if backend else config
+        self.dp_rank, self.dp_size = dp_rank or 0, dp_size
+        check_world(config.lanes, config.global_batch_size, self.dp_size, self.dp_rank)
+        self.tokenizer = Tokenize(config.tokenizer, config.eos_token)
+        self.order_digest = config.order_digest(self.tokenizer.sha256)
+        self.lanes = rank_lanes(config.lanes, self.dp_size, self.dp_rank)
+        self.wrap_store = wrap_store
+        self.step = 0
+        self._lane_states: dict[int, LaneState | None] = {lane: None for lane in self.lanes}
+        self._fingerprint: str | None = None  # of the loaded checkpoint, checked against the data
+        self._plan: DataPlan | None = None
+        self._stats = collections.Counter()
+        self._peak = 0
+        self._streams: dict[int, Any] = {}
+        self._shared: Lanes | None = None
+        self._store_stats: list[Any] = []
+        self._skipped: Callable[[], int] = lambda: 0
+
+    @classmethod
+    def from_toml(cls, path: str | Path, **kwargs: Any) -> Loader:
+        return cls(Config.from_toml(path), **kwargs)
+
+    def __repr__(self) -> str:
+        return (f"Loader(lanes={self.config.lanes}, dp_rank={self.dp_rank}, dp_size={self.dp_size}, "
+                f"backend={self.config.backend!r}, step={self.step})")
+
+    # ---- checkpoint -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The consumed frontier of this rank: one record per lane it owns (torch Stateful)."""
+        states = [self._lane_states[lane] or self._initial(lane) for lane in self.lanes]
+        state = LoaderState(FORMAT_VERSION, self.order_digest, self._fingerprint or self._data_fingerprint(),
+                            self.config.lanes, self.config.global_batch_size, self.step, states)
+        return {"zephon_stream": encode_state(state)}
+
+    def load_state_dict(self, state_dict: dict[str, Any] | list[dict[str, Any]] | bytes) -> None:
+        """Load one rank's state, or several ranks' states (a list) that together hold our lanes."""
+        parts = state_dict if isinstance(state_dict, list) else [state_dict]
+        decoded = [decode_state(p if isinstance(p, bytes | bytearray) else bytes(p["zephon_stream"]))
+                   for p in parts]
+        first = decoded[0]
+        for st in decoded:
+            self._check_compatible(st, first)
+        lanes = {ls.lane: ls for st in decoded for ls in st.lane_states}
+        missing = [lane for lane in self.lanes if lane not in lanes]
+        if missing:
+            raise CheckpointError(f"checkpoint holds lanes {sorted(lanes)} but rank {self.dp_rank}/{self.dp_size} "
+                                  f"needs lanes {missing} too: pass every rank's state file")
+        slots = first.step * first.global_batch_size
+        for lane in self.lanes:
+            expect = consumed(lane, first.lanes, slots)
+            if lanes[lane].samples > expect or (lanes[lane].samples < expect and lanes[lane].cursors is None):
+                raise CheckpointError(f"lane {lane} state has {lanes[lane].samples} samples but step {first.step} "
+                                      f"means {expect}: the checkpoint is inconsistent")
+        self.step = first.step
+        self._fingerprint = first.data_fingerprint
+        self._lane_states = {lane: lanes[lane] for lane in self.lanes}
+
+    def _check_compatible(self, st: LoaderState, first: LoaderState) -> None:
+        cfg = self.config
+        if st.order_digest != self.order_digest:
+            raise IncompatibleState(
+                f"checkpoint was written under another order config (digest {st.order_digest}, now "
+                f"{self.order_digest}): seed, lanes, seq_len, sources, weights, tokenizer, shuffle_window, "
+                f"max_epochs, split_bytes or global_batch_size changed; restore them or start fresh")
+        if (st.lanes, st.global_batch_size) != (cfg.lanes, cfg.global_batch_size):
+            raise IncompatibleState(f"checkpoint has lanes={st.lanes} global_batch_size={st.global_batch_size}, "
+                                    f"config has {cfg.lanes} and {cfg.global_batch_size}")
+        if (st.step, st.data_fingerprint) != (first.step, first.data_fingerprint):
+            raise IncompatibleState(f"rank states disagree: step {st.step} vs {first.step}; pass the files "
+                                    "of one checkpoint")
+
+    def _initial(self, lane: int) -> LaneState:
+        n = len(self.config.sources)
+        return LaneState(lane, 0, False, [(0, 0)] * n, [0] * n, 0, [], 0, None, 0)
+
+    def _data_fingerprint(self) -> str:
+        return self._plan.fingerprint if self._plan else ""
+
+    # ---- planning -----------------------------------------------------------------------------
+
+    async def plan(self, stores: list[Store]) -> DataPlan:
+        """List and split every source once; check the data against a loaded checkpoint."""
+        if self._plan is None:
+            cfg = self.config
+            sources = []
+            for src, store in zip(cfg.sources, stores):
+                sources.append(await plan_source(store, source_prefix(src.uri), src.name, src.uri, src.text_field,
+                                                 cfg.lanes, cfg.split_bytes, cfg.on_bad_record))
+            h = hashlib.sha256()
+            for sp in sources:
+                h.update(msgspec.msgpack.encode([sp.name, [(s.key, s.size, s.etag) for s in sp.shards]]))
+            self._plan = DataPlan(sources, h.hexdigest()[:32])
+        if self._fingerprint and self._fingerprint != self._plan.fingerprint:
+            raise IncompatibleState(
+                f"checkpoint was written for other data (fingerprint {self._fingerprint}, the sources now give "
+                f"{self._plan.fingerprint}): shards were added, removed or rewritten; resume against the same "
+                "data or start fresh")
+        return self._plan
+
+    # ---- streaming ----------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def open(self) -> AsyncIterator[BatchStream]:
+        """Start this rank's lanes; yield a stream of batches. Leaving the block stops them."""
+        from ._backends import run_lanes
+
+        async with AsyncExitStack() as stack:
+            stores = await open_stores(self.config, stack, self.wrap_store)
+            self._store_stats = stores
+            plan = await self.plan(stores)
+            states = {lane: self._lane_states[lane] or self._initial(lane) for lane in self.lanes}
+            async with run_lanes(self, plan, stores, states) as (streams, credit, skipped):
+                self._streams, self._skipped = streams, skipped
+                try:
+                    yield BatchStream(self, streams, credit)
+                finally:
+                    self._streams = {}
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        with anyio.from_thread.start_blocking_portal() as portal:
+            cm = portal.wrap_async_context_manager(self.open())
+            stream = cm.__enter__()
+            try:
+                while True:
+                    try:
+                        batch = portal.call(stream.__anext__)
+                    except StopAsyncIteration:
+                        return
+                    yield batch
+            finally:  # an early `break` closes the generator: stop the lanes without an error
+                cm.__exit__(None, None, None)
+
+    def __aiter__(self) -> _ThreadedAsyncIterator:
+        """`async for` over a pipeline run in a helper thread; `open()` runs it on your loop instead."""
+        return _ThreadedAsyncIterator(iter(self))
+
+    def statistics(self) -> LoaderStatistics:
+        buffered = sum(s.statistics().current_buffer_used for s in self._streams.values())
+        stores = [s.statistics() for s in self._store_stats]
+        skipped_shards = sum(len(s.skipped_shards) for s in self._plan.sources) if self._plan else 0
+        return LoaderStatistics(
+            step=self.step, samples=self._stats["samples"], tokens=self._stats["tokens"],
+            skipped_records=self._skipped(), skipped_shards=skipped_shards,
+            buffered_batches=buffered, peak_buffered_batches=self._peak,
+            buffer_capacity=self.config.sample_buffer * len(self.lanes),
+            store_requests=sum(s.requests for s in stores), store_retries=sum(s.retries for s in stores),
+            store_bytes_read=sum(s.bytes_read for s in stores))
+
+
+class BatchStream:
+    """Batches of one rank in step order; each consumed batch advances the loader's state."""
+
+    def __init__(self, loader: Loader, streams: dict[int, Any], credit: Callable[[int], None]) -> None:
+        self.loader, self.streams, self.credit = loader, streams, credit
+        self.pending: dict[int, collections.deque] = {lane: collections.deque() for lane in streams}
+        self.done = {lane: bool(loader._lane_states[lane] and loader._lane_states[lane].done) for lane in streams}
+        cfg = loader.config
+        self.pad_id = loader.tokenizer.eos_id if cfg.pad_token_id is None else cfg.pad_token_id
+
+    def __aiter__(self) -> BatchStream:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        ld, cfg = self.loader, self.loader.config
+        slots = rank_slots(ld.step, cfg.global_batch_size, ld.dp_size, ld.dp_rank)
+        samples = [await self._sample(i % cfg.lanes, i // cfg.lanes) for i in slots]
+        if all(s.state is None for s in samples):
+            raise StopAsyncIteration
+        batch = collate(samples, ld.step, slots)
+        for s in samples:
+            if s.state is not None:
+                ld._lane_states[s.lane] = s.state
+            elif not (ld._lane_states[s.lane] and ld._lane_states[s.lane].done):
+                st = ld._lane_states[s.lane] or ld._initial(s.lane)
+                ld._lane_states[s.lane] = msgspec.structs.replace(st, done=True)
+            ld._stats["tokens"] += s.num_tokens
+        ld._stats["samples"] += len(samples)
+        ld.step += 1
+        return batch
+
+    async def _sample(self, lane: int, index: int) -> Any:
+        queue = self.pending[lane]
+        while not queue and not self.done[lane]:
+            try:
+                queue.extend(await self.streams[lane].receive())
+            except anyio.EndOfStream:
+                self.done[lane] = True
+                break
+            self.credit(lane)
+            self.loader._peak = max(self.loader._peak, 1 + sum(
+                s.statistics().current_buffer_used for s in self.streams.values()))
+        if not queue:
+            return padding_sample(self.loader.config.seq_len, self.pad_id, lane, index)
+        sample = queue.popleft()
+        if sample.index != index:
+            raise ZephonError(f"internal error: lane {lane} produced sample {sample.index}, sequencer expected "
+                              f"{index}; please report this with your config")
+        return sample
+
+
+class _ThreadedAsyncIterator:
+    def __init__(self, it: Iterator[dict[str, Any]]) -> None:
+        self._it = it
+
+    def __aiter__(self) -> _ThreadedAsyncIterator:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        item = await anyio.to_thread.run_sync(next, self._it, _END)
+        if item is _END:
+            raise StopAsyncIteration
+        return item
+
+
+_END: Any = object()
+
+
+def source_prefix(uri: str) -> str:
+    """The key prefix of a source URI inside its store."""
+    return open_store(uri)[1] if not uri.startswith("s3://") else _s3_prefix(uri)
+
+
+def _s3_prefix(uri: str) -> str:
+    path = uri.split("://", 1)[1].partition("/")[2]
+    return path + "/" if path and not path.endswith("/") else path
+
+
+async def open_stores(config: Config, stack: AsyncExitStack, wrap: StoreWrapper | None) -> list[Store]:
+    """Open (and register for closing) one store per source, wrapped by `wrap` if given."""
+    stores = []
+    for src in config.sources:
+        opts = {k: v for k, v in (("endpoint_url", src.endpoint_url), ("region", src.region),
+                                  ("addressing_style", src.addressing_style)) if v is not None}
+        store, _ = open_store(src.uri, **opts)
+        store = await stack.enter_async_context(store)  # type: ignore[arg-type]
+        stores.append(wrap(store) if wrap else store)
+    return stores
+
+
+def _dist_rank_size() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1

@@ -1,0 +1,279 @@
+"""Read: list JSONL / JSONL.zst shards, cut them into splits, and stream a split's records.
+
+A *split* owns the records that **start** inside its range. For `.jsonl` the range is bytes
+`[start, end)` of the shard; for `.jsonl.zst` it is zstd frames `[start, end)`, found by
+walking frame and block headers (no decompression). A split peeks one byte (one frame for
+zstd) back to learn whether it begins at a record start, and reads past its end only to
+finish its last record. So a single shard spreads over many lanes and no lane decodes data
+that another lane uses, apart from that bounded peek.
+
+```
+shard bytes:  |rec0\\n|rec1....\\n|rec2\\n|rec3..\\n|
+split 0:      [--------)                          owns rec0, rec1 (rec1 runs past its end)
+split 1:               [---------)                owns rec2, rec3
+```
+
+Offsets inside a split are relative to its decoded start (byte `start`, or the first byte of
+frame `start`); a document reference `(source, position, offset, length)` is enough to read
+the document again on restore.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import AsyncIterator
+from typing import Literal
+
+import anyio
+import msgspec
+import zstandard
+
+from .._exceptions import ConfigError, DataError
+from ..connectors.base import ObjectInfo, Store
+
+SUFFIXES = (".jsonl", ".jsonl.zst")
+_ZSTD_MAGIC = 0xFD2FB528
+_READ_PART = 1 << 20
+
+
+class ShardPlan(msgspec.Struct, frozen=True, array_like=True):
+    key: str
+    size: int
+    etag: str
+    frames: list[int] = []  # zstd only: compressed offset of every frame, then the shard size
+
+
+class Split(msgspec.Struct, frozen=True, array_like=True):
+    shard: int
+    start: int  # byte (jsonl) or frame index (zst)
+    end: int
+
+
+class SourcePlan(msgspec.Struct, frozen=True):
+    name: str
+    uri: str
+    prefix: str
+    text_field: str
+    shards: list[ShardPlan]
+    splits: list[Split]
+    skipped_shards: list[str] = []
+
+
+def zstd_frames(data: bytes, key: str) -> list[int]:
+    """Compressed offsets of every frame in `data`, then len(data). Raises DataError if truncated."""
+    offsets, pos, n = [], 0, len(data)
+    while pos < n:
+        offsets.append(pos)
+        pos = _frame_end(data, pos, key)
+    return offsets + [n]
+
+
+def _frame_end(data: bytes, pos: int, key: str) -> int:
+    n = len(data)
+    if pos + 4 > n:
+        raise DataError(f"truncated zstd frame header in {key!r} at byte {pos}", key=key, offset=pos)
+    magic = struct.unpack_from("<I", data, pos)[0]
+    if 0x184D2A50 <= magic <= 0x184D2A5F:  # skippable frame
+        if pos + 8 > n:
+            raise DataError(f"truncated skippable frame in {key!r} at byte {pos}", key=key, offset=pos)
+        end = pos + 8 + struct.unpack_from("<I", data, pos + 4)[0]
+    elif magic == _ZSTD_MAGIC:
+        end = _zstd_blocks_end(data, pos, key)
+    else:
+        raise DataError(f"{key!r} is not zstd: bad frame magic {magic:#x} at byte {pos}", key=key, offset=pos)
+    if end > n:
+        raise DataError(
+            f"truncated .zst shard {key!r}: frame at byte {pos} needs {end - n} more bytes "
+            f"(object is {n} bytes)", key=key, offset=pos)
+    return end
+
+
+def _zstd_blocks_end(data: bytes, pos: int, key: str) -> int:
+    if pos + 5 > len(data):
+        raise DataError(f"truncated zstd frame header in {key!r} at byte {pos}", key=key, offset=pos)
+    fhd = data[pos + 4]
+    single = (fhd >> 5) & 1
+    fcs_size = (1 if single else 0, 2, 4, 8)[fhd >> 6]
+    p = pos + 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3] + fcs_size
+    while True:
+        if p + 3 > len(data):
+            raise DataError(f"truncated .zst shard {key!r}: block header at byte {p} is cut off",
+                            key=key, offset=p)
+        header = data[p] | data[p + 1] << 8 | data[p + 2] << 16
+        last, btype, bsize = header & 1, (header >> 1) & 3, header >> 3
+        if btype == 3:
+            raise DataError(f"corrupt .zst shard {key!r}: reserved block type at byte {p}", key=key, offset=p)
+        p += 3 + (1 if btype == 1 else bsize)
+        if last:
+            return p + (4 if (fhd >> 2) & 1 else 0)
+
+
+async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field: str,
+                      lanes: int, split_bytes: int, on_bad: str) -> SourcePlan:
+    """List a source's shards (sorted by key) and cut them into splits."""
+    objects = [o for o in await store.list(prefix) if o.key.endswith(SUFFIXES)]
+    if not objects:
+        raise ConfigError(f"source {name!r}: no *.jsonl or *.jsonl.zst objects under {uri}")
+    shards, skipped = [], []
+    for obj in objects:
+        try:
+            shards.append(await _plan_shard(store, obj))
+        except DataError:
+            if on_bad != "skip":
+                raise
+            skipped.append(obj.key)
+    if not shards:
+        raise DataError(f"source {name!r}: every shard under {uri} is empty or corrupt: {skipped}")
+    total = sum(s.size for s in shards)
+    target = max(1024, min(split_bytes, math.ceil(total / lanes)))
+    splits = [sp for i, s in enumerate(shards) for sp in _cut(i, s, target)]
+    return SourcePlan(name=name, uri=uri, prefix=prefix, text_field=text_field,
+                      shards=shards, splits=splits, skipped_shards=skipped)
+
+
+async def _plan_shard(store: Store, obj: ObjectInfo) -> ShardPlan:
+    if obj.size == 0:
+        raise DataError(f"empty shard {obj.key!r} (0 bytes): remove it or set on_bad_record = \"skip\"",
+                        key=obj.key, offset=0)
+    if not obj.key.endswith(".zst"):
+        return ShardPlan(obj.key, obj.size, obj.etag)
+    data = await store.read(obj.key)
+    frames = await anyio.to_thread.run_sync(zstd_frames, data, obj.key)
+    return ShardPlan(obj.key, obj.size, obj.etag, frames)
+
+
+def _cut(index: int, shard: ShardPlan, target: int) -> list[Split]:
+    if not shard.frames:
+        n = math.ceil(shard.size / target)
+        bounds = [shard.size * k // n for k in range(n + 1)]
+        return [Split(index, a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+    out, first = [], 0
+    for f in range(1, len(shard.frames)):
+        if shard.frames[f] - shard.frames[first] >= target or f == len(shard.frames) - 1:
+            out.append(Split(index, first, f))
+            first = f
+    return out
+
+
+class SplitReader:
+    """Streams the records a split owns, as blocks of whole lines, with bounded memory."""
+
+    def __init__(self, store: Store, prefix: str, shard: ShardPlan, split: Split, max_record: int) -> None:
+        self.store, self.key, self.shard, self.split = store, prefix + shard.key, shard, split
+        self.max_record = max_record
+
+    def __repr__(self) -> str:
+        return f"SplitReader({self.key!r}, {self.split})"
+
+    async def blocks(self, offset: int = 0) -> AsyncIterator[tuple[int, bytes]]:
+        """Yield (decoded offset, bytes) blocks of whole lines owned by the split, from `offset`.
+
+        `offset` > 0 must be a record start (a checkpoint cursor always is one).
+        """
+        skip_partial = offset == 0 and self.split.start > 0 and not await self._starts_at_record()
+        pos, pending, owned_end = 0, b"", None
+        async for piece_pos, piece, inside in self._pieces(offset):
+            if not inside and owned_end is None:
+                owned_end = piece_pos
+            if not pending:
+                pos = piece_pos
+            pending += piece
+            if pos < offset:
+                drop = min(len(pending), offset - pos)
+                pending, pos = pending[drop:], pos + drop
+                if not pending:
+                    continue
+            if skip_partial:
+                nl = pending.find(b"\n")
+                if nl < 0:
+                    pos, pending = pos + len(pending), b""
+                    continue
+                pos, pending, skip_partial = pos + nl + 1, pending[nl + 1:], False
+            if owned_end is not None:
+                if pos >= owned_end:
+                    return
+                nl = pending.find(b"\n", owned_end - 1 - pos)
+                if nl >= 0:
+                    yield pos, pending[:nl + 1]
+                    return
+            else:
+                cut = pending.rfind(b"\n")
+                if cut >= 0:
+                    yield pos, pending[:cut + 1]
+                    pos, pending = pos + cut + 1, pending[cut + 1:]
+            if len(pending) > self.max_record:
+                raise DataError(
+                    f"record at {self.where(pos)} of {self.key!r} is longer than max_record_bytes="
+                    f"{self.max_record}: raise the limit or fix the shard", key=self.key, offset=pos)
+        if pending.strip() and not skip_partial and (owned_end is None or pos < owned_end):
+            yield pos, pending
+
+    def where(self, pos: int) -> str:
+        """Human location of decoded offset `pos`, for error messages."""
+        if self.shard.frames:
+            return f"decompressed byte {pos} after the frame at compressed byte {self.shard.frames[self.split.start]}"
+        return f"byte {self.split.start + pos}"
+
+    async def _starts_at_record(self) -> bool:
+        if not self.shard.frames:
+            return await self.store.read(self.key, self.split.start - 1, self.split.start) == b"\n"
+        f = self.split.start - 1
+        data = await self.store.read(self.key, self.shard.frames[f], self.shard.frames[f + 1])
+        return (await anyio.to_thread.run_sync(self._decompress, data, f)).endswith(b"\n")
+
+    async def _pieces(self, offset: int) -> AsyncIterator[tuple[int, bytes, bool]]:
+        """(decoded offset, bytes, inside the owned range) pieces from the split's start onwards."""
+        if self.shard.frames:
+            frames, pos = self.shard.frames, 0
+            for f in range(self.split.start, len(frames) - 1):
+                data = await self.store.read(self.key, frames[f], frames[f + 1])
+                piece = await anyio.to_thread.run_sync(self._decompress, data, f)
+                yield pos, piece, f < self.split.end
+                pos += len(piece)
+            return
+        start, end, size = self.split.start, self.split.end, self.shard.size
+        pos = start + offset
+        while pos < size:
+            stop = min(end, pos + _READ_PART) if pos < end else min(size, pos + (1 << 16))
+            yield pos - start, await self.store.read(self.key, pos, stop), pos < end
+            pos = stop
+
+    def _decompress(self, data: bytes, frame: int) -> bytes:
+        where = self.shard.frames[frame]
+        try:
+            return zstandard.ZstdDecompressor().decompress(data, max_output_size=self.max_record + (64 << 20))
+        except zstandard.ZstdError as exc:
+            raise DataError(f"corrupt zstd frame in {self.key!r} at compressed byte {where}: {exc}",
+                            key=self.key, offset=where) from exc
+
+
+class Parser:
+    """Decodes blocks of JSON lines into (offset, length, text) records, strictly."""
+
+    def __init__(self, text_field: str, on_bad: Literal["error", "skip"]) -> None:
+        self.text_field, self.on_bad = text_field, on_bad
+        record = msgspec.defstruct("Record", [(text_field, str)])
+        self._decoder = msgspec.json.Decoder(record)
+        self.skipped = 0
+
+    def __repr__(self) -> str:
+        return f"Parser(text_field={self.text_field!r}, on_bad={self.on_bad!r})"
+
+    def parse(self, reader: SplitReader, block_pos: int, block: bytes) -> list[tuple[int, int, str]]:
+        """Records of `block` as (decoded offset, length incl. newline, text)."""
+        out, pos, decode, field = [], block_pos, self._decoder.decode, self.text_field
+        for line in block.split(b"\n"):
+            n = len(line) + 1
+            if line.strip():
+                try:
+                    out.append((pos, n, getattr(decode(line), field)))
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    if self.on_bad != "skip":
+                        raise DataError(
+                            f"bad record in {reader.key!r} at {reader.where(pos)}: {exc} "
+                            f"(set on_bad_record = \"skip\" to skip such records)",
+                            key=reader.key, offset=pos) from exc
+                    self.skipped += 1
+            pos += n
+        return out

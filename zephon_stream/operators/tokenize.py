@@ -1,0 +1,50 @@
+"""Tokenize: HF `tokenizers` from a tokenizer.json, batched, with EOS after each document."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from .._exceptions import ConfigError
+
+
+class Tokenize:
+    """Encodes batches of texts into uint32 token arrays, each ending with the EOS id.
+
+    Stateless: a document's tokens depend only on its text, so restore re-tokenizes the few
+    documents a checkpoint refers to.
+    """
+
+    def __init__(self, path: str, eos_token: str) -> None:
+        try:
+            raw = Path(path).read_bytes()
+            self._tok = Tokenizer.from_str(raw.decode())
+        except (OSError, ValueError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"tokenizer {path!r} cannot be loaded: {exc}") from exc
+        self.path, self.sha256 = path, hashlib.sha256(raw).hexdigest()
+        eos = self._tok.token_to_id(eos_token)
+        if eos is None:
+            raise ConfigError(f"eos_token {eos_token!r} is not in the vocabulary of {path}: "
+                              "set eos_token to one of its special tokens")
+        self.eos_id = eos
+        self.vocab_size = self._tok.get_vocab_size()
+
+    def __repr__(self) -> str:
+        return f"Tokenize({self.path!r}, eos_id={self.eos_id})"
+
+    def __call__(self, texts: list[str]) -> list[np.ndarray]:
+        encodings = self._tok.encode_batch_fast(texts, add_special_tokens=False)
+        out = []
+        for enc in encodings:
+            ids = enc.ids
+            arr = np.empty(len(ids) + 1, dtype=np.uint32)
+            arr[:-1] = ids
+            arr[-1] = self.eos_id
+            out.append(arr)
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
