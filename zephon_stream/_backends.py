@@ -73,6 +73,8 @@ async def _run_local(config: Config, plan: DataPlan, stores: list[Store], tokeni
             yield streams, shared
         finally:
             tg.cancel_scope.cancel()
+            for recv in streams.values():
+                recv.close()
 
 
 # ---- processes ----------------------------------------------------------------------------------
@@ -137,6 +139,9 @@ async def _run_processes(loader: Loader, plan: DataPlan, states: dict[int, LaneS
                 yield streams, credit, lambda: sum(skipped)
             finally:
                 tg.cancel_scope.cancel()
+                for lane in lanes:
+                    sends[lane].close()
+                    streams[lane].close()
 
 
 async def _receive(conn: Any, sends: dict[int, Any], skipped: list[int], w: int) -> None:

@@ -100,7 +100,7 @@ class Loader:
         parts = state_dict if isinstance(state_dict, list) else [state_dict]
         decoded = [decode_state(p if isinstance(p, bytes | bytearray) else bytes(p["zephon_stream"]))
                    for p in parts]
-        first = decoded[0]
+        first = max(decoded, key=lambda st: st.step)
         for st in decoded:
             self._check_compatible(st, first)
         lanes = {ls.lane: ls for st in decoded for ls in st.lane_states}
@@ -111,7 +111,7 @@ class Loader:
         slots = first.step * first.global_batch_size
         for lane in self.lanes:
             expect = consumed(lane, first.lanes, slots)
-            if lanes[lane].samples > expect or (lanes[lane].samples < expect and lanes[lane].cursors is None):
+            if lanes[lane].samples > expect or (lanes[lane].samples < expect and not lanes[lane].done):
                 raise CheckpointError(f"lane {lane} state has {lanes[lane].samples} samples but step {first.step} "
                                       f"means {expect}: the checkpoint is inconsistent")
         self.step = first.step
@@ -128,7 +128,10 @@ class Loader:
         if (st.lanes, st.global_batch_size) != (cfg.lanes, cfg.global_batch_size):
             raise IncompatibleState(f"checkpoint has lanes={st.lanes} global_batch_size={st.global_batch_size}, "
                                     f"config has {cfg.lanes} and {cfg.global_batch_size}")
-        if (st.step, st.data_fingerprint) != (first.step, first.data_fingerprint):
+        if st.data_fingerprint != first.data_fingerprint:
+            raise IncompatibleState("rank states were written for different data: pass the files of one checkpoint")
+        if st.step != first.step and not all(ls.done for ls in st.lane_states):
+            # a rank whose lanes all ended (max_epochs) stops early; any other must be at the same step
             raise IncompatibleState(f"rank states disagree: step {st.step} vs {first.step}; pass the files "
                                     "of one checkpoint")
 
@@ -228,6 +231,9 @@ class BatchStream:
         slots = rank_slots(ld.step, cfg.global_batch_size, ld.dp_size, ld.dp_rank)
         samples = [await self._sample(i % cfg.lanes, i // cfg.lanes) for i in slots]
         if all(s.state is None for s in samples):
+            for lane in self.streams:  # every lane of this rank has ended
+                st = ld._lane_states[lane] or ld._initial(lane)
+                ld._lane_states[lane] = msgspec.structs.replace(st, done=True)
             raise StopAsyncIteration
         batch = collate(samples, ld.step, slots)
         for s in samples:

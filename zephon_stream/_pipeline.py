@@ -16,6 +16,7 @@ exactly one lane, whatever the number of splits.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
 from functools import lru_cache
 from typing import Any
 
@@ -101,9 +102,10 @@ class TextLane:
     async def run(self, out: anyio.abc.ObjectSendStream[list[Sample]]) -> None:
         """Produce samples into `out` (in batches of `sample_batch`) until the data ends."""
         cfg, st = self.shared.config, self.state_in
-        async with out, anyio.create_task_group() as tg:
+        async with out, AsyncExitStack() as stack, anyio.create_task_group() as tg:
             for s, cursor in enumerate(st.cursors):
                 send, recv = anyio.create_memory_object_stream[list[Doc]](cfg.doc_buffer)
+                stack.enter_context(recv)
                 self._feeds.append(_Feed(recv))
                 tg.start_soon(self._read_source, s, cursor, send)
             await self._restore(st)

@@ -1,0 +1,81 @@
+"""The determinism matrix: byte-identical per-sample digests across world sizes, backends,
+buffer sizes, injected latency and any sequence of checkpoint/resume (L = 12)."""
+
+from __future__ import annotations
+
+import pytest
+
+from zephon_stream import ConfigError
+from zephon_stream._loader import Loader
+from zephon_stream.testing.determinism import real, run_world
+from zephon_stream.testing.stores import WithLatency
+
+STEPS = 24
+
+
+@pytest.fixture()
+def baseline(config):
+    records, _ = run_world(config, 1, STEPS, backend="inline")
+    assert len(records) == STEPS * config.global_batch_size
+    assert len({r[4] for r in records}) == len(records), "samples should be distinct"
+    return records
+
+
+@pytest.mark.parametrize(("dp_size", "backend"), [
+    (1, "threads"), (2, "inline"), (3, "threads"), (4, "threads"), (6, "inline"), (2, "processes"),
+])
+def test_world_sizes_and_backends(config, baseline, dp_size, backend):
+    records, _ = run_world(config, dp_size, STEPS, backend=backend)
+    assert records == baseline
+
+
+def test_buffer_capacities(config, baseline):
+    tiny = config.replace(sample_buffer=1, doc_buffer=1, sample_batch=1, tokenize_batch=3, cpu_threads=1)
+    large = config.replace(sample_buffer=16, doc_buffer=16, sample_batch=8, tokenize_batch=512, cpu_threads=4)
+    assert run_world(tiny, 2, STEPS, backend="threads")[0] == baseline
+    assert run_world(large, 3, STEPS, backend="threads")[0] == baseline
+
+
+@pytest.mark.parametrize("backend", ["threads", "processes"])
+def test_injected_read_latency(config, baseline, backend):
+    records, _ = run_world(config, 2 if backend == "processes" else 4, STEPS, backend=backend,
+                           wrap_store=WithLatency(seed=3, max_ms=4))
+    assert records == baseline
+
+
+@pytest.mark.parametrize(("cut", "before", "after"), [
+    (1, (4, "threads"), (2, "processes")),
+    (9, (2, "inline"), (3, "threads")),
+    (17, (6, "threads"), (1, "inline")),
+])
+def test_resume_onto_other_world_and_backend(config, baseline, cut, before, after):
+    first, states = run_world(config, before[0], cut, backend=before[1])
+    rest, _ = run_world(config, after[0], STEPS - cut, backend=after[1], resume=states)
+    assert first + rest == baseline
+
+
+def test_resume_twice(config, baseline):
+    a, s1 = run_world(config, 2, 5, backend="threads")
+    b, s2 = run_world(config, 3, 6, backend="inline", resume=s1)
+    c, _ = run_world(config, 4, STEPS - 11, backend="threads", resume=s2)
+    assert a + b + c == baseline
+
+
+def test_epochs_to_the_end_and_resume_at_epoch_boundary(config):
+    cfg = config.replace(max_epochs=2)
+    full, _ = run_world(cfg, 1, None, backend="threads")
+    steps = full[-1][0] + 1
+    assert steps > 40
+    for dp in (2, 3):
+        assert real(run_world(cfg, dp, None, backend="threads")[0]) == real(full)
+    for cut in (steps // 2, steps - 1):  # about one epoch in; and the last step, lanes ending
+        first, states = run_world(cfg, 4, cut, backend="threads")
+        rest, _ = run_world(cfg, 2, None, backend="inline", resume=states)
+        assert real(first + rest) == real(full)
+
+
+def test_refuses_world_that_cannot_keep_order(config):
+    with pytest.raises(ConfigError, match="does not divide lanes=12: use a dp_size in"):
+        Loader(config, dp_rank=0, dp_size=5)
+    with pytest.raises(ConfigError, match="does not divide global_batch_size"):
+        Loader(config.replace(global_batch_size=18), dp_rank=0, dp_size=4)

@@ -1,0 +1,68 @@
+"""Harnesses that prove determinism: per-sample digests of a whole world of ranks, with resume.
+
+A *record* is `(step, slot, lane, tokens, sha256)` for one sample, where `sha256` is the
+digest of its `input_ids` as little-endian uint32 (what `zephon stream --digests` prints).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from .._core.config import Config
+from .._loader import Loader
+
+Record = tuple[int, int, int, int, str]
+
+
+def batch_records(batch: dict[str, Any]) -> list[Record]:
+    ids = batch["input_ids"].numpy().astype("<u4")
+    return [(batch["step"], int(slot), int(lane), int(n), hashlib.sha256(row.tobytes()).hexdigest())
+            for row, slot, lane, n in zip(ids, batch["slots"], batch["lanes"], batch["num_tokens"])]
+
+
+def rank_records(loader: Loader, steps: int | None) -> list[Record]:
+    """Records of the next `steps` batches of one rank (all remaining batches if None)."""
+    out: list[Record] = []
+    if steps == 0:
+        return out
+    for b, batch in enumerate(loader):
+        out += batch_records(batch)
+        if steps is not None and b + 1 == steps:
+            break
+    return out
+
+
+def run_world(config: Config, dp_size: int, steps: int | None, *, backend: str | None = None,
+              resume: list[dict[str, Any]] | None = None, wrap_store: Callable[..., Any] | None = None,
+              ) -> tuple[list[Record], list[dict[str, Any]]]:
+    """Run every rank of a `dp_size` world for `steps` batches (one after another, in-process).
+
+    Returns the records of all ranks sorted by slot, and each rank's `state_dict()` at the end.
+    """
+    records: list[Record] = []
+    states = []
+    for rank in range(dp_size):
+        loader = Loader(config, dp_rank=rank, dp_size=dp_size, backend=backend, wrap_store=wrap_store)
+        if resume:
+            loader.load_state_dict(resume)
+        records += rank_records(loader, steps)
+        states.append(loader.state_dict())
+    return sorted(records, key=lambda r: r[1]), states
+
+
+def real(records: Iterable[Record]) -> list[Record]:
+    """Records that hold data (a rank's tail after its lanes end holds only padding)."""
+    return [r for r in records if r[3] > 0]
+
+
+def lane_token_streams(batches: Iterable[dict[str, Any]]) -> dict[int, list[int]]:
+    """Each lane's real tokens, concatenated in sample order (for exactly-once checks)."""
+    out: dict[int, list[int]] = {}
+    for batch in batches:
+        for row, lane, n in zip(batch["input_ids"].numpy(), batch["lanes"].tolist(), batch["num_tokens"].tolist()):
+            out.setdefault(lane, []).extend(np.asarray(row[:n]).tolist())
+    return out
