@@ -1,0 +1,167 @@
+"""A rank's local tensors as word arrays, and per-chunk plans mapping chunk words to them.
+
+A `ChunkPlan` is the affine map of one publisher chunk onto one local state, computed once:
+for each tensor part of the chunk it knows whether the local rank holds exactly the
+publisher's piece (`same`: a contiguous slice), the whole tensor (`whole`), or some other
+piece (`other`: held elements are found per position). Reads, writes and digests go through
+it, on CPU by numpy views of the tensors' memory, on CUDA by torch indexing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import msgspec
+import numpy as np
+import torch
+
+from .._exceptions import ConfigError
+from .hashing import MASK, contiguous_sum, element_sum
+from .layout import WORD, Chunk, RankStream, Sharding, TensorTable, _Piece
+
+__all__ = ["ChunkPlan", "LocalState"]
+
+_TORCH_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class LocalState:
+    """The tensors of one rank, checked against the global table and that rank's sharding."""
+
+    def __init__(self, table: TensorTable, sharding: Sharding, tensors: Mapping[str, torch.Tensor]) -> None:
+        if set(tensors) != set(table.index):
+            missing, extra = sorted(set(table.index) - set(tensors)), sorted(set(tensors) - set(table.index))
+            raise ConfigError(f"state_dict does not match the tensor table: missing {missing}, unexpected {extra}")
+        self.table, self.sharding = table, sharding
+        self.pieces: list[_Piece] = []
+        self.words: list[np.ndarray | torch.Tensor] = []
+        for spec in table.specs:
+            t = tensors[spec.name]
+            want = sharding.local_shape(spec)
+            if str(t.dtype).removeprefix("torch.") != spec.dtype or tuple(t.shape) != want:
+                raise ConfigError(
+                    f"tensor {spec.name!r} is {t.dtype} {tuple(t.shape)}, expected torch.{spec.dtype} {want}"
+                )
+            if not t.is_contiguous():
+                raise ConfigError(f"tensor {spec.name!r} is not contiguous: call .contiguous() before a refit")
+            flat = t.detach().reshape(-1).view(_TORCH_WORD[spec.itemsize])
+            self.words.append(flat.numpy().view(WORD[spec.itemsize]) if flat.device.type == "cpu" else flat)
+            self.pieces.append(sharding.piece(spec))
+
+
+class _Part(msgspec.Struct, frozen=True):
+    tensor: int
+    word0: int  # first chunk word of this part
+    nwords: int
+    elem0: int  # publisher-local element index of word0
+    pub: _Piece
+    mode: str  # "same" | "whole" | "other"
+
+
+class ChunkPlan:
+    """Where the words of `chunk` (of publisher stream `stream`) live in `local`."""
+
+    def __init__(self, chunk: Chunk, stream: RankStream, local: LocalState) -> None:
+        self.chunk, self.local, self.table = chunk, local, stream.table
+        self.parts: list[_Part] = []
+        w = chunk.itemsize
+        for seg in stream.segments_in(chunk):
+            lo, hi = max(seg.start, chunk.offset), min(seg.start + seg.nbytes, chunk.offset + chunk.length)
+            mine = local.pieces[seg.tensor]
+            mode = "same" if mine == seg.piece else "whole" if mine.whole else "other"
+            self.parts.append(
+                _Part(seg.tensor, (lo - chunk.offset) // w, (hi - lo) // w, (lo - seg.start) // w, seg.piece, mode)
+            )
+        self.owned = all(p.mode != "other" for p in self.parts)
+        self.on_cpu = all(isinstance(local.words[p.tensor], np.ndarray) for p in self.parts)
+
+    def _split(self, pos: np.ndarray) -> list[tuple[_Part, np.ndarray, np.ndarray]]:
+        """(part, index into pos, local element) for each part, keeping only locally held elements."""
+        out = []
+        bounds = np.searchsorted(pos, [p.word0 for p in self.parts] + [self.chunk.words])
+        for k, p in enumerate(self.parts):
+            sel = np.arange(bounds[k], bounds[k + 1])
+            e = pos[sel] - p.word0 + p.elem0
+            if p.mode == "same":
+                out.append((p, sel, e))
+                continue
+            g = p.pub.to_global(e)
+            if p.mode == "whole":
+                out.append((p, sel, g))
+                continue
+            held, local = self.local.pieces[p.tensor].from_global(g)
+            out.append((p, sel[held], local[held]))
+        return out
+
+    def canonical(self, p: _Part, e_pub: np.ndarray) -> np.ndarray:
+        spec = self.table.specs[p.tensor]
+        return spec.offset + p.pub.to_global(e_pub).astype(np.uint64) * np.uint64(spec.itemsize)
+
+    def gather(self, pos: np.ndarray) -> np.ndarray:
+        """Current values at chunk positions (an owned chunk only)."""
+        out = np.empty(len(pos), dtype=WORD[self.chunk.itemsize])
+        for p, sel, e in self._split(pos):
+            out[sel] = _take(self.local.words[p.tensor], e)
+        return out
+
+    def read(self) -> np.ndarray:
+        """The whole chunk as a fresh array (an owned chunk only)."""
+        return self.gather(np.arange(self.chunk.words))
+
+    def view(self) -> np.ndarray | None:
+        """The chunk's words as a view into local memory, when it is one contiguous CPU slice."""
+        if len(self.parts) == 1 and self.parts[0].mode == "same" and self.on_cpu:
+            p = self.parts[0]
+            return self.local.words[p.tensor][p.elem0 : p.elem0 + p.nwords]  # type: ignore[return-value]
+        return None
+
+    def write(self, pos: np.ndarray, values: np.ndarray, *, xor: bool) -> None:
+        """Set (or XOR) the locally held words at chunk positions."""
+        for p, sel, e in self._split(pos):
+            _put(self.local.words[p.tensor], e, values[sel], xor)
+
+    def change_sum(self, pos: np.ndarray, old: np.ndarray, new: np.ndarray) -> int:
+        """sum mix(new) - sum mix(old) over chunk positions: the O(delta) digest update."""
+        total = 0
+        bounds = np.searchsorted(pos, [p.word0 for p in self.parts] + [self.chunk.words])
+        for k, p in enumerate(self.parts):
+            s = slice(bounds[k], bounds[k + 1])
+            where = self.canonical(p, pos[s] - p.word0 + p.elem0)
+            total += element_sum(where, new[s]) - element_sum(where, old[s])
+        return total & MASK
+
+    def digest(self, words: np.ndarray) -> int:
+        """Additive digest of a whole chunk given its words."""
+        total = 0
+        for p in self.parts:
+            vals = words[p.word0 : p.word0 + p.nwords]
+            spec = self.table.specs[p.tensor]
+            if p.pub.whole:
+                total += contiguous_sum(spec.offset + p.elem0 * spec.itemsize, spec.itemsize, vals)
+            else:
+                total += element_sum(self.canonical(p, np.arange(p.elem0, p.elem0 + p.nwords)), vals)
+        return total & MASK
+
+
+def _take(words: np.ndarray | torch.Tensor, e: np.ndarray) -> np.ndarray:
+    if isinstance(words, np.ndarray):
+        return words[e]
+    return words[torch.from_numpy(e).to(words.device)].cpu().numpy().view(WORD[words.element_size()])
+
+
+def _put(words: np.ndarray | torch.Tensor, e: np.ndarray, values: np.ndarray, xor: bool) -> None:
+    if isinstance(words, np.ndarray):
+        if xor:
+            words[e] ^= values
+        else:
+            words[e] = values
+        return
+    idx = torch.from_numpy(e).to(words.device)
+    vals = torch.from_numpy(np.ascontiguousarray(values).view(_np_signed(values))).to(words.device)
+    if xor:
+        words[idx] ^= vals
+    else:
+        words[idx] = vals
+
+
+def _np_signed(values: np.ndarray) -> np.dtype:
+    return np.dtype(np.uint8) if values.dtype.itemsize == 1 else np.dtype(f"<i{values.dtype.itemsize}")

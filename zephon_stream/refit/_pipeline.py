@@ -1,0 +1,96 @@
+"""The streaming engine of publish and pull: lanes, a bounded window, an in-order sequencer.
+
+    feeder --(bounded)--> lane 0..L-1: stage(item) --(bounded)--> sequencer: commit(item, result)
+
+At most `window` items are between the feeder and their commit, so memory is bounded by
+`window` results whatever the model size. Stages run concurrently (their CPU work goes to
+worker threads under one CapacityLimiter); commits run one at a time, in item order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+import anyio
+import msgspec
+
+__all__ = ["PipelineStatistics", "run_ordered"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class PipelineStatistics(msgspec.Struct, frozen=True):
+    """Items committed, and the peak number of results held waiting for their turn."""
+
+    committed: int = 0
+    peak_pending: int = 0
+
+
+async def run_ordered(
+    items: Sequence[T],
+    stage: Callable[[T], Awaitable[R]],
+    commit: Callable[[T, R], Awaitable[None]],
+    *,
+    lanes: int,
+    window: int,
+) -> PipelineStatistics:
+    """Run `stage` over items on `lanes` concurrent lanes and `commit` each result in order."""
+    window = max(window, lanes, 1)
+    slots = anyio.Semaphore(window)
+    todo_send, todo_recv = anyio.create_memory_object_stream[int](lanes)
+    done_send, done_recv = anyio.create_memory_object_stream[tuple[int, R]](window)
+    peak = 0
+
+    async def feed() -> None:
+        async with todo_send:
+            for i in range(len(items)):
+                await slots.acquire()
+                await todo_send.send(i)
+
+    async def lane(todo: anyio.abc.ObjectReceiveStream[int], done: anyio.abc.ObjectSendStream[tuple[int, R]]) -> None:
+        async with todo, done:
+            async for i in todo:
+                await done.send((i, await stage(items[i])))
+
+    async def sequence() -> None:
+        nonlocal peak
+        pending: dict[int, R] = {}
+        nxt = 0
+        async with done_recv:
+            async for i, result in done_recv:
+                pending[i] = result
+                peak = max(peak, len(pending))
+                while nxt in pending:
+                    await commit(items[nxt], pending.pop(nxt))
+                    nxt += 1
+                    slots.release()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(feed)
+            tg.start_soon(sequence)
+            async with todo_recv, done_send:
+                for _ in range(max(lanes, 1)):
+                    tg.start_soon(lane, todo_recv.clone(), done_send.clone())
+    except BaseExceptionGroup as group:
+        raise _first(group) from None
+    return PipelineStatistics(committed=len(items), peak_pending=peak)
+
+
+def _first(group: BaseExceptionGroup) -> BaseException:
+    """The first error of a failed run, so callers see a RefitError, not a group of lanes."""
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [group]
+    while stack:
+        exc = stack.pop(0)
+        if isinstance(exc, BaseExceptionGroup):
+            stack[:0] = list(exc.exceptions)
+        else:
+            leaves.append(exc)
+    first = next((e for e in leaves if not isinstance(e, anyio.get_cancelled_exc_class())), leaves[0])
+    for other in leaves:
+        if other is not first and type(other) is not type(first):
+            first.add_note(f"another lane failed too: {type(other).__name__}: {other}")
+    return first

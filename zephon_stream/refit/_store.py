@@ -1,0 +1,92 @@
+"""Reading and writing the versions under a prefix: LATEST, MANIFESTs, and garbage collection."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from .._exceptions import DataError, ObjectNotFound
+from ..connectors.base import Store
+from .layout import TensorTable
+from .manifest import Manifest, decode_manifest, encode_manifest
+
+__all__ = ["collect_garbage", "commit_manifest", "find_latest", "list_versions", "read_manifest", "write_latest"]
+
+_VDIR = re.compile(r"^v(\d+)/")
+
+
+class _Latest(msgspec.Struct):
+    version: int
+
+
+async def read_manifest(store: Store, prefix: str, version: int) -> tuple[Manifest, TensorTable] | None:
+    """The checked manifest of `version`, or None when the version does not exist."""
+    key = f"{prefix}v{version}/MANIFEST"
+    try:
+        data = await store.read(key)
+    except ObjectNotFound:
+        return None
+    m, table = decode_manifest(data, key)
+    if m.version != version:
+        raise DataError(f"{key}: manifest says version {m.version}", key=key)
+    return m, table
+
+
+async def _exists(store: Store, prefix: str, version: int) -> bool:
+    try:
+        await store.head(f"{prefix}v{version}/MANIFEST")
+    except ObjectNotFound:
+        return False
+    return True
+
+
+async def list_versions(store: Store, prefix: str) -> list[int]:
+    """Every committed version (one with a MANIFEST), ascending."""
+    out = set()
+    for info in await store.list(f"{prefix}v"):
+        rel = info.key[len(prefix) :]
+        match = _VDIR.match(rel)
+        if match and rel == f"v{match.group(1)}/MANIFEST":
+            out.add(int(match.group(1)))
+    return sorted(out)
+
+
+async def find_latest(store: Store, prefix: str) -> int:
+    """The newest committed version (0 if none): LATEST as a hint, then probing forward."""
+    try:
+        hint = msgspec.json.decode(await store.read(f"{prefix}LATEST"), type=_Latest).version
+    except (ObjectNotFound, msgspec.DecodeError):
+        versions = await list_versions(store, prefix)
+        return versions[-1] if versions else 0
+    if hint > 0 and not await _exists(store, prefix, hint):
+        versions = await list_versions(store, prefix)
+        return versions[-1] if versions else 0
+    while await _exists(store, prefix, hint + 1):
+        hint += 1
+    return hint
+
+
+async def write_latest(store: Store, prefix: str, version: int) -> None:
+    await store.put(f"{prefix}LATEST", msgspec.json.encode(_Latest(version)))
+
+
+async def commit_manifest(store: Store, prefix: str, m: Manifest) -> None:
+    """The conditional put that makes a version exist. Raises AlreadyExists if it lost."""
+    await store.put(f"{prefix}v{m.version}/MANIFEST", encode_manifest(m), if_none_match=True)
+
+
+async def collect_garbage(store: Store, prefix: str, latest: int, newest_key: int, keep: int) -> list[int]:
+    """Delete versions older than both the last `keep` and the newest keyframe. Returns them.
+
+    Each doomed version loses its MANIFEST first, so it stops existing before its chunks go.
+    Versions above `latest` (a publisher may be writing one) are never touched.
+    """
+    floor = min(newest_key, latest - keep + 1)
+    doomed = [v for v in await list_versions(store, prefix) if v < floor]
+    for v in doomed:
+        await store.delete(f"{prefix}v{v}/MANIFEST")
+        for info in await store.list(f"{prefix}v{v}/"):
+            await store.delete(info.key)
+    return doomed
+

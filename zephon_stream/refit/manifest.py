@@ -1,0 +1,179 @@
+"""Version manifests, object keys under a prefix, and the checks a hostile manifest must pass.
+
+    {prefix}LATEST                      {"version": N}: a hint; MANIFESTs are the truth
+    {prefix}v{N}/chunk-{i}.{attempt}    XOR delta of chunk i from v{N-1} (absent: chunk unchanged)
+    {prefix}v{N}/key-{i}.{attempt}      full chunk i (keyframes only)
+    {prefix}v{N}/over-{i}.{attempt}     positions + new values of chunk i (when published)
+    {prefix}v{N}/part-{r}.{attempt}     rank r's chunk table, before the MANIFEST exists
+    {prefix}v{N}/MANIFEST               written last, with a conditional put
+
+The attempt tag is per publish session, so a crashed or losing publisher's leftovers are never
+read by anybody: only the objects a committed MANIFEST names exist as far as readers go.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Annotated
+
+import msgspec
+
+from .._exceptions import DataError
+from .layout import RankStream, Sharding, TensorSpec, TensorTable, itemsize_of
+
+__all__ = ["ChunkEntry", "Manifest", "decode_manifest", "encode_manifest", "object_digest"]
+
+U64 = Annotated[int, msgspec.Meta(ge=0)]  # checked < 2**64 below
+Size = Annotated[int, msgspec.Meta(ge=0, le=1 << 44)]
+Version = Annotated[int, msgspec.Meta(ge=1, le=1 << 48)]
+MAX_MANIFEST_BYTES = 64 << 20
+_ATTEMPT = re.compile(r"^[0-9a-f]{8,32}$")
+
+
+class ChunkEntry(msgspec.Struct, frozen=True, array_like=True):
+    """One chunk of one version: its window, its objects' sizes and digests, its plain digest."""
+
+    rank: Size
+    offset: Size
+    length: Size
+    itemsize: Annotated[int, msgspec.Meta(ge=1, le=8)]
+    kind: Annotated[int, msgspec.Meta(ge=0, le=2)]  # 0: unchanged (no object), 1 sparse, 2 dense XOR
+    size: Size = 0
+    digest: str = ""  # blake2b-128 of the compressed delta object
+    plain: U64 = 0  # additive digest of the chunk's bytes at this version
+    changes: Size = 0
+    key_size: Size = 0  # keyframe (FULL) object, on keyframe versions
+    key_digest: str = ""
+    over_size: Size = 0  # overwrite (SPARSE_SET) object, when published
+    over_digest: str = ""
+
+
+class Manifest(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a subscriber needs to check and apply version `version`."""
+
+    format: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1
+    version: Version
+    base_version: Version | None  # None: no delta, a pure keyframe
+    keyframe: bool
+    attempt: str
+    table: list[TensorSpec]
+    table_digest: str
+    world_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+    split_dims: dict[str, Annotated[int, msgspec.Meta(ge=0, le=64)]]
+    chunk_bytes: Annotated[int, msgspec.Meta(ge=8, le=1 << 32)]
+    chunks: list[ChunkEntry]
+    model_digest: U64
+    base_model_digest: U64 | None = None
+    model_bytes: Size = 0
+    delta_bytes: Size = 0
+    key_bytes: Size = 0
+    over_bytes: Size = 0
+    changes: Size = 0
+
+    def chunk_key(self, prefix: str, i: int, what: str = "chunk") -> str:
+        return f"{prefix}v{self.version}/{what}-{i}.{self.attempt}"
+
+    def sharding(self, rank: int) -> Sharding:
+        return Sharding(rank=rank, world_size=self.world_size, dims=dict(self.split_dims))
+
+
+class Part(msgspec.Struct, frozen=True):
+    """One publisher rank's share of a version, written before the MANIFEST."""
+
+    rank: int
+    chunks: list[ChunkEntry]
+    changes: int
+
+
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(Manifest)
+_part_dec = msgspec.msgpack.Decoder(Part)
+
+
+def object_digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def encode_manifest(m: Manifest | Part) -> bytes:
+    return _enc.encode(m)
+
+
+def decode_part(data: bytes, key: str) -> Part:
+    try:
+        return _part_dec.decode(data)
+    except msgspec.DecodeError as exc:
+        raise DataError(f"{key}: not a valid part record ({exc})", key=key) from exc
+
+
+def decode_manifest(data: bytes, key: str, *, max_chunk_bytes: int = 1 << 30) -> tuple[Manifest, TensorTable]:
+    """Decode and check a MANIFEST: strict types, then every size, offset and digest relation.
+
+    Refuses with DataError naming the key and the offending field; never trusts a size before
+    checking it against the tensor table the manifest itself declares.
+    """
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise DataError(f"{key}: manifest of {len(data)} bytes exceeds {MAX_MANIFEST_BYTES}", key=key)
+    try:
+        m = _dec.decode(data)
+    except msgspec.DecodeError as exc:
+        raise DataError(f"{key}: not a valid refit manifest ({exc})", key=key) from exc
+    try:
+        table = _check(m, max_chunk_bytes)
+    except (ValueError, OverflowError) as exc:
+        raise DataError(f"{key}: invalid manifest for version {m.version}: {exc}", key=key) from exc
+    return m, table
+
+
+def _check(m: Manifest, max_chunk_bytes: int) -> TensorTable:
+    if not _ATTEMPT.match(m.attempt):
+        raise ValueError(f"attempt tag {m.attempt!r} is not 8-32 lowercase hex digits")
+    if m.base_version is not None and m.base_version != m.version - 1:
+        raise ValueError(f"base_version {m.base_version} is not version-1 = {m.version - 1}")
+    if m.base_version is None and not m.keyframe:
+        raise ValueError("a version without a base must be a keyframe")
+    if m.chunk_bytes > max_chunk_bytes or m.chunk_bytes % 8:
+        raise ValueError(f"chunk_bytes {m.chunk_bytes} is not a multiple of 8 up to {max_chunk_bytes}")
+    for spec in m.table:
+        itemsize_of(spec.dtype)
+        if any(d < 0 or d > 1 << 40 for d in spec.shape) or len(spec.shape) > 16:
+            raise ValueError(f"tensor {spec.name!r} has an invalid shape {spec.shape}")
+    table = TensorTable.from_specs(m.table)
+    if table.digest != m.table_digest or [s.offset for s in table.specs] != [s.offset for s in m.table]:
+        raise ValueError(f"tensor table digest {m.table_digest!r} does not match its tensors ({table.digest!r})")
+    digests = [c.plain for c in m.chunks] + [m.model_digest, m.base_model_digest or 0]
+    if max(digests) >= 1 << 64:
+        raise ValueError("a digest does not fit in 64 bits")
+    if sum(c.plain for c in m.chunks) % (1 << 64) != m.model_digest:
+        raise ValueError(f"model_digest {m.model_digest:016x} is not the sum of the chunk digests")
+    if m.model_bytes != table.nbytes:
+        raise ValueError(f"model_bytes {m.model_bytes} but the table holds {table.nbytes}")
+    if table.nbytes > len(m.chunks) * m.chunk_bytes:
+        raise ValueError(f"table of {table.nbytes} bytes cannot fit in {len(m.chunks)} chunks of {m.chunk_bytes}")
+    if set(m.split_dims) - set(table.index):
+        raise ValueError(f"split_dims names unknown tensors {sorted(set(m.split_dims) - set(table.index))}")
+    expected = [c for r in range(m.world_size) for c in RankStream(table, m.sharding(r), m.chunk_bytes).chunks]
+    if len(expected) != len(m.chunks):
+        raise ValueError(f"{len(m.chunks)} chunks listed, the layout has {len(expected)}")
+    for i, (c, e) in enumerate(zip(m.chunks, expected, strict=True)):
+        _check_chunk(m, i, c, e)
+    return table
+
+
+def _check_chunk(m: Manifest, i: int, c: ChunkEntry, e: object) -> None:
+    if (c.rank, c.offset, c.length, c.itemsize) != (e.rank, e.offset, e.length, e.itemsize):  # type: ignore[attr-defined]
+        raise ValueError(f"chunk {i} window {(c.rank, c.offset, c.length, c.itemsize)} is not the layout's {e}")
+    bound = 2 * c.length + 4096  # zstd never expands by more than this
+    if c.size > bound or c.key_size > bound or c.over_size > bound + c.length * 8:
+        raise ValueError(f"chunk {i} declares object sizes ({c.size}, {c.key_size}, {c.over_size}) over {bound}")
+    if c.changes > c.length // c.itemsize:
+        raise ValueError(f"chunk {i} declares {c.changes} changes in {c.length // c.itemsize} words")
+    if (c.kind == 0) != (c.size == 0) or (c.kind == 0 and c.changes) or (c.kind and not c.changes):
+        raise ValueError(f"chunk {i}: kind {c.kind}, size {c.size} and changes {c.changes} disagree")
+    if m.base_version is None and c.kind:
+        raise ValueError(f"chunk {i} has a delta in a version without a base")
+    if m.keyframe != bool(c.key_size) and c.length:
+        raise ValueError(f"chunk {i}: keyframe={m.keyframe} but key object size {c.key_size}")
+    for size, dig in ((c.size, c.digest), (c.key_size, c.key_digest), (c.over_size, c.over_digest)):
+        if bool(size) != bool(dig) or (dig and not re.fullmatch(r"[0-9a-f]{32}", dig)):
+            raise ValueError(f"chunk {i}: object size {size} with digest {dig!r}")

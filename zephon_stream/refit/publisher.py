@@ -1,0 +1,260 @@
+"""Publisher: publish a state_dict (or one rank's shard of it) as the next version of a prefix.
+
+Each publish XORs the new weights against a CPU shadow of the last published ones, chunk by
+chunk through the lanes, uploads each chunk's delta (plus the full chunk on keyframes, plus an
+overwrite object when asked), and only then commits the MANIFEST with a conditional put. The
+shadow is the publisher's one extra copy of its shard. A publisher that starts against a prefix
+that already has versions, or whose previous publish failed, first pulls the newest version into
+its shadow, so a crash never leaves it publishing against a base nobody has.
+
+With several ranks, each writes its chunks and a `part-{rank}` record; whichever rank sees all
+parts present commits the MANIFEST (the conditional put settles a tie). All ranks of one publish
+must pass the same `session` tag.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Mapping
+
+import anyio
+import msgspec
+import numpy as np
+import torch
+
+from .._exceptions import AlreadyExists, ConfigError, DigestMismatch, RefitError
+from ..connectors import open_store
+from ..connectors.base import Store
+from . import codec
+from ._local import ChunkPlan, LocalState
+from ._pipeline import run_ordered
+from ._store import collect_garbage, commit_manifest, find_latest, read_manifest, write_latest
+from .hashing import MASK
+from .layout import RankStream, Sharding, TensorTable
+from .manifest import ChunkEntry, Manifest, Part, decode_part, encode_manifest, object_digest
+from .subscriber import Subscriber, geometry
+
+__all__ = ["Publisher", "VersionConflict", "VersionInfo"]
+
+
+class VersionConflict(RefitError):
+    """Another publisher committed this version first."""
+
+
+class VersionInfo(msgspec.Struct, frozen=True):
+    """What a publish produced. `committed` is False on a rank whose part awaits other ranks."""
+
+    version: int
+    base_version: int | None
+    keyframe: bool
+    model_digest: int
+    model_bytes: int
+    delta_bytes: int
+    key_bytes: int
+    over_bytes: int
+    changes: int
+    committed: bool = True
+
+
+class Publisher:
+    """Publish versions of a model under `prefix` (a URI, or a key prefix of `store`)."""
+
+    def __init__(
+        self,
+        prefix: str,
+        *,
+        store: Store | None = None,
+        sharding: Sharding | None = None,
+        keyframe_every: int = 10,
+        keep_versions: int = 8,
+        chunk_bytes: int = 4 << 20,
+        session: str | None = None,
+        overwrite: bool = False,
+        lanes: int = 4,
+        threads: int | None = None,
+        level: int = 1,
+    ) -> None:
+        if keyframe_every < 1 or keep_versions < 1:
+            raise ConfigError(f"keyframe_every={keyframe_every} and keep_versions={keep_versions} must be >= 1")
+        self.sharding = sharding or Sharding()
+        if self.sharding.world_size > 1 and session is None:
+            raise ConfigError("a sharded publisher needs a `session` tag shared by all its ranks (8-24 hex digits)")
+        self._uri = prefix
+        self._store, self._prefix = (store, prefix) if store is not None else (None, "")
+        self.keyframe_every, self.keep_versions, self.chunk_bytes = keyframe_every, keep_versions, chunk_bytes
+        self.session, self.overwrite, self.lanes, self.level = session, overwrite, lanes, level
+        self._cpu = anyio.CapacityLimiter(threads or max(1, min(lanes, os.cpu_count() or 1)))
+        self._shadow: dict[str, torch.Tensor] | None = None
+        self._shadow_version: int | None = None
+
+    def __repr__(self) -> str:
+        return f"Publisher({self._uri!r}, sharding={self.sharding}, keyframe_every={self.keyframe_every})"
+
+    async def __aenter__(self) -> Publisher:
+        if self._store is None:
+            self._store, self._prefix = open_store(self._uri)
+            self._owned = True
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if getattr(self, "_owned", False) and self._store is not None:
+            await self._store.aclose()
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            raise RefitError(f"{self!r} is not open: use `async with Publisher(...) as pub:`")
+        return self._store
+
+    async def publish(self, state: Mapping[str, torch.Tensor]) -> VersionInfo:
+        """Publish `state` as the next version; returns what was published."""
+        table = TensorTable.from_local(state, self.sharding)
+        new = LocalState(table, self.sharding, state)
+        stream = RankStream(table, self.sharding, self.chunk_bytes)
+        latest = await find_latest(self.store, self._prefix)
+        base = await self._base(latest, table, state)
+        version = latest + 1
+        keyframe = base is None or (version - 1) % self.keyframe_every == 0
+        attempt = self.session or secrets.token_hex(8)
+        self._shadow_version = None  # dirty until this version is written
+        if base is None:
+            self._shadow = {k: t.detach().to("cpu", copy=True) for k, t in state.items()}
+        old = LocalState(table, self.sharding, self._shadow or {})
+        first = sum(len(RankStream(table, Sharding(r, self.sharding.world_size, self.sharding.dims), self.chunk_bytes).chunks)
+                    for r in range(self.sharding.rank))
+        job = _Encode(self, version, attempt, keyframe, base, stream, new, old, first)
+        entries = await job.run()
+        part = Part(self.sharding.rank, entries, sum(e.changes for e in entries))
+        committed = await self._commit(version, attempt, keyframe, base, table, part)
+        self._shadow_version = version
+        total = lambda f: sum(getattr(e, f) for e in entries)  # noqa: E731
+        return VersionInfo(
+            version, base.version if base else None, keyframe, sum(e.plain for e in entries) & MASK,
+            stream.nbytes, total("size"), total("key_size"), total("over_size"), total("changes"), committed,
+        )
+
+    async def _base(self, latest: int, table: TensorTable, state: Mapping[str, torch.Tensor]) -> Manifest | None:
+        """The manifest to delta against (None: publish a pure keyframe), resyncing the shadow."""
+        if latest == 0:
+            return None
+        m, _ = await read_manifest(self.store, self._prefix, latest) or (None, None)
+        geo = f"{table.digest}/{self.sharding.world_size}/{sorted(self.sharding.dims.items())}/{self.chunk_bytes}"
+        if m is None or geometry(m) != geo:
+            return None
+        if self._shadow_version != latest:
+            shadow = {k: torch.empty(t.shape, dtype=t.dtype) for k, t in state.items()}
+            sub = Subscriber(self._prefix, store=self.store, sharding=self.sharding, lanes=self.lanes)
+            if await sub.pull(shadow) != latest:
+                raise RefitError(f"could not bring the publisher's shadow to version {latest} of {self._uri!r}")
+            self._shadow, self._shadow_version = shadow, latest
+        return m
+
+    async def _commit(self, version: int, attempt: str, keyframe: bool, base: Manifest | None,
+                      table: TensorTable, part: Part) -> bool:
+        world = self.sharding.world_size
+        parts = [part]
+        if world > 1:
+            await self.store.put(f"{self._prefix}v{version}/part-{part.rank}.{attempt}", encode_manifest(part),
+                                 if_none_match=True)
+            keys = [f"{self._prefix}v{version}/part-{r}.{attempt}" for r in range(world)]
+            present = {o.key for o in await self.store.list(f"{self._prefix}v{version}/part-")}
+            if not set(keys) <= present:
+                return False
+            parts = [decode_part(await self.store.read(k), k) for k in keys]
+        chunks = [c for p in parts for c in p.chunks]
+        m = Manifest(
+            version=version, base_version=base.version if base else None, keyframe=keyframe, attempt=attempt,
+            table=table.specs, table_digest=table.digest, world_size=world, split_dims=dict(self.sharding.dims),
+            chunk_bytes=self.chunk_bytes, chunks=chunks, model_digest=sum(c.plain for c in chunks) & MASK,
+            base_model_digest=base.model_digest if base else None, model_bytes=table.nbytes,
+            delta_bytes=sum(c.size for c in chunks), key_bytes=sum(c.key_size for c in chunks),
+            over_bytes=sum(c.over_size for c in chunks), changes=sum(p.changes for p in parts),
+        )
+        try:
+            await commit_manifest(self.store, self._prefix, m)
+        except AlreadyExists as exc:
+            theirs = await read_manifest(self.store, self._prefix, version)
+            if theirs is None or theirs[0].attempt != attempt:
+                raise VersionConflict(
+                    f"version {version} of {self._uri!r} was committed by another publisher first: this publish is "
+                    f"void (its objects are unreferenced); publish again to make version {version + 1}"
+                ) from exc
+            return True
+        await write_latest(self.store, self._prefix, version)
+        await self._gc(version, keyframe)
+        return True
+
+    async def _gc(self, version: int, keyframe: bool) -> None:
+        newest_key = version
+        while not keyframe and newest_key > 1:
+            newest_key -= 1
+            got = await read_manifest(self.store, self._prefix, newest_key)
+            if got is None:
+                return
+            keyframe = got[0].keyframe
+        await collect_garbage(self.store, self._prefix, version, newest_key, self.keep_versions)
+
+
+class _Encode:
+    """The chunks of one publish, through the lanes: encode off the loop, upload, collect in order."""
+
+    def __init__(self, pub: Publisher, version: int, attempt: str, keyframe: bool, base: Manifest | None,
+                 stream: RankStream, new: LocalState, old: LocalState, first: int) -> None:
+        self.pub, self.version, self.attempt, self.keyframe, self.base = pub, version, attempt, keyframe, base
+        self.stream, self.new, self.old, self.first = stream, new, old, first
+        self.entries: list[ChunkEntry] = []
+
+    async def run(self) -> list[ChunkEntry]:
+        async def commit(j: int, entry: ChunkEntry) -> None:
+            self.entries.append(entry)
+
+        await run_ordered(range(len(self.stream.chunks)), self._stage, commit,
+                          lanes=self.pub.lanes, window=2 * self.pub.lanes)
+        return self.entries
+
+    async def _stage(self, j: int) -> ChunkEntry:
+        entry, objects = await anyio.to_thread.run_sync(self._encode, j, limiter=self.pub._cpu)
+        i = self.first + j
+        for what, data in objects.items():
+            key = f"{self.pub._prefix}v{self.version}/{what}-{i}.{self.attempt}"
+            await self.pub.store.put(key, data, if_none_match=True)
+        return entry
+
+    def _encode(self, j: int) -> tuple[ChunkEntry, dict[str, bytes]]:
+        chunk = self.stream.chunks[j]
+        new_plan, old_plan = ChunkPlan(chunk, self.stream, self.new), ChunkPlan(chunk, self.stream, self.old)
+        new = new_plan.view()
+        new = new if new is not None else new_plan.read()
+        objects: dict[str, bytes] = {}
+        fields: dict[str, object] = {}
+        plain = None
+        if self.base is not None:
+            view = old_plan.view()
+            old = view if view is not None else old_plan.read()
+            obj, pos, x = codec.encode_xor(old, new, self.pub.level)
+            was = self.base.chunks[self.first + j].plain
+            plain = (was + new_plan.change_sum(pos, old[pos], new[pos])) & MASK
+            if obj is not None:
+                objects["chunk"] = obj
+                kind = codec.SPARSE_XOR if obj[4] == codec.SPARSE_XOR else codec.DENSE_XOR
+                fields.update(kind=kind, size=len(obj), digest=object_digest(obj), changes=len(pos))
+                if self.pub.overwrite:
+                    over = codec.encode_sparse(codec.SPARSE_SET, len(new), pos, new[pos], self.pub.level)
+                    objects["over"] = over
+                    fields.update(over_size=len(over), over_digest=object_digest(over))
+            if view is not None:
+                view[pos] = new[pos]
+            else:
+                old_plan.write(pos, new[pos], xor=False)
+        if self.keyframe:
+            full = new_plan.digest(new)
+            if plain is not None and plain != full:
+                raise DigestMismatch(f"chunk {self.first + j}: the publisher's shadow drifted from version "
+                                     f"{self.version - 1} (delta digest {plain:016x}, full {full:016x})")
+            plain = full
+            key = codec.encode_dense(codec.FULL, np.ascontiguousarray(new), self.pub.level)
+            objects["key"] = key
+            fields.update(key_size=len(key), key_digest=object_digest(key))
+        entry = ChunkEntry(chunk.rank, chunk.offset, chunk.length, chunk.itemsize, plain=plain, **{"kind": 0, **fields})
+        return entry, objects

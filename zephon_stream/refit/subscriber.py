@@ -1,0 +1,408 @@
+"""Subscriber: bring a state_dict (or a rank's shard of it) to the newest version, in place.
+
+A pull runs in two phases over the chunks, both streamed through the same lanes:
+
+1. verify: fetch every object the pull needs, check its size and blake2b digest, decode it
+   against its chunk, compose the XOR deltas of every pending version into one, and check the
+   chunk digest it would produce (from the current values at the changed positions: O(delta)).
+   Any failure tries the next route for that chunk (overwrite objects, then the newest
+   keyframe); if none verifies, the pull is refused and nothing has been written.
+2. apply: record "applying v" locally, write each chunk in place, then record v.
+
+A subscriber killed in phase 2 finds "applying" in its record on restart. It re-hashes each
+chunk it holds: a chunk that matches the old or the new digest resumes from there; any other
+(torn) chunk is rebuilt from overwrite objects or the newest keyframe.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import NamedTuple
+
+import anyio
+import msgspec
+import numpy as np
+import torch
+
+from .._exceptions import BaseVersionMismatch, ConnectorError, DataError, DigestMismatch, RefitError
+from ..connectors import open_store
+from ..connectors.base import Store
+from . import codec
+from ._local import ChunkPlan, LocalState
+from ._pipeline import run_ordered
+from ._store import find_latest, read_manifest
+from .layout import WORD, RankStream, Sharding, TensorTable
+from .manifest import ChunkEntry, Manifest, object_digest
+
+__all__ = ["LocalRecord", "Subscriber"]
+
+_REFUSABLE = (DataError, DigestMismatch, ConnectorError, BaseVersionMismatch)
+
+
+class LocalRecord(msgspec.Struct):
+    """What a subscriber holds: `version` (0: nothing yet), and `target` while applying."""
+
+    version: int = 0
+    target: int | None = None
+    geometry: str = ""
+    digests: list[int] = []
+    model_digest: int = 0
+
+
+class Route(NamedTuple):
+    """How one chunk reaches the target: `kind` xor/set from version `start`, or key at `start`."""
+
+    kind: str
+    start: int
+    digest: int | None  # the chunk's digest at `start`, when known
+
+
+def geometry(m: Manifest) -> str:
+    return f"{m.table_digest}/{m.world_size}/{sorted(m.split_dims.items())}/{m.chunk_bytes}"
+
+
+class Subscriber:
+    """Pull every pending version of `prefix` into a state_dict in place.
+
+    `sharding` says which piece of each tensor this rank holds (default: everything).
+    `record` is a file for the local version record; without it the record lives in memory and
+    a restarted process starts as a joiner (from the newest keyframe).
+    """
+
+    def __init__(
+        self,
+        prefix: str,
+        *,
+        store: Store | None = None,
+        sharding: Sharding | None = None,
+        record: str | os.PathLike[str] | None = None,
+        lanes: int = 4,
+        threads: int | None = None,
+        staged_bytes: int = 256 << 20,
+    ) -> None:
+        self._uri = prefix
+        self._store, self._prefix = (store, prefix) if store is not None else (None, "")
+        self.sharding = sharding or Sharding()
+        self.record_path = Path(record) if record is not None else None
+        self.lanes, self.staged_bytes = lanes, staged_bytes
+        self._cpu = anyio.CapacityLimiter(threads or max(1, min(lanes, os.cpu_count() or 1)))
+        self.record = self._load_record()
+        self._manifests: dict[int, tuple[Manifest, TensorTable] | None] = {}
+
+    def __repr__(self) -> str:
+        return f"Subscriber({self._uri!r}, version={self.record.version}, sharding={self.sharding})"
+
+    async def __aenter__(self) -> Subscriber:
+        if self._store is None:
+            self._store, self._prefix = open_store(self._uri)
+            self._owned = True
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if getattr(self, "_owned", False) and self._store is not None:
+            await self._store.aclose()
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            raise RefitError(f"{self!r} is not open: use `async with Subscriber(...) as sub:`")
+        return self._store
+
+    @property
+    def version(self) -> int:
+        return self.record.version
+
+    # -- record ---------------------------------------------------------------------------
+
+    def _load_record(self) -> LocalRecord:
+        if self.record_path is None or not self.record_path.exists():
+            return LocalRecord()
+        try:
+            return msgspec.msgpack.decode(self.record_path.read_bytes(), type=LocalRecord)
+        except msgspec.DecodeError as exc:
+            raise DataError(f"{self.record_path}: unreadable local version record ({exc})", key=str(self.record_path)) from exc
+
+    async def _save(self, record: LocalRecord) -> None:
+        self.record = record
+        if self.record_path is not None:
+            await anyio.to_thread.run_sync(_write_atomic, self.record_path, msgspec.msgpack.encode(record))
+
+    # -- pull -----------------------------------------------------------------------------
+
+    async def pull(self, state: Mapping[str, torch.Tensor]) -> int:
+        """Apply every pending version in place; return the version reached (0: none exist)."""
+        latest = await find_latest(self.store, self._prefix)
+        if latest == 0:
+            return self.record.version
+        m, table = await self._manifest(latest)
+        local = LocalState(table, self.sharding, state)
+        rec = self.record
+        if rec.version == latest and rec.target is None and rec.geometry == geometry(m):
+            return latest
+        job = _Pull(self, m, table, local)
+        await job.plan()
+        await job.verify()
+        await self._save(msgspec.structs.replace(rec, target=latest))
+        await job.apply()
+        await self._save(LocalRecord(latest, None, geometry(m), [c.plain for c in m.chunks], m.model_digest))
+        return latest
+
+    async def _manifest(self, version: int) -> tuple[Manifest, TensorTable]:
+        if version not in self._manifests:
+            self._manifests[version] = await read_manifest(self.store, self._prefix, version)
+        got = self._manifests[version]
+        if got is None:
+            raise RefitError(f"version {version} has no MANIFEST under {self._uri!r} (garbage-collected?)")
+        return got
+
+    async def _maybe_manifest(self, version: int) -> Manifest | None:
+        try:
+            return (await self._manifest(version))[0]
+        except RefitError:
+            return None
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class _Staged(NamedTuple):
+    route: Route
+    objects: list[bytes] | None  # None: re-fetch at apply time (over the staging budget)
+
+
+class _Pull:
+    """One pull: plan routes, verify them, apply them."""
+
+    def __init__(self, sub: Subscriber, m: Manifest, table: TensorTable, local: LocalState) -> None:
+        self.sub, self.m, self.local = sub, m, local
+        self.target = m.version
+        streams = [RankStream(table, m.sharding(r), m.chunk_bytes) for r in range(m.world_size)]
+        chunks = [c for s in streams for c in s.chunks]
+        self.plans = [ChunkPlan(c, streams[c.rank], local) for c in chunks]
+        self.todo = [i for i, p in enumerate(self.plans) if _touches(p)]
+        self.routes: dict[int, list[Route]] = {}
+        self.staged: dict[int, _Staged] = {}
+        self.budget = sub.staged_bytes
+        self.key: int | None = None
+
+    # -- planning -------------------------------------------------------------------------
+
+    async def _chain_ok(self, start: int, digest: int | None) -> bool:
+        """Whether deltas start+1..target all exist with matching geometry and bases."""
+        prev = digest
+        for v in range(start + 1, self.target + 1):
+            m = await self.sub._maybe_manifest(v)
+            if m is None or m.base_version is None or geometry(m) != geometry(self.m):
+                return False
+            if prev is not None and m.base_model_digest != prev:
+                raise BaseVersionMismatch(
+                    f"version {v} of {self.sub._uri!r} is a delta from a model with digest "
+                    f"{m.base_model_digest:016x}, but version {v - 1} has {prev:016x}: refusing the chain"
+                )
+            prev = m.model_digest
+        return True
+
+    async def _keyframe(self) -> int:
+        if self.key is None:
+            v = self.target
+            while True:
+                m = await self.sub._maybe_manifest(v)
+                if m is None:
+                    raise RefitError(f"no keyframe reachable at or below version {self.target} of {self.sub._uri!r}")
+                if m.keyframe and geometry(m) == geometry(self.m):
+                    break
+                v -= 1
+            mk = (await self.sub._manifest(v))[0]
+            if v < self.target and not await self._chain_ok(v, mk.model_digest):
+                raise RefitError(f"versions {v + 1}..{self.target} after keyframe {v} are incomplete")
+            self.key = v
+        return self.key
+
+    async def plan(self) -> None:
+        rec, sub = self.sub.record, self.sub
+        same = rec.geometry == geometry(self.m) and rec.version > 0
+        chain = same and await self._try_chain(rec.version, rec.model_digest)
+        torn = same and rec.target is not None
+        target_m = await sub._maybe_manifest(rec.target) if torn and rec.target else None
+        for i in self.todo:
+            routes: list[Route] = []
+            if torn and self.plans[i].owned:
+                h = await anyio.to_thread.run_sync(lambda i=i: self.plans[i].digest(self.plans[i].read()), limiter=sub._cpu)
+                if h == rec.digests[i] and chain:
+                    routes.append(Route("xor", rec.version, h))
+                elif target_m is not None and h == target_m.chunks[i].plain and await self._try_chain(rec.target, None):
+                    routes.append(Route("xor", rec.target, h))
+            elif chain and not torn:
+                routes.append(Route("xor", rec.version, rec.digests[i] if self.plans[i].owned else None))
+            if same and chain:
+                routes.append(Route("set", rec.version, None))
+            routes.append(Route("key", -1, None))
+            self.routes[i] = routes
+
+    async def _try_chain(self, start: int, digest: int | None) -> bool:
+        try:
+            return await self._chain_ok(start, digest)
+        except BaseVersionMismatch:
+            if self.m.keyframe:
+                return False
+            raise
+
+    # -- fetching -------------------------------------------------------------------------
+
+    async def _fetch(self, i: int, route: Route) -> list[bytes]:
+        """The objects of a route for chunk i, each checked against its manifest entry."""
+        if route.kind == "key":
+            route = Route("key", await self._keyframe(), None)
+            out = [await self._object(route.start, i, "key")]
+            versions = range(route.start + 1, self.target + 1)
+        else:
+            out, versions = [], range(route.start + 1, self.target + 1)
+        what = "over" if route.kind == "set" else "chunk"
+        for v in versions:
+            out.append(await self._object(v, i, what))
+        return out
+
+    async def _object(self, version: int, i: int, what: str) -> bytes:
+        m = (await self.sub._manifest(version))[0]
+        c = m.chunks[i]
+        size, digest = {"chunk": (c.size, c.digest), "key": (c.key_size, c.key_digest), "over": (c.over_size, c.over_digest)}[what]
+        if what == "over" and c.kind and not size:
+            raise RefitError(f"version {version} chunk {i} has no overwrite object")
+        if not size:
+            return b""
+        key = m.chunk_key(self.sub._prefix, i, what)
+        data = await self.sub.store.read(key)
+        if len(data) != size:
+            raise DataError(f"{key}: object is {len(data)} bytes, the manifest says {size} (truncated?)", key=key, offset=len(data))
+        if object_digest(data) != digest:
+            raise DigestMismatch(f"{key}: blake2b digest {object_digest(data)} != manifest's {digest}: corrupt object")
+        return data
+
+    # -- CPU work -------------------------------------------------------------------------
+
+    def _decode(self, i: int, route: Route, objects: list[bytes]) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+        """(the keyframe chunk for key routes, else None; composed positions; composed values)."""
+        plan = self.plans[i]
+        c = plan.chunk
+        base = None
+        deltas = objects
+        first = route.start + 1
+        if route.kind == "key":
+            key = f"v{route.start}/key-{i}"
+            base = codec.decode(objects[0], kinds=(codec.FULL,), itemsize=c.itemsize, words=c.words, key=key).values.copy()
+            deltas = objects[1:]
+        kinds = (codec.SPARSE_SET,) if route.kind == "set" else (codec.SPARSE_XOR, codec.DENSE_XOR)
+        parts = []
+        for k, data in enumerate(deltas):
+            if not data:
+                continue
+            d = codec.decode(data, kinds=kinds, itemsize=c.itemsize, words=c.words, key=f"v{first + k}/chunk-{i}")
+            pos = d.positions if d.positions is not None else np.flatnonzero(d.values)
+            parts.append((pos, d.values if d.positions is not None else d.values[pos]))
+        if not parts:
+            return base, np.zeros(0, np.int64), np.zeros(0, WORD[c.itemsize])
+        pos, val = (codec.compose_set if route.kind == "set" else codec.compose_xor)(parts)
+        return base, pos, val
+
+    def _check(self, i: int, route: Route, objects: list[bytes]) -> None:
+        """Decode a route and check the chunk digest it would produce, writing nothing."""
+        plan, want = self.plans[i], self.m.chunks[i].plain
+        base, pos, val = self._decode(i, route, objects)
+        if base is not None:
+            key_plain = self.sub._manifests[self.key][0].chunks[i].plain  # type: ignore[index]
+            got_key = plan.digest(base)
+            if got_key != key_plain:
+                raise DigestMismatch(f"keyframe v{self.key} chunk {i}: digest {got_key:016x} != {key_plain:016x}")
+            base[pos] ^= val
+            got = plan.digest(base)
+        elif not plan.owned:
+            return  # object digests and decoding checked; this rank cannot see the whole chunk
+        elif route.kind == "set":
+            words = plan.read()
+            words[pos] = val
+            got = plan.digest(words)
+        else:
+            old = plan.gather(pos)
+            got = (route.digest + plan.change_sum(pos, old, old ^ val)) & ((1 << 64) - 1)  # type: ignore[operator]
+        if got != want:
+            raise DigestMismatch(
+                f"chunk {i} would have digest {got:016x} after applying v{self.target}, the manifest says {want:016x}"
+            )
+
+    def _write(self, i: int, route: Route, objects: list[bytes]) -> None:
+        plan = self.plans[i]
+        base, pos, val = self._decode(i, route, objects)
+        if base is not None:
+            base[pos] ^= val
+            plan.write(np.arange(plan.chunk.words), base, xor=False)
+        else:
+            plan.write(pos, val, xor=route.kind == "xor")
+        if self.m.keyframe and route.kind != "key" and plan.owned:
+            got = plan.digest(plan.read())  # keyframes re-hash in full
+            if got != self.m.chunks[i].plain:
+                raise DigestMismatch(f"chunk {i} re-hashed to {got:016x} at keyframe v{self.target}, expected "
+                                     f"{self.m.chunks[i].plain:016x}: local memory was corrupt; pull again to repair")
+
+    # -- phases ---------------------------------------------------------------------------
+
+    async def verify(self) -> None:
+        cpu = self.sub._cpu
+
+        async def stage(i: int) -> _Staged:
+            errors: list[Exception] = []
+            for route in self.routes[i]:
+                try:
+                    objects = await self._fetch(i, route)
+                    await anyio.to_thread.run_sync(self._check, i, route, objects, limiter=cpu)
+                except (*_REFUSABLE, RefitError) as exc:
+                    errors.append(exc)
+                    continue
+                if route.kind == "key":
+                    route = Route("key", self.key or 0, None)
+                size = sum(map(len, objects))
+                keep = size <= self.budget
+                self.budget -= size if keep else 0
+                return _Staged(route, objects if keep else None)
+            first = errors[0]
+            for other in errors[1:]:
+                first.add_note(f"fallback also failed: {type(other).__name__}: {other}")
+            first.add_note(f"version {self.target} refused: nothing was applied, the state stays at version "
+                           f"{self.sub.record.version}")
+            raise first
+
+        async def commit(i: int, staged: _Staged) -> None:
+            self.staged[i] = staged
+
+        await run_ordered(self.todo, stage, commit, lanes=self.sub.lanes, window=2 * self.sub.lanes)
+
+    async def apply(self) -> None:
+        cpu = self.sub._cpu
+
+        async def stage(i: int) -> None:
+            st = self.staged.pop(i)
+            objects = st.objects if st.objects is not None else await self._fetch(i, st.route)
+            await anyio.to_thread.run_sync(self._write, i, st.route, objects, limiter=cpu)
+
+        async def commit(i: int, _: None) -> None:
+            pass
+
+        await run_ordered(self.todo, stage, commit, lanes=self.sub.lanes, window=2 * self.sub.lanes)
+
+
+def _touches(plan: ChunkPlan) -> bool:
+    """Whether this rank holds any element of the chunk (ranges compared when split alike)."""
+    for p in plan.parts:
+        mine = plan.local.pieces[p.tensor]
+        if p.mode != "other" or (mine.a, mine.s, mine.b) != (p.pub.a, p.pub.s, p.pub.b):
+            return True
+        if mine.lo < p.pub.lo + p.pub.step and p.pub.lo < mine.lo + mine.step:
+            return True
+    return False
