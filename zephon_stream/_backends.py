@@ -121,11 +121,11 @@ async def _run_processes(loader: Loader, plan: DataPlan, states: dict[int, LaneS
             payload = msgspec.msgpack.encode((cfg, plan, [states[lane] for lane in group]))
             proc = ctx.Process(target=_worker_main, args=(payload, data_w, ctrl_r, loader.wrap_store),
                                name=f"zephon-lanes-{w}", daemon=True)
-            proc.start()
+            await anyio.to_thread.run_sync(proc.start)  # spawning takes long enough to stall the loop
             data_w.close()
             ctrl_r.close()
             workers.append((proc, data_r, ctrl_w, group))
-            stack.callback(_stop_worker, proc, data_r, ctrl_w)
+            stack.push_async_callback(_stop_worker, proc, data_r, ctrl_w)
 
         def credit(lane: int) -> None:
             for _proc, _r, ctrl_w, group in workers:
@@ -165,13 +165,15 @@ async def _receive(conn: Any, sends: dict[int, Any], skipped: list[int], w: int)
                 msg.error[1])
 
 
-def _stop_worker(proc: Any, data_r: Any, ctrl_w: Any) -> None:
-    for conn in (ctrl_w, data_r):
-        conn.close()
-    proc.join(timeout=5)
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(timeout=5)
+async def _stop_worker(proc: Any, data_r: Any, ctrl_w: Any) -> None:
+    """Workers only read: closing their pipes and terminating them loses nothing."""
+    ctrl_w.close()
+    data_r.close()
+    with anyio.CancelScope(shield=True):
+        await anyio.to_thread.run_sync(proc.join, 0.5)
+        if proc.is_alive():
+            proc.terminate()
+            await anyio.to_thread.run_sync(proc.join, 5)
 
 
 def _worker_main(payload: bytes, data_w: Any, ctrl_r: Any, wrap_store: Callable[[Store], Store] | None) -> None:
@@ -182,7 +184,7 @@ def _worker_main(payload: bytes, data_w: Any, ctrl_r: Any, wrap_store: Callable[
     try:
         anyio.run(_worker, cfg, plan, states, data_w, ctrl_r, wrap_store)
     except BaseException as exc:  # report, then exit: the parent raises it
-        err = exc.exceptions[0] if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1 else exc
+        err = _exceptions.root_error(exc)
         try:
             data_w.send_bytes(_enc.encode(_Msg("error", error=(type(err).__name__, str(err)))))
         except OSError:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from .operators.pack import IGNORE, Sample
 
@@ -28,6 +27,8 @@ def collate(samples: list[Sample], step: int, slots: range) -> dict[str, object]
             bounds.append(bounds[-1] + n)
         if s.num_tokens < seq_len:
             bounds.append(base + seq_len)
+    import torch  # imported here so lane worker processes never load torch
+
     lengths = np.diff(bounds)
     return {
         "input_ids": torch.from_numpy(np.stack([s.input_ids for s in samples]).astype(np.int64)),

@@ -77,3 +77,18 @@ class DigestMismatch(RefitError):
 
 class BaseVersionMismatch(RefitError):
     """A delta was made against a version other than the one held."""
+
+
+def root_error(exc: BaseException) -> BaseException:
+    """The error that matters in a (nested) task-group failure: the first ZephonError, else the only leaf."""
+    leaves = list(_leaves(exc))
+    ours = [e for e in leaves if isinstance(e, ZephonError)]
+    if ours:
+        return ours[0]
+    return leaves[0] if len(leaves) == 1 else exc
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for e in exc.exceptions for leaf in _leaves(e)]
+    return [exc]

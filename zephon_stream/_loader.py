@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import hashlib
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ from ._collate import collate, padding_sample
 from ._core.config import Config
 from ._core.sequencer import check_world, consumed, rank_lanes, rank_slots
 from ._core.state import FORMAT_VERSION, LaneState, LoaderState, decode_state, encode_state
-from ._exceptions import CheckpointError, IncompatibleState, ZephonError
+from ._exceptions import CheckpointError, IncompatibleState, ZephonError, root_error
 from ._pipeline import DataPlan, Lanes, TextLane
 from .connectors import open_store
 from .connectors.base import Store
@@ -168,7 +168,13 @@ class Loader:
     @asynccontextmanager
     async def open(self) -> AsyncIterator[BatchStream]:
         """Start this rank's lanes; yield a stream of batches. Leaving the block stops them."""
-        from ._backends import run_lanes
+        with _unwrap_groups():
+            async with self._open() as stream:
+                yield stream
+
+    @asynccontextmanager
+    async def _open(self) -> AsyncIterator[BatchStream]:
+        from ._backends import run_lanes  # _backends imports this module
 
         async with AsyncExitStack() as stack:
             stores = await open_stores(self.config, stack, self.wrap_store)
@@ -282,6 +288,18 @@ class _ThreadedAsyncIterator:
 
 
 _END: Any = object()
+
+
+@contextmanager
+def _unwrap_groups() -> Iterator[None]:
+    """Raise the error that matters in a task-group failure as itself, not as a group."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        err = root_error(group)
+        if err is group or not isinstance(err, Exception):
+            raise
+        raise err from group
 
 
 def source_prefix(uri: str) -> str:

@@ -1,0 +1,120 @@
+"""Exactly-once delivery, checkpoint size, restore time and refusal of incompatible state."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections import Counter
+
+import msgspec
+import pytest
+
+from zephon_stream import IncompatibleState
+from zephon_stream._core.state import decode_state
+from zephon_stream._loader import Loader
+from zephon_stream.operators.tokenize import Tokenize
+from zephon_stream.testing.determinism import lane_token_streams
+
+
+def _split_docs(tokens: list[int], eos: int) -> list[tuple[int, ...]]:
+    docs, cur = [], []
+    for t in tokens:
+        cur.append(t)
+        if t == eos:
+            docs.append(tuple(cur))
+            cur = []
+    assert not cur, "a lane's stream must end with a whole document"
+    return docs
+
+
+@pytest.mark.parametrize("dp_size", [1, 3])
+def test_exactly_once_over_one_epoch(config, dataset, dp_size):
+    root, docs = dataset
+    cfg = config.replace(max_epochs=1, sources=config.sources[:1])
+    tok = Tokenize(cfg.tokenizer, cfg.eos_token)
+    batches = []
+    for rank in range(dp_size):
+        batches += list(Loader(cfg, dp_rank=rank, dp_size=dp_size, backend="threads"))
+    streams = lane_token_streams(batches)
+    assert sorted(streams) == list(range(cfg.lanes)), "every lane gets data"
+    got = Counter(d for s in streams.values() for d in _split_docs(s, tok.eos_id))
+    want = Counter(tuple(ids.tolist()) for ids in tok(docs["a"]))
+    assert sum(len(d) * c for d, c in got.items()) == sum(len(d) * c for d, c in want.items())
+    assert got == want
+
+
+def test_labels_positions_and_boundaries(config):
+    cfg = config.replace(seq_len=32)
+    eos = Tokenize(cfg.tokenizer, cfg.eos_token).eos_id
+    batch = next(iter(Loader(cfg, backend="inline")))
+    ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
+    flat_bounds = batch["cu_seqlens"].tolist()
+    assert flat_bounds[0] == 0 and flat_bounds[-1] == ids.numel()
+    for b in range(ids.shape[0]):
+        row, lab, p = ids[b].tolist(), labels[b].tolist(), pos[b].tolist()
+        for j in range(len(row) - 1):
+            if row[j] == eos:
+                assert lab[j] == -100 and p[j + 1] == 0  # no label across documents; positions restart
+            else:
+                assert lab[j] == row[j + 1]
+        starts = [x - b * 32 for x in flat_bounds if b * 32 <= x < (b + 1) * 32]
+        assert [j for j in range(32) if p[j] == 0] == starts
+
+
+def test_state_size_is_bounded_per_lane(config):
+    cfg = config.replace(shuffle_window=64)  # the default window
+    loader = Loader(cfg, backend="threads")
+    sizes = []
+    for step, _ in enumerate(loader):
+        if step in (3, 30, 90):
+            sizes.append(len(loader.state_dict()["zephon_stream"]))
+        if step == 90:
+            break
+    per_lane = max(sizes) / cfg.lanes
+    assert per_lane <= 16 * 1024, per_lane
+    assert max(sizes) < 2 * min(sizes), "state must not grow with the position"
+
+
+def _time_to_first_batch(cfg, state):
+    loader = Loader(cfg, backend="threads")
+    loader.load_state_dict(state)
+    t = time.perf_counter()
+    next(iter(loader))
+    return time.perf_counter() - t
+
+
+@pytest.mark.slow
+def test_restore_time_does_not_grow_with_position(config):
+    cfg = config.replace(shuffle_window=64, seq_len=32, global_batch_size=12)
+    loader = Loader(cfg, backend="threads")
+    states = {}
+    for step, _ in enumerate(loader, start=1):
+        if step in (10, 1000):
+            states[step] = loader.state_dict()
+        if step == 1000:
+            break
+    assert decode_state(states[1000]["zephon_stream"]).step == 1000
+    early = min(_time_to_first_batch(cfg, states[10]) for _ in range(3))
+    late = min(_time_to_first_batch(cfg, states[1000]) for _ in range(3))
+    assert late < 2.0 * early + 0.05, (early, late)
+
+
+def test_refuses_changed_data_or_config(config, dataset, tmp_path):
+    loader = Loader(config, backend="inline")
+    it = iter(loader)
+    next(it)
+    it.close()
+    state = loader.state_dict()
+    for change, needle in [({"seed": 1}, "another order config"), ({"seq_len": 128}, "another order config"),
+                           ({"lanes": 6}, "another order config")]:
+        with pytest.raises(IncompatibleState, match=needle):
+            Loader(config.replace(**change), backend="inline").load_state_dict(state)
+    root, _ = dataset
+    moved = tmp_path / "a"
+    shutil.copytree(root / "a", moved)
+    (moved / "a-9.jsonl").write_bytes(b'{"text": "a new shard"}\n')
+    srcs = [msgspec.structs.replace(config.sources[0], uri=f"file://{moved}/"), config.sources[1]]
+    other = Loader(config.replace(sources=srcs), backend="inline")
+    other.load_state_dict(state)
+    with pytest.raises(IncompatibleState, match="other data"):
+        next(iter(other))
