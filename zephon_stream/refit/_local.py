@@ -74,9 +74,12 @@ class ChunkPlan:
         self.owned = all(p.mode != "other" for p in self.parts)
         self.on_cpu = all(isinstance(local.words[p.tensor], np.ndarray) for p in self.parts)
 
-    def _split(self, pos: np.ndarray) -> list[tuple[_Part, np.ndarray, np.ndarray]]:
+    def _split(self, pos: np.ndarray) -> list[tuple[_Part, np.ndarray | slice, np.ndarray]]:
         """(part, index into pos, local element) for each part, keeping only locally held elements."""
-        out = []
+        if len(self.parts) == 1 and self.parts[0].mode == "same":
+            p = self.parts[0]
+            return [(p, slice(None), pos + (p.elem0 - p.word0) if p.elem0 != p.word0 else pos)]
+        out: list[tuple[_Part, np.ndarray | slice, np.ndarray]] = []
         bounds = np.searchsorted(pos, [p.word0 for p in self.parts] + [self.chunk.words])
         for k, p in enumerate(self.parts):
             sel = np.arange(bounds[k], bounds[k + 1])

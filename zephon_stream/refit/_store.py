@@ -83,7 +83,9 @@ async def collect_garbage(store: Store, prefix: str, latest: int, newest_key: in
     Versions above `latest` (a publisher may be writing one) are never touched.
     """
     floor = min(newest_key, latest - keep + 1)
-    doomed = [v for v in await list_versions(store, prefix) if v < floor]
+    doomed = []
+    while floor - len(doomed) > 1 and await _exists(store, prefix, floor - len(doomed) - 1):
+        doomed.append(floor - len(doomed) - 1)  # versions are contiguous: probe down, never list them all
     for v in doomed:
         await store.delete(f"{prefix}v{v}/MANIFEST")
         for info in await store.list(f"{prefix}v{v}/"):

@@ -233,20 +233,21 @@ class _Encode:
             view = old_plan.view()
             old = view if view is not None else old_plan.read()
             obj, pos, x = codec.encode_xor(old, new, self.pub.level)
+            now = new[pos]
             was = self.base.chunks[self.first + j].plain
-            plain = (was + new_plan.change_sum(pos, old[pos], new[pos])) & MASK
+            plain = (was + new_plan.change_sum(pos, now ^ x, now)) & MASK
             if obj is not None:
                 objects["chunk"] = obj
                 kind = codec.SPARSE_XOR if obj[4] == codec.SPARSE_XOR else codec.DENSE_XOR
                 fields.update(kind=kind, size=len(obj), digest=object_digest(obj), changes=len(pos))
                 if self.pub.overwrite:
-                    over = codec.encode_sparse(codec.SPARSE_SET, len(new), pos, new[pos], self.pub.level)
+                    over = codec.encode_sparse(codec.SPARSE_SET, len(new), pos, now, self.pub.level)
                     objects["over"] = over
                     fields.update(over_size=len(over), over_digest=object_digest(over))
             if view is not None:
-                view[pos] = new[pos]
+                view[pos] = now
             else:
-                old_plan.write(pos, new[pos], xor=False)
+                old_plan.write(pos, now, xor=False)
         if self.keyframe:
             full = new_plan.digest(new)
             if plain is not None and plain != full:

@@ -175,7 +175,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 class _Staged(NamedTuple):
     route: Route
-    objects: list[bytes] | None  # None: re-fetch at apply time (over the staging budget)
+    decoded: tuple[np.ndarray | None, np.ndarray, np.ndarray] | None  # None: re-fetch (over budget)
 
 
 class _Pull:
@@ -312,10 +312,10 @@ class _Pull:
         pos, val = (codec.compose_set if route.kind == "set" else codec.compose_xor)(parts)
         return base, pos, val
 
-    def _check(self, i: int, route: Route, objects: list[bytes]) -> None:
+    def _check(self, i: int, route: Route, objects: list[bytes]) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
         """Decode a route and check the chunk digest it would produce, writing nothing."""
         plan, want = self.plans[i], self.m.chunks[i].plain
-        base, pos, val = self._decode(i, route, objects)
+        decoded = base, pos, val = self._decode(i, route, objects)
         if base is not None:
             key_plain = self.sub._manifests[self.key][0].chunks[i].plain  # type: ignore[index]
             got_key = plan.digest(base)
@@ -323,8 +323,9 @@ class _Pull:
                 raise DigestMismatch(f"keyframe v{self.key} chunk {i}: digest {got_key:016x} != {key_plain:016x}")
             base[pos] ^= val
             got = plan.digest(base)
+            decoded = base, np.zeros(0, np.int64), val[:0]
         elif not plan.owned:
-            return  # object digests and decoding checked; this rank cannot see the whole chunk
+            return decoded  # object digests and decoding checked; this rank cannot see the whole chunk
         elif route.kind == "set":
             words = plan.read()
             words[pos] = val
@@ -336,12 +337,12 @@ class _Pull:
             raise DigestMismatch(
                 f"chunk {i} would have digest {got:016x} after applying v{self.target}, the manifest says {want:016x}"
             )
+        return decoded
 
-    def _write(self, i: int, route: Route, objects: list[bytes]) -> None:
+    def _write(self, i: int, route: Route, decoded: tuple[np.ndarray | None, np.ndarray, np.ndarray]) -> None:
         plan = self.plans[i]
-        base, pos, val = self._decode(i, route, objects)
+        base, pos, val = decoded
         if base is not None:
-            base[pos] ^= val
             plan.write(np.arange(plan.chunk.words), base, xor=False)
         else:
             plan.write(pos, val, xor=route.kind == "xor")
@@ -361,16 +362,16 @@ class _Pull:
             for route in self.routes[i]:
                 try:
                     objects = await self._fetch(i, route)
-                    await anyio.to_thread.run_sync(self._check, i, route, objects, limiter=cpu)
+                    decoded = await anyio.to_thread.run_sync(self._check, i, route, objects, limiter=cpu)
                 except (*_REFUSABLE, RefitError) as exc:
                     errors.append(exc)
                     continue
                 if route.kind == "key":
                     route = Route("key", self.key or 0, None)
-                size = sum(map(len, objects))
+                size = sum(a.nbytes for a in decoded if a is not None)
                 keep = size <= self.budget
                 self.budget -= size if keep else 0
-                return _Staged(route, objects if keep else None)
+                return _Staged(route, decoded if keep else None)
             first = errors[0]
             for other in errors[1:]:
                 first.add_note(f"fallback also failed: {type(other).__name__}: {other}")
@@ -388,8 +389,11 @@ class _Pull:
 
         async def stage(i: int) -> None:
             st = self.staged.pop(i)
-            objects = st.objects if st.objects is not None else await self._fetch(i, st.route)
-            await anyio.to_thread.run_sync(self._write, i, st.route, objects, limiter=cpu)
+            decoded = st.decoded
+            if decoded is None:
+                objects = await self._fetch(i, st.route)
+                decoded = await anyio.to_thread.run_sync(self._check, i, st.route, objects, limiter=cpu)
+            await anyio.to_thread.run_sync(self._write, i, st.route, decoded, limiter=cpu)
 
         async def commit(i: int, _: None) -> None:
             pass
