@@ -18,9 +18,20 @@ from ._exceptions import (
     ZephonError,
 )
 
+from ._core.config import Config, SourceConfig
+from ._core.state import LaneState, LoaderState
+from ._loader import BatchStream, Loader, LoaderStatistics
+
 __version__ = "0.1.0"
 
 __all__ = sorted([
+    "BatchStream",
+    "Config",
+    "LaneState",
+    "Loader",
+    "LoaderState",
+    "LoaderStatistics",
+    "SourceConfig",
     "AccessDenied",
     "AlreadyExists",
     "BaseVersionMismatch",

@@ -36,7 +36,7 @@ class LoaderStatistics(msgspec.Struct, frozen=True):
     skipped_shards: int
     buffered_batches: int  # sample batches waiting in lane buffers now
     peak_buffered_batches: int
-    buffer_capacity: int  # sample_buffer x lanes of this rank
+    buffer_capacity: int  # sample_buffer x lanes of this rank (the peak may exceed it by one batch in hand)
     store_requests: int
     store_retries: int
     store_bytes_read: int
@@ -262,7 +262,7 @@ class BatchStream:
                 self.done[lane] = True
                 break
             self.credit(lane)
-            self.loader._peak = max(self.loader._peak, 1 + sum(
+            self.loader._peak = max(self.loader._peak, 1 + sum(  # + the batch just taken out
                 s.statistics().current_buffer_used for s in self.streams.values()))
         if not queue:
             return padding_sample(self.loader.config.seq_len, self.pad_id, lane, index)
