@@ -17,7 +17,7 @@ chunk it holds: a chunk that matches the old or the new digest resumes from ther
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -131,8 +131,12 @@ class Subscriber:
 
     # -- pull -----------------------------------------------------------------------------
 
-    async def pull(self, state: Mapping[str, torch.Tensor]) -> int:
-        """Apply every pending version in place; return the version reached (0: none exist)."""
+    async def pull(self, state: Mapping[str, torch.Tensor], *, sync: Callable[[], None] | None = None) -> int:
+        """Apply every pending version in place; return the version reached (0: none exist).
+
+        `sync`, when given, runs (in a thread) after the writes and before the record says the
+        version is complete: e.g. flushing a memory-mapped weights file.
+        """
         latest = await find_latest(self.store, self._prefix)
         if latest == 0:
             return self.record.version
@@ -146,6 +150,8 @@ class Subscriber:
         await job.verify()
         await self._save(msgspec.structs.replace(rec, target=latest))
         await job.apply()
+        if sync is not None:
+            await anyio.to_thread.run_sync(sync)
         await self._save(LocalRecord(latest, None, geometry(m), [c.plain for c in m.chunks], m.model_digest))
         return latest
 

@@ -1,0 +1,99 @@
+"""`zephon refit publish|pull|status`: the refit relay from the command line.
+
+    zephon refit publish --prefix URI --weights FILE.safetensors [--keyframe-every K]
+    zephon refit pull    --prefix URI --weights FILE.safetensors      (updates FILE in place)
+    zephon refit status  --prefix URI
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import anyio
+
+from .._exceptions import ZephonError
+from ..connectors import open_store
+from . import safetensors
+from ._store import find_latest, list_versions, read_manifest
+from .publisher import Publisher
+from .subscriber import Subscriber
+
+__all__ = ["add_subparser"]
+
+
+def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the `refit` command to an argparse subparsers object; each command sets `func`."""
+    p = subparsers.add_parser("refit", help="publish, pull and inspect delta-compressed weight versions")
+    sub = p.add_subparsers(dest="refit_command", required=True)
+    pub = sub.add_parser("publish", help="publish a safetensors file as the next version")
+    pub.add_argument("--prefix", required=True, help="file:///dir/, s3://bucket/prefix/ or memory://name/")
+    pub.add_argument("--weights", required=True, help="a .safetensors file")
+    pub.add_argument("--keyframe-every", type=int, default=10, metavar="K")
+    pub.add_argument("--keep-versions", type=int, default=8, metavar="N")
+    pub.add_argument("--chunk-bytes", type=int, default=4 << 20)
+    pub.add_argument("--overwrite", action="store_true", help="also publish overwrite objects (for retries)")
+    pub.set_defaults(func=_publish)
+    pull = sub.add_parser("pull", help="update a safetensors file in place to the latest version")
+    pull.add_argument("--prefix", required=True)
+    pull.add_argument("--weights", required=True)
+    pull.add_argument("--record", help="local version record (default: FILE.refit beside the weights)")
+    pull.set_defaults(func=_pull)
+    st = sub.add_parser("status", help="list versions, their sizes and keyframes")
+    st.add_argument("--prefix", required=True)
+    st.set_defaults(func=_status)
+    return p
+
+
+def _guard(fn: Any) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return anyio.run(fn, args)
+        except ZephonError as exc:
+            print(f"zephon refit {args.refit_command}: error: {exc}", file=sys.stderr)
+            for note in getattr(exc, "__notes__", []):
+                print(f"  {note}", file=sys.stderr)
+            return 1
+
+    return run
+
+
+@_guard
+async def _publish(args: argparse.Namespace) -> int:
+    state = safetensors.load(args.weights)
+    async with Publisher(args.prefix, keyframe_every=args.keyframe_every, keep_versions=args.keep_versions,
+                         chunk_bytes=args.chunk_bytes, overwrite=args.overwrite) as pub:
+        info = await pub.publish(state)
+    kind = "keyframe" if info.keyframe else "delta"
+    print(f"version {info.version} digest {info.model_digest:016x} {kind} delta_bytes {info.delta_bytes} "
+          f"key_bytes {info.key_bytes} changes {info.changes}")
+    return 0
+
+
+@_guard
+async def _pull(args: argparse.Namespace) -> int:
+    state = safetensors.load(args.weights, writable=True)
+    async with Subscriber(args.prefix, record=args.record or f"{args.weights}.refit") as sub:
+        version = await sub.pull(state, sync=state.flush)
+    print(f"version {version} digest {sub.record.model_digest:016x}")
+    return 0
+
+
+@_guard
+async def _status(args: argparse.Namespace) -> int:
+    store, prefix = open_store(args.prefix)
+    async with store:
+        latest = await find_latest(store, prefix)
+        print(f"latest {latest}")
+        print(f"{'version':>8} {'base':>6} {'keyframe':>8} {'delta_bytes':>12} {'key_bytes':>12} "
+              f"{'changes':>10} {'ratio':>8} digest")
+        for v in await list_versions(store, prefix):
+            got = await read_manifest(store, prefix, v)
+            if got is None:
+                continue
+            m = got[0]
+            ratio = f"{m.model_bytes / m.delta_bytes:.1f}x" if m.delta_bytes else "-"
+            print(f"{v:>8} {m.base_version or '-':>6} {'yes' if m.keyframe else 'no':>8} {m.delta_bytes:>12} "
+                  f"{m.key_bytes:>12} {m.changes:>10} {ratio:>8} {m.model_digest:016x}")
+    return 0
