@@ -27,6 +27,7 @@ import numpy as np
 from ._core.config import Config
 from ._core.rng import permutation
 from ._core.state import DocRef, LaneState
+from ._exceptions import CheckpointError
 from .connectors.base import Store
 from .operators.mix import Doc, Mix
 from .operators.pack import Pack, Sample
@@ -103,12 +104,12 @@ class TextLane:
         """Produce samples into `out` (in batches of `sample_batch`) until the data ends."""
         cfg, st = self.shared.config, self.state_in
         async with out, AsyncExitStack() as stack, anyio.create_task_group() as tg:
+            await self._restore(st)  # before read-ahead starts, so the two do not compete for CPU
             for s, cursor in enumerate(st.cursors):
                 send, recv = anyio.create_memory_object_stream[list[Doc]](cfg.doc_buffer)
                 stack.enter_context(recv)
                 self._feeds.append(_Feed(recv))
                 tg.start_soon(self._read_source, s, cursor, send)
-            await self._restore(st)
             index, batch = st.samples, []
             while not st.done:
                 sample = await self.pack.next(self.lane, index)
@@ -137,21 +138,34 @@ class TextLane:
         self.pack.restore((tuple(st.carry), docs[tuple(st.carry)]) if st.carry else None, st.carry_offset)
 
     async def _reread(self, refs: list[DocRef]) -> list[np.ndarray]:
-        """Read and tokenize the documents a checkpoint refers to (a bounded amount)."""
-        texts: list[str] = [""] * len(refs)
+        """Read and tokenize the documents a checkpoint refers to: one pass over each split involved."""
+        by_split: dict[tuple[int, int], set[int]] = {}
+        for source, position, offset, _ in refs:
+            by_split.setdefault((source, position), set()).add(offset)
+        texts: dict[tuple[int, int, int], str] = {}
 
-        async def one(i: int, ref: DocRef) -> None:
-            source, position, offset, length = ref
+        async def one(source: int, position: int, offsets: set[int]) -> None:
             reader = self.shared.reader(source, self.lane, position)
-            assert reader is not None, f"checkpoint refers to a split past the end: {ref}"
-            async for pos, block in reader.blocks(offset):
-                texts[i] = self.shared.decode(source, position, reader, pos, block[:length])[0][1]
-                return
+            if reader is None:
+                raise CheckpointError(f"lane {self.lane} state refers to split position {position} of source "
+                                      f"{source}, past the end of the data: the checkpoint does not match it")
+            last = max(offsets)
+            async for pos, block in reader.blocks(min(offsets)):
+                for (_, _, off, _), text in await self.shared.run_cpu(self.shared.decode, source, position,
+                                                                       reader, pos, block):
+                    if off in offsets:
+                        texts[source, position, off] = text
+                if pos + len(block) > last:
+                    return
 
         async with anyio.create_task_group() as tg:
-            for i, ref in enumerate(refs):
-                tg.start_soon(one, i, tuple(ref))
-        return await self.shared.run_cpu(self.shared.tokenizer, texts)
+            for (source, position), offsets in by_split.items():
+                tg.start_soon(one, source, position, offsets)
+        missing = [r for r in refs if (r[0], r[1], r[2]) not in texts]
+        if missing:
+            raise CheckpointError(f"lane {self.lane} state refers to documents that are not in the data: "
+                                  f"{missing[:3]}: the checkpoint does not match the data")
+        return await self.shared.run_cpu(self.shared.tokenizer, [texts[r[0], r[1], r[2]] for r in refs])
 
     async def _read_source(self, source: int, cursor: tuple[int, int], send: anyio.abc.ObjectSendStream) -> None:
         shared, position, offset = self.shared, *cursor

@@ -1,0 +1,105 @@
+"""Loader throughput against the tokenizer alone, restore time, and checkpoint size, on real text.
+
+    .venv/bin/python bench/loader.py [--mb 48] [--repeats 3] [--backend threads]
+
+Data: Debian's kernel and Python documentation (about 41 MB of English text, fetched once with
+apt-get into ~/.cache/zephon-stream) topped up with the standard library's sources, written as
+multi-frame JSONL.zst shards; a byte-level BPE (vocab 8192) trained on it. The baseline is
+`Tokenizer.encode_batch_fast` alone on the same documents, in batches of the same size, in this
+process on the same cores. The loader runs one epoch (max_epochs = 1) of the same documents.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from zephon_stream import Config, Loader, SourceConfig
+from zephon_stream._datasets import collect_documents, train_tokenizer, write_jsonl_shards
+
+
+def prepare(root: Path, mb: int) -> tuple[list[str], Path]:
+    docs = collect_documents(mb << 20)
+    marker = root / f"built-{mb}"
+    if not marker.exists():
+        write_jsonl_shards(docs, root / "text", name="text", shards=8, compress="zst")
+        train_tokenizer(docs, root / "tokenizer.json")
+        marker.touch()
+    return [t for _, t in docs], root / "tokenizer.json"
+
+
+def tokenizer_only(texts: list[str], path: Path, batch: int) -> tuple[float, int]:
+    tok = Tokenizer.from_file(str(path))
+    t = time.perf_counter()
+    n = 0
+    for i in range(0, len(texts), batch):
+        n += sum(len(e.ids) + 1 for e in tok.encode_batch_fast(texts[i:i + batch], add_special_tokens=False))
+    return n / (time.perf_counter() - t), n
+
+
+def loader_epoch(config: Config) -> tuple[float, int, float]:
+    t = time.perf_counter()
+    loader = Loader(config)
+    tokens, first = 0, None
+    for batch in loader:
+        tokens += int(batch["num_tokens"].sum())
+        first = first or time.perf_counter() - t
+    return tokens / (time.perf_counter() - t), tokens, first
+
+
+def restore_time(config: Config, step: int) -> tuple[float, int]:
+    loader = Loader(config)
+    for _ in loader:
+        if loader.step == step:
+            break
+    state = loader.state_dict()
+    times = []
+    for _ in range(3):
+        fresh = Loader(config)
+        t = time.perf_counter()
+        fresh.load_state_dict(state)
+        next(iter(fresh))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), len(state["zephon_stream"])
+
+
+def fmt(xs: list[float]) -> str:
+    return f"median {statistics.median(xs):,.0f}  (min {min(xs):,.0f}, max {max(xs):,.0f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--backend", default="threads")
+    ap.add_argument("--data", type=Path, default=Path("data/bench"))
+    args = ap.parse_args()
+    texts, tok = prepare(args.data.resolve(), args.mb)
+    size = sum(len(t.encode()) for t in texts)
+    print(f"data: {len(texts)} documents, {size / 1e6:.1f} MB of real text; tokenizer {tok}")
+    config = Config(seed=1, lanes=12, seq_len=2048, global_batch_size=24, tokenizer=str(tok), max_epochs=1,
+                    backend=args.backend, sources=[SourceConfig(name="text", uri=f"file://{tok.parent}/text/")])
+    base, mine = [], []
+    for r in range(args.repeats):
+        rate, n = tokenizer_only(texts, tok, config.tokenize_batch)
+        base.append(rate)
+        lrate, ln, first = loader_epoch(config)
+        mine.append(lrate)
+        print(f"  run {r}: tokenizer-only {rate:,.0f} tok/s ({n:,} tokens)   loader {lrate:,.0f} tok/s "
+              f"({ln:,} tokens, first batch after {first:.2f}s)")
+    print(f"tokenizer encode_batch_fast alone: {fmt(base)} tok/s")
+    print(f"loader ({args.backend}, 12 lanes, seq_len 2048): {fmt(mine)} tok/s")
+    print(f"ratio loader / tokenizer-only: {statistics.median(mine) / statistics.median(base):.3f} "
+          f"(per-run: {', '.join(f'{m / b:.3f}' for m, b in zip(mine, base))})")
+    for step in (10, 200):
+        t, nbytes = restore_time(config.replace(max_epochs=0), step)
+        print(f"restore at step {step}: first batch after {t * 1000:.0f} ms (median of 3); checkpoint "
+              f"{nbytes} bytes = {nbytes / config.lanes:.0f} bytes per lane")
+
+
+if __name__ == "__main__":
+    main()
