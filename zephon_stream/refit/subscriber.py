@@ -338,7 +338,9 @@ class _Pull:
             got = plan.digest(words)
         else:
             old = plan.gather(pos)
-            got = (route.digest + plan.change_sum(pos, old, old ^ val)) & ((1 << 64) - 1)  # type: ignore[operator]
+            new = old ^ val
+            got = (route.digest + plan.change_sum(pos, old, new)) & ((1 << 64) - 1)  # type: ignore[operator]
+            decoded = None, pos, new  # new values: the write is then a plain scatter
         if got != want:
             raise DigestMismatch(
                 f"chunk {i} would have digest {got:016x} after applying v{self.target}, the manifest says {want:016x}"
@@ -346,12 +348,14 @@ class _Pull:
         return decoded
 
     def _write(self, i: int, route: Route, decoded: tuple[np.ndarray | None, np.ndarray, np.ndarray]) -> None:
+        """Write a chunk checked by `_check`: its full words, or its changed words' new values
+        (`_check` turned an owned chunk's XOR into new values; others still hold the XOR)."""
         plan = self.plans[i]
         base, pos, val = decoded
         if base is not None:
             plan.write(np.arange(plan.chunk.words), base, xor=False)
         else:
-            plan.write(pos, val, xor=route.kind == "xor")
+            plan.write(pos, val, xor=route.kind == "xor" and not plan.owned)
         if self.m.keyframe and route.kind != "key" and plan.owned:
             got = plan.digest(plan.read())  # keyframes re-hash in full
             if got != self.m.chunks[i].plain:
@@ -375,9 +379,10 @@ class _Pull:
                 if route.kind == "key":
                     route = Route("key", self.key or 0, None)
                 size = sum(a.nbytes for a in decoded if a is not None)
-                keep = size <= self.budget
-                self.budget -= size if keep else 0
-                return _Staged(route, decoded if keep else None)
+                if size > self.budget:
+                    return _Staged(route, None)
+                self.budget -= size
+                return _Staged(route, decoded)
             first = errors[0]
             for other in errors[1:]:
                 first.add_note(f"fallback also failed: {type(other).__name__}: {other}")
