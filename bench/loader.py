@@ -19,6 +19,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from zephon_stream import Config, Loader, SourceConfig
+from zephon_stream._core.state import state_to_bytes
 from zephon_stream._datasets import collect_documents, train_tokenizer, write_jsonl_shards
 
 
@@ -64,7 +65,7 @@ def restore_time(config: Config, step: int) -> tuple[float, int]:
         fresh.load_state_dict(state)
         next(iter(fresh))
         times.append(time.perf_counter() - t)
-    return statistics.median(times), len(state["zephon_stream"])
+    return statistics.median(times), len(state_to_bytes(state))
 
 
 def fmt(xs: list[float]) -> str:

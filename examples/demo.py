@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from zephon_stream import Config, Loader, SourceConfig
+from zephon_stream._core.state import state_to_bytes
 from zephon_stream._datasets import build_demo
 from zephon_stream.testing.determinism import batch_records
 
@@ -49,7 +50,7 @@ def main() -> int:
             state = loader.state_dict()
         if loader.step == STEPS:
             break
-    print(f"\ncheckpoint at step {CUT}: {len(state['zephon_stream'])} bytes for {config.lanes} lanes")
+    print(f"\ncheckpoint at step {CUT}: {len(state_to_bytes(state))} bytes for {config.lanes} lanes")
 
     resumed = []
     for rank in range(2):

@@ -19,7 +19,7 @@ from ._exceptions import (
 )
 
 from ._core.config import Config, SourceConfig
-from ._core.state import LaneState, LoaderState
+from ._core.state import LaneState, LoaderState, StateHeader, state_from_bytes, state_to_bytes
 from ._loader import BatchStream, Loader, LoaderStatistics
 
 __version__ = "0.1.0"
@@ -32,6 +32,9 @@ __all__ = sorted([
     "LoaderState",
     "LoaderStatistics",
     "SourceConfig",
+    "StateHeader",
+    "state_from_bytes",
+    "state_to_bytes",
     "AccessDenied",
     "AlreadyExists",
     "BaseVersionMismatch",

@@ -15,7 +15,7 @@ import msgspec
 from ._collate import collate, padding_sample
 from ._core.config import Config
 from ._core.sequencer import check_world, consumed, rank_lanes, rank_slots
-from ._core.state import FORMAT_VERSION, LaneState, LoaderState, decode_state, encode_state
+from ._core.state import FORMAT_VERSION, LaneState, LoaderState, StateHeader
 from ._exceptions import CheckpointError, IncompatibleState, ZephonError, root_error
 from ._pipeline import DataPlan, Lanes, TextLane
 from .connectors import open_store
@@ -57,13 +57,19 @@ class Loader:
     """
 
     def __init__(self, config: Config, *, dp_rank: int | None = None, dp_size: int | None = None,
+                 dp_group: Any = None, device_mesh: Any = None, mesh_dim: str = "dp",
                  backend: str | None = None, wrap_store: StoreWrapper | None = None) -> None:
+        """`dp_rank`/`dp_size` come, in order of precedence, from the arguments, from `dp_group`
+        (a torch.distributed process group), from `device_mesh[mesh_dim]`, or from the default
+        process group when torch.distributed is initialized; else rank 0 of 1. Ranks that share a
+        DP rank (tensor/pipeline/context-parallel peers) receive identical batches."""
         if dp_size is None:
-            dp_rank, dp_size = _dist_rank_size() if dp_rank is None else (dp_rank, 1)
+            dp_rank, dp_size = _dist_rank_size(dp_group, device_mesh, mesh_dim) if dp_rank is None else (dp_rank, 1)
         self.config = config.replace(backend=backend) if backend else config
         self.dp_rank, self.dp_size = dp_rank or 0, dp_size
         check_world(config.lanes, config.global_batch_size, self.dp_size, self.dp_rank)
         self.tokenizer = Tokenize(config.tokenizer, config.eos_token)
+        import torch  # noqa: F401  (loaded here, not on the event loop at the first batch)
         self.order_digest = config.order_digest(self.tokenizer.sha256)
         self.lanes = rank_lanes(config.lanes, self.dp_size, self.dp_rank)
         self.wrap_store = wrap_store
@@ -88,52 +94,56 @@ class Loader:
 
     # ---- checkpoint -------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        """The consumed frontier of this rank: one record per lane it owns (torch Stateful)."""
-        states = [self._lane_states[lane] or self._initial(lane) for lane in self.lanes]
-        state = LoaderState(FORMAT_VERSION, self.order_digest, self._fingerprint or self._data_fingerprint(),
-                            self.config.lanes, self.config.global_batch_size, self.step, states)
-        return {"zephon_stream": encode_state(state)}
+    def state_dict(self) -> dict[str, bytes]:
+        """The consumed frontier of this rank: `{"meta": ..., "lane_0003": ..., ...}` (torch Stateful).
 
-    def load_state_dict(self, state_dict: dict[str, Any] | list[dict[str, Any]] | bytes) -> None:
+        One entry per lane this rank owns; save every rank's dict (with torch.distributed.checkpoint,
+        or `state_to_bytes` per rank) and any world size that divides `lanes` can load them.
+        """
+        states = [self._lane_states[lane] or self._initial(lane) for lane in self.lanes]
+        header = StateHeader(FORMAT_VERSION, self.order_digest, self._fingerprint or self._data_fingerprint(),
+                             self.config.lanes, self.config.global_batch_size, self.step)
+        return LoaderState(header, states).to_dict()
+
+    def load_state_dict(self, state_dict: dict[str, bytes] | list[dict[str, bytes]]) -> None:
         """Load one rank's state, or several ranks' states (a list) that together hold our lanes."""
         parts = state_dict if isinstance(state_dict, list) else [state_dict]
-        decoded = [decode_state(p if isinstance(p, bytes | bytearray) else bytes(p["zephon_stream"]))
-                   for p in parts]
-        first = max(decoded, key=lambda st: st.step)
+        decoded = [LoaderState.from_dict(p) for p in parts]
+        first = max(decoded, key=lambda st: st.header.step)
         for st in decoded:
             self._check_compatible(st, first)
         lanes = {ls.lane: ls for st in decoded for ls in st.lane_states}
         missing = [lane for lane in self.lanes if lane not in lanes]
         if missing:
             raise CheckpointError(f"checkpoint holds lanes {sorted(lanes)} but rank {self.dp_rank}/{self.dp_size} "
-                                  f"needs lanes {missing} too: pass every rank's state file")
-        slots = first.step * first.global_batch_size
+                                  f"needs lanes {missing} too: pass every rank's state")
+        head = first.header
+        slots = head.step * head.global_batch_size
         for lane in self.lanes:
-            expect = consumed(lane, first.lanes, slots)
+            expect = consumed(lane, head.lanes, slots)
             if lanes[lane].samples > expect or (lanes[lane].samples < expect and not lanes[lane].done):
-                raise CheckpointError(f"lane {lane} state has {lanes[lane].samples} samples but step {first.step} "
+                raise CheckpointError(f"lane {lane} state has {lanes[lane].samples} samples but step {head.step} "
                                       f"means {expect}: the checkpoint is inconsistent")
-        self.step = first.step
-        self._fingerprint = first.data_fingerprint
+        self.step = head.step
+        self._fingerprint = head.data_fingerprint
         self._lane_states = {lane: lanes[lane] for lane in self.lanes}
 
     def _check_compatible(self, st: LoaderState, first: LoaderState) -> None:
-        cfg = self.config
-        if st.order_digest != self.order_digest:
+        cfg, head = self.config, st.header
+        if head.order_digest != self.order_digest:
             raise IncompatibleState(
-                f"checkpoint was written under another order config (digest {st.order_digest}, now "
+                f"checkpoint was written under another order config (digest {head.order_digest}, now "
                 f"{self.order_digest}): seed, lanes, seq_len, sources, weights, tokenizer, shuffle_window, "
                 f"max_epochs, split_bytes or global_batch_size changed; restore them or start fresh")
-        if (st.lanes, st.global_batch_size) != (cfg.lanes, cfg.global_batch_size):
-            raise IncompatibleState(f"checkpoint has lanes={st.lanes} global_batch_size={st.global_batch_size}, "
+        if (head.lanes, head.global_batch_size) != (cfg.lanes, cfg.global_batch_size):
+            raise IncompatibleState(f"checkpoint has lanes={head.lanes} global_batch_size={head.global_batch_size}, "
                                     f"config has {cfg.lanes} and {cfg.global_batch_size}")
-        if st.data_fingerprint != first.data_fingerprint:
+        if head.data_fingerprint != first.header.data_fingerprint:
             raise IncompatibleState("rank states were written for different data: pass the files of one checkpoint")
-        if st.step != first.step and not all(ls.done for ls in st.lane_states):
+        if head.step != first.header.step and not all(ls.done for ls in st.lane_states):
             # a rank whose lanes all ended (max_epochs) stops early; any other must be at the same step
-            raise IncompatibleState(f"rank states disagree: step {st.step} vs {first.step}; pass the files "
-                                    "of one checkpoint")
+            raise IncompatibleState(f"rank states disagree: step {head.step} vs {first.header.step}; pass the "
+                                    "states of one checkpoint")
 
     def _initial(self, lane: int) -> LaneState:
         n = len(self.config.sources)
@@ -241,7 +251,10 @@ class BatchStream:
                 st = ld._lane_states[lane] or ld._initial(lane)
                 ld._lane_states[lane] = msgspec.structs.replace(st, done=True)
             raise StopAsyncIteration
-        batch = collate(samples, ld.step, slots)
+        if cfg.backend == "inline":
+            batch = collate(samples, ld.step, slots)
+        else:  # stacking seq_len x batch tensors is CPU work: keep it off the trainer's loop
+            batch = await anyio.to_thread.run_sync(collate, samples, ld.step, slots)
         for s in samples:
             if s.state is not None:
                 ld._lane_states[s.lane] = s.state
@@ -324,9 +337,11 @@ async def open_stores(config: Config, stack: AsyncExitStack, wrap: StoreWrapper 
     return stores
 
 
-def _dist_rank_size() -> tuple[int, int]:
+def _dist_rank_size(group: Any, mesh: Any, mesh_dim: str) -> tuple[int, int]:
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+    if group is None and mesh is not None:
+        group = mesh.get_group(mesh_dim)
+    if group is not None or (dist.is_available() and dist.is_initialized()):
+        return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1

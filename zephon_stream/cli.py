@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ._core.config import Config
+from ._core.state import state_from_bytes, state_to_bytes
 from ._exceptions import ZephonError
 
 
@@ -77,10 +78,10 @@ def _stream(args: argparse.Namespace) -> int:
         raise ZephonError("--save-state and --save-at go together")
     loader = Loader(Config.from_toml(args.config), dp_rank=args.dp_rank, dp_size=args.dp_size, backend=args.backend)
     if args.resume:
-        loader.load_state_dict([{"zephon_stream": f.read_bytes()} for f in args.resume])
+        loader.load_state_dict([state_from_bytes(f.read_bytes()) for f in args.resume])
     progress = _Progress(loader) if not args.digests else None
     if args.save_at is not None and loader.step == args.save_at:
-        args.save_state.write_bytes(loader.state_dict()["zephon_stream"])
+        args.save_state.write_bytes(state_to_bytes(loader.state_dict()))
     stop = None if args.steps is None else args.steps
     out = sys.stdout
     for batch in _batches(loader, stop):
@@ -93,7 +94,7 @@ def _stream(args: argparse.Namespace) -> int:
         elif progress:
             progress.update()
         if args.save_at is not None and loader.step == args.save_at:
-            args.save_state.write_bytes(loader.state_dict()["zephon_stream"])
+            args.save_state.write_bytes(state_to_bytes(loader.state_dict()))
     if progress:
         progress.finish()
     return 0

@@ -28,30 +28,70 @@ class LaneState(msgspec.Struct, frozen=True, array_like=True):
     carry_offset: int  # tokens of `carry` already packed
 
 
-class LoaderState(msgspec.Struct, frozen=True):
+class StateHeader(msgspec.Struct, frozen=True):
+    """What every rank's state carries: the format, what the state is valid for, and the position."""
+
     format_version: int
     order_digest: str
     data_fingerprint: str
     lanes: int
     global_batch_size: int
     step: int  # global batches consumed
+
+
+class LoaderState(msgspec.Struct, frozen=True):
+    """One rank's state: the header and one record per lane it owns."""
+
+    header: StateHeader
     lane_states: list[LaneState]
+
+    def to_dict(self) -> dict[str, bytes]:
+        """`{"meta": ..., "lane_03": ..., ...}`: one key per lane, so checkpoint tools
+        (torch.distributed.checkpoint included) store lanes separately and any world size can
+        load exactly the lanes it owns."""
+        out = {"meta": _encoder.encode(self.header)}
+        out.update({lane_key(ls.lane): _encoder.encode(ls) for ls in self.lane_states})
+        return out
+
+    @classmethod
+    def from_dict(cls, state: dict[str, bytes]) -> LoaderState:
+        if "meta" not in state:
+            raise CheckpointError(f"not a zephon-stream loader state: no 'meta' key among {sorted(state)[:5]}")
+        header = _decode(_header_decoder, state["meta"], "meta")
+        if header.format_version != FORMAT_VERSION:
+            raise CheckpointError(f"checkpoint format_version {header.format_version} is not supported "
+                                  f"(this version reads {FORMAT_VERSION})")
+        lanes = [_decode(_lane_decoder, v, k) for k, v in sorted(state.items()) if k.startswith("lane_")]
+        for key, ls in zip(sorted(k for k in state if k.startswith("lane_")), lanes):
+            if key != lane_key(ls.lane):
+                raise CheckpointError(f"checkpoint entry {key!r} holds the state of lane {ls.lane}")
+        return cls(header, lanes)
+
+
+def lane_key(lane: int) -> str:
+    return f"lane_{lane:04d}"
 
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(LoaderState)
+_header_decoder = msgspec.msgpack.Decoder(StateHeader)
+_lane_decoder = msgspec.msgpack.Decoder(LaneState)
+_file_decoder = msgspec.msgpack.Decoder(dict[str, bytes])
 
 
-def encode_state(state: LoaderState) -> bytes:
-    return _encoder.encode(state)
-
-
-def decode_state(data: bytes) -> LoaderState:
+def _decode(decoder: msgspec.msgpack.Decoder, data: object, key: str) -> object:
     try:
-        state = _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise CheckpointError(f"checkpoint is not a zephon-stream loader state: {exc}") from exc
-    if state.format_version != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint format_version {state.format_version} is not supported "
-                              f"(this version reads {FORMAT_VERSION})")
-    return state
+        return decoder.decode(bytes(data))  # type: ignore[arg-type]
+    except (TypeError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CheckpointError(f"checkpoint entry {key!r} is not a zephon-stream state: {exc}") from exc
+
+
+def state_to_bytes(state: dict[str, bytes]) -> bytes:
+    """One file's worth of a rank's `state_dict()` (for saving without torch.distributed.checkpoint)."""
+    return _encoder.encode({k: bytes(v) for k, v in state.items()})
+
+
+def state_from_bytes(data: bytes) -> dict[str, bytes]:
+    try:
+        return _file_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise CheckpointError(f"not a zephon-stream state file: {exc}") from exc
