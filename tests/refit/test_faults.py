@@ -9,7 +9,6 @@ from contextlib import asynccontextmanager
 import anyio
 import msgspec
 import pytest
-import torch
 
 from zephon_stream import BaseVersionMismatch, DataError, DigestMismatch, ObjectNotFound
 from zephon_stream.connectors import MemoryStore, open_store
@@ -45,7 +44,7 @@ async def _s3(target) -> AsyncIterator[tuple[Store, str]]:  # type: ignore[no-un
 async def _key(store: Store, prefix: str, what: str) -> str:
     keys = [o.key for o in await store.list(f"{prefix}v2/{what}-")]
     assert keys, f"no {what} objects in v2"
-    return max(keys, key=lambda k: 0)  # any: the first listed
+    return keys[0]
 
 
 async def _setup(store: Store, prefix: str, *, overwrite: bool = False):  # type: ignore[no-untyped-def]

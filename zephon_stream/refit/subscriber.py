@@ -34,7 +34,7 @@ from ._local import ChunkPlan, LocalState
 from ._pipeline import run_ordered
 from ._store import find_latest, read_manifest
 from .layout import WORD, RankStream, Sharding, TensorTable
-from .manifest import ChunkEntry, Manifest, object_digest
+from .manifest import Manifest, object_digest
 
 __all__ = ["LocalRecord", "Subscriber"]
 
