@@ -40,6 +40,10 @@ def _frames(path: Path) -> list[tuple[bytes, int]]:
     data = path.read_bytes()
     out = []
     while data:
+        if int.from_bytes(data[:4], "little") == 0x184D2A5E:  # the seek table: a skippable frame, last
+            n = int.from_bytes(data[-9:-5], "little")
+            assert n == len(out) and len(data) == 8 + 8 * n + 9, "seek table lists every frame"
+            break
         size = zstandard.frame_content_size(data)
         dobj = zstandard.ZstdDecompressor().decompressobj()
         content = dobj.decompress(data)

@@ -555,22 +555,32 @@ def _blocks(sizes: Sequence[int], shards: int) -> list[tuple[int, int]]:
 
 def _zst_frames(lines: Iterable[bytes], frame_bytes: int) -> Iterator[bytes]:
     """Independent zstd frames (level 3, content size in the header), each of whole lines and about
-    ``frame_bytes`` of input; a line longer than that gets a frame of its own."""
+    ``frame_bytes`` of input (a line longer than that gets a frame of its own), then a seek table."""
     import zstandard
+
+    from .operators.read import seek_table
 
     cctx = zstandard.ZstdCompressor(level=3, write_content_size=True, write_checksum=True)
     buf: list[bytes] = []
     size = 0
     wrote = False
+    sizes: list[tuple[int, int]] = []
+
+    def frame(raw: bytes) -> bytes:
+        out = cctx.compress(raw)
+        sizes.append((len(out), len(raw)))
+        return out
+
     for line in lines:
         if buf and size + len(line) > frame_bytes:
-            yield cctx.compress(b"".join(buf))
+            yield frame(b"".join(buf))
             wrote = True
             buf, size = [], 0
         buf.append(line)
         size += len(line)
     if buf or not wrote:  # an empty shard is one empty frame: still a valid zstd stream
-        yield cctx.compress(b"".join(buf))
+        yield frame(b"".join(buf))
+    yield seek_table(sizes)  # the shard's frame index, so a reader plans it with one ranged read
 
 
 def write_jsonl_shards(

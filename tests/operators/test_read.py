@@ -6,14 +6,14 @@ from hypothesis import given, settings, strategies as st
 
 from zephon_stream import ConfigError, DataError
 from zephon_stream.connectors import MemoryStore
-from zephon_stream.operators.read import Parser, SplitReader, plan_source
+from zephon_stream.operators.read import Parser, SplitReader, plan_source, seek_table
 
 
 def _lines(texts):
     return b"".join(msgspec.json.encode({"text": t}) + b"\n" for t in texts)
 
 
-def _zst(texts, frame_every, cut_mid_line=False):
+def _zst(texts, frame_every, cut_mid_line=False, seekable=False):
     data = _lines(texts)
     if cut_mid_line:
         pieces = [data[i:i + frame_every] for i in range(0, len(data), frame_every)]
@@ -26,21 +26,23 @@ def _zst(texts, frame_every, cut_mid_line=False):
                 cur = b""
         pieces += [cur] if cur else []
     c = zstandard.ZstdCompressor(level=1)
-    return b"".join(c.compress(p) for p in pieces)
+    frames = [c.compress(p) for p in pieces]
+    table = seek_table([(len(f), len(p)) for f, p in zip(frames, pieces)]) if seekable else b""
+    return b"".join(frames) + table
 
 
 async def _read_all(store, plan, parser):
     texts = []
     for split in plan.splits:
-        reader = SplitReader(store, plan.prefix, plan.shards[split.shard], split, 1 << 20)
+        reader = SplitReader(store, plan.shards[split.shard], split, 1 << 20)
         async for pos, block in reader.blocks():
             texts += [t for _, _, t in parser.parse(reader, pos, block)]
     return texts
 
 
-def _run(store, lanes, split_bytes, on_bad="error"):
+def _run(store, lanes, split_bytes, on_bad="error", prefix=""):
     async def go():
-        plan = await plan_source(store, "", "s", "memory://x/", "text", lanes, split_bytes, on_bad)
+        plan = await plan_source(store, prefix, "s", "memory://x/", "text", lanes, split_bytes, on_bad)
         return plan, await _read_all(store, plan, Parser("text", on_bad))
     return anyio.run(go)
 
@@ -50,7 +52,7 @@ def _run(store, lanes, split_bytes, on_bad="error"):
     texts=st.lists(st.text(min_size=0, max_size=300), min_size=1, max_size=60),
     shards=st.integers(1, 3),
     lanes=st.integers(1, 12),
-    kind=st.sampled_from(["jsonl", "zst", "zst-mid-line"]),
+    kind=st.sampled_from(["jsonl", "zst", "zst-mid-line", "zst-seekable"]),
     frame_every=st.integers(20, 2000),
 )
 def test_every_record_read_exactly_once_in_order(texts, shards, lanes, kind, frame_every):
@@ -59,10 +61,11 @@ def test_every_record_read_exactly_once_in_order(texts, shards, lanes, kind, fra
     groups = [texts[i:i + per] for i in range(0, len(texts), per)]
     for i, g in enumerate(groups):
         if kind == "jsonl":
-            store.objects[f"s-{i}.jsonl"] = _lines(g)
+            store.objects[f"p/s-{i}.jsonl"] = _lines(g)
         else:
-            store.objects[f"s-{i}.jsonl.zst"] = _zst(g, frame_every, kind == "zst-mid-line")
-    plan, got = _run(store, lanes, 1024)
+            store.objects[f"p/s-{i}.jsonl.zst"] = _zst(g, frame_every, kind == "zst-mid-line",
+                                                       kind == "zst-seekable")
+    plan, got = _run(store, lanes, 1024, prefix="p/")
     assert got == texts
 
 
@@ -108,3 +111,14 @@ def test_skip_policy_counts_bad_records():
         return plan, await _read_all(store, plan, parser), parser.skipped
     plan, got, skipped = anyio.run(go)
     assert got == ["a", "b"] and skipped == 2 and plan.skipped_shards == ["b.jsonl"]
+
+
+def test_seek_table_plans_without_reading_the_shard():
+    store = MemoryStore()
+    store.objects["a.jsonl.zst"] = _zst([f"doc {i}" * 30 for i in range(200)], 500, seekable=True)
+    plan, got = _run(store, 4, 1024)
+    assert len(got) == 200 and len(plan.shards[0].frames) > 10
+    assert store.statistics().bytes_read < 2 * len(store.objects["a.jsonl.zst"])  # planning read ~nothing
+    store.objects["a.jsonl.zst"] = store.objects["a.jsonl.zst"][:-40] + b"\0" * 31 + store.objects["a.jsonl.zst"][-9:]
+    with pytest.raises(DataError, match="corrupt seek table in 'a.jsonl.zst'"):
+        _run(store, 4, 1024)

@@ -38,7 +38,7 @@ _READ_PART = 1 << 20
 
 
 class ShardPlan(msgspec.Struct, frozen=True, array_like=True):
-    key: str
+    key: str  # the full key in the store
     size: int
     etag: str
     frames: list[int] = []  # zstd only: compressed offset of every frame, then the shard size
@@ -109,6 +109,47 @@ def _zstd_blocks_end(data: bytes, pos: int, key: str) -> int:
             return p + (4 if (fhd >> 2) & 1 else 0)
 
 
+_SEEK_MAGIC = 0x8F92EAB1
+_SEEK_FRAME_MAGIC = 0x184D2A5E
+
+
+def seek_table(frames: list[tuple[int, int]]) -> bytes:
+    """The zstd *seekable format* seek table for frames of (compressed, decompressed) sizes.
+
+    Appended to a .zst shard (it is a skippable frame, so any zstd reader ignores it), it lets the
+    planner find every frame with one small ranged read of the shard's tail: the shard's index,
+    written once, by its writer.
+    """
+    body = b"".join(struct.pack("<II", c, d) for c, d in frames) + struct.pack("<IBI", len(frames), 0, _SEEK_MAGIC)
+    return struct.pack("<II", _SEEK_FRAME_MAGIC, len(body)) + body
+
+
+async def _read_seek_table(store: Store, key: str, size: int) -> list[int] | None:
+    """Frame offsets from a seek table at the end of the shard, or None if it has none."""
+    if size < 17:
+        return None
+    tail = await store.read(key, size - 9, size)
+    if len(tail) != 9 or struct.unpack_from("<I", tail, 5)[0] != _SEEK_MAGIC:
+        return None
+    n, desc = struct.unpack_from("<IB", tail)
+    entry = 12 if desc & 0x80 else 8
+    total = 8 + n * entry + 9
+    if desc & 0x7C or total > size:
+        raise DataError(f"corrupt seek table in {key!r}: {n} frames do not fit in {size} bytes", key=key,
+                        offset=size - 9)
+    table = await store.read(key, size - total, size)
+    magic, length = struct.unpack_from("<II", table)
+    if magic != _SEEK_FRAME_MAGIC or length != total - 8:
+        raise DataError(f"corrupt seek table in {key!r} at byte {size - total}", key=key, offset=size - total)
+    offsets = [0]
+    for i in range(n):
+        offsets.append(offsets[-1] + struct.unpack_from("<I", table, 8 + i * entry)[0])
+    if offsets[-1] != size - total:
+        raise DataError(f"corrupt seek table in {key!r}: frames add up to {offsets[-1]} bytes, the data is "
+                        f"{size - total}", key=key, offset=size - total)
+    return offsets
+
+
 async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field: str,
                       lanes: int, split_bytes: int, on_bad: str) -> SourcePlan:
     """List a source's shards (sorted by key) and cut them into splits."""
@@ -133,13 +174,15 @@ async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field
 
 
 async def _plan_shard(store: Store, obj: ObjectInfo) -> ShardPlan:
+    key = obj.key
     if obj.size == 0:
         raise DataError(f"empty shard {obj.key!r} (0 bytes): remove it or set on_bad_record = \"skip\"",
                         key=obj.key, offset=0)
     if not obj.key.endswith(".zst"):
         return ShardPlan(obj.key, obj.size, obj.etag)
-    data = await store.read(obj.key)
-    frames = await anyio.to_thread.run_sync(zstd_frames, data, obj.key)
+    frames = await _read_seek_table(store, key, obj.size)
+    if frames is None:  # no seek table: walk the frame headers once (reads the whole shard)
+        frames = await anyio.to_thread.run_sync(zstd_frames, await store.read(key), key)
     return ShardPlan(obj.key, obj.size, obj.etag, frames)
 
 
@@ -159,8 +202,8 @@ def _cut(index: int, shard: ShardPlan, target: int) -> list[Split]:
 class SplitReader:
     """Streams the records a split owns, as blocks of whole lines, with bounded memory."""
 
-    def __init__(self, store: Store, prefix: str, shard: ShardPlan, split: Split, max_record: int) -> None:
-        self.store, self.key, self.shard, self.split = store, prefix + shard.key, shard, split
+    def __init__(self, store: Store, shard: ShardPlan, split: Split, max_record: int) -> None:
+        self.store, self.key, self.shard, self.split = store, shard.key, shard, split
         self.max_record = max_record
 
     def __repr__(self) -> str:
