@@ -18,7 +18,7 @@ from ._core.sequencer import check_world, consumed, rank_lanes, rank_slots
 from ._core.state import FORMAT_VERSION, LaneState, LoaderState, StateHeader
 from ._exceptions import CheckpointError, IncompatibleState, ZephonError, root_error
 from ._pipeline import DataPlan, Lanes, TextLane
-from .connectors import open_store
+from .connectors import open_store, parse_uri
 from .connectors.base import Store
 from .operators.read import plan_source
 from .operators.tokenize import Tokenize
@@ -160,7 +160,7 @@ class Loader:
             cfg = self.config
             sources = []
             for src, store in zip(cfg.sources, stores):
-                sources.append(await plan_source(store, source_prefix(src.uri), src.name, src.uri, src.text_field,
+                sources.append(await plan_source(store, parse_uri(src.uri)[2], src.name, src.uri, src.text_field,
                                                  cfg.lanes, cfg.split_bytes, cfg.on_bad_record))
             h = hashlib.sha256()
             for sp in sources:
@@ -313,16 +313,6 @@ def _unwrap_groups() -> Iterator[None]:
         if err is group or not isinstance(err, Exception):
             raise
         raise err from group
-
-
-def source_prefix(uri: str) -> str:
-    """The key prefix of a source URI inside its store."""
-    return open_store(uri)[1] if not uri.startswith("s3://") else _s3_prefix(uri)
-
-
-def _s3_prefix(uri: str) -> str:
-    path = uri.split("://", 1)[1].partition("/")[2]
-    return path + "/" if path and not path.endswith("/") else path
 
 
 async def open_stores(config: Config, stack: AsyncExitStack, wrap: StoreWrapper | None) -> list[Store]:

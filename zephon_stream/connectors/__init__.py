@@ -14,7 +14,8 @@ from .base import ObjectInfo, Store, StoreStatistics
 from .local import LocalStore
 from .memory import MemoryStore
 
-__all__ = ["LocalStore", "MemoryStore", "ObjectInfo", "Store", "StoreStatistics", "open_store", "register_scheme"]
+__all__ = ["LocalStore", "MemoryStore", "ObjectInfo", "Store", "StoreStatistics", "open_store", "parse_uri",
+           "register_scheme"]
 
 _MEMORY: dict[str, MemoryStore] = {}
 _SCHEMES: dict[str, Callable[..., Store]] = {}
@@ -30,22 +31,29 @@ def register_scheme(scheme: str, factory: Callable[..., Store]) -> None:
     _SCHEMES[scheme] = factory
 
 
-def open_store(uri: str, **options: object) -> tuple[Store, str]:
-    """Parse `uri` into (store, key prefix). The prefix is '' or ends with '/'."""
+def parse_uri(uri: str) -> tuple[str, str, str]:
+    """(scheme, location, key prefix): the location is a directory (file://), a store name
+    (memory://) or a bucket; the prefix is '' or ends with '/' (always '' for file://)."""
     parsed = urlparse(uri)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
             raise ConfigError(f"file URI {uri!r} names host {parsed.netloc!r}: use file:///absolute/path/")
-        return LocalStore(unquote(parsed.path)), ""
+        return "file", unquote(parsed.path), ""
+    if parsed.scheme not in ("memory", "s3", *_SCHEMES):
+        raise ConfigError(f"unsupported URI scheme in {uri!r}: use file://, s3:// or memory://")
+    if not parsed.netloc:
+        raise ConfigError(f"URI {uri!r} has no bucket: use {parsed.scheme}://bucket/prefix/")
     prefix = parsed.path.lstrip("/")
-    if prefix and not prefix.endswith("/"):
-        prefix += "/"
-    if parsed.scheme == "memory":
-        return memory_store(parsed.netloc), prefix
-    if parsed.scheme == "s3" and "s3" not in _SCHEMES:
+    return parsed.scheme, parsed.netloc, prefix + "/" if prefix and not prefix.endswith("/") else prefix
+
+
+def open_store(uri: str, **options: object) -> tuple[Store, str]:
+    """Parse `uri` into (store, key prefix). The prefix is '' or ends with '/'."""
+    scheme, location, prefix = parse_uri(uri)
+    if scheme == "file":
+        return LocalStore(location), ""
+    if scheme == "memory":
+        return memory_store(location), prefix
+    if scheme == "s3" and "s3" not in _SCHEMES:
         from . import s3 as _s3  # noqa: F401  (registers the scheme)
-    if parsed.scheme in _SCHEMES:
-        if not parsed.netloc:
-            raise ConfigError(f"URI {uri!r} has no bucket: use {parsed.scheme}://bucket/prefix/")
-        return _SCHEMES[parsed.scheme](parsed.netloc, **options), prefix
-    raise ConfigError(f"unsupported URI scheme in {uri!r}: use file://, s3:// or memory://")
+    return _SCHEMES[scheme](location, **options), prefix
