@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .._exceptions import ConfigError
-from .hashing import MASK, contiguous_sum, element_sum
+from .hashing import MASK, contiguous_sum, element_sum, element_sums
 from .layout import WORD, Chunk, RankStream, Sharding, TensorTable, _Piece
 
 __all__ = ["ChunkPlan", "LocalState"]
@@ -129,7 +129,8 @@ class ChunkPlan:
         for k, p in enumerate(self.parts):
             s = slice(bounds[k], bounds[k + 1])
             where = self.canonical(p, pos[s] - p.word0 + p.elem0)
-            total += element_sum(where, new[s]) - element_sum(where, old[s])
+            now, was = element_sums(where, new[s], old[s])
+            total += now - was
         return total & MASK
 
     def digest(self, words: np.ndarray) -> int:

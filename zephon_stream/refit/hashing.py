@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["MASK", "digest_add", "element_sum"]
+__all__ = ["MASK", "contiguous_sum", "element_sum", "element_sums"]
 
 MASK = (1 << 64) - 1
 _K1 = np.uint64(0x9E3779B97F4A7C15)
@@ -26,22 +26,25 @@ _BLOCK = 1 << 18
 
 def element_sum(positions: np.ndarray, values: np.ndarray) -> int:
     """sum of mix(p, v) mod 2**64 over matching arrays of byte offsets and word values."""
-    total = 0
-    for lo in range(0, len(values), _BLOCK):
-        p = np.asarray(positions[lo : lo + _BLOCK], dtype=np.uint64)
-        x = p * _K1
-        x += np.asarray(values[lo : lo + _BLOCK]).astype(np.uint64) * _K2
-        x ^= x >> _S31
-        x *= _K3
-        x ^= x >> _S29
-        x *= _K1
-        x ^= x >> _S32
-        total += int(x.sum(dtype=np.uint64))
-    return total & MASK
+    return element_sums(positions, values)[0]
 
 
-def digest_add(*terms: int) -> int:
-    return sum(terms) & MASK
+def element_sums(positions: np.ndarray, *values: np.ndarray) -> list[int]:
+    """element_sum for several value arrays at the same positions, mixing the positions once."""
+    totals = [0] * len(values)
+    for lo in range(0, len(positions), _BLOCK):
+        pk = np.asarray(positions[lo : lo + _BLOCK], dtype=np.uint64) * _K1
+        for k, v in enumerate(values):
+            x = np.asarray(v[lo : lo + _BLOCK]).astype(np.uint64)
+            x *= _K2
+            x += pk
+            x ^= x >> _S31
+            x *= _K3
+            x ^= x >> _S29
+            x *= _K1
+            x ^= x >> _S32
+            totals[k] += int(x.sum(dtype=np.uint64))
+    return [t & MASK for t in totals]
 
 
 def contiguous_sum(base: int, itemsize: int, values: np.ndarray) -> int:
