@@ -43,7 +43,9 @@ class VersionConflict(RefitError):
 
 
 class VersionInfo(msgspec.Struct, frozen=True):
-    """What a publish produced. `committed` is False on a rank whose part awaits other ranks."""
+    """What a publish produced. On a sharded rank the sizes and `model_digest` are that rank's
+    share (the MANIFEST's model digest is the sum over ranks), and `committed` is False on a
+    rank whose part was written before the other ranks' parts."""
 
     version: int
     base_version: int | None
