@@ -24,6 +24,17 @@ from ._loader import BatchStream, Loader, LoaderStatistics
 
 __version__ = "0.1.0"
 
+_REFIT = ("Publisher", "Sharding", "Subscriber", "VersionConflict")
+
+
+def __getattr__(name: str) -> object:
+    """The refit API, imported on first use (it loads torch; loader worker processes never do)."""
+    if name in _REFIT:
+        from . import refit
+
+        return getattr(refit, name)
+    raise AttributeError(f"module 'zephon_stream' has no attribute {name!r}")
+
 __all__ = sorted([
     "BatchStream",
     "Config",
@@ -45,6 +56,10 @@ __all__ = sorted([
     "DigestMismatch",
     "IncompatibleState",
     "ObjectNotFound",
+    "Publisher",
+    "Sharding",
+    "Subscriber",
+    "VersionConflict",
     "RefitError",
     "Throttled",
     "ZephonError",
