@@ -9,7 +9,8 @@ Python's stdlib sources), then times, in alternating order so drift hits both al
                raw: gather under a semaphore         connector: open_read's sliding window
                (both know the size, as a reader that listed the objects does)
 
-and prints MB/s (median, min-max over --repeats) and the connector/raw ratio of medians.
+and prints MB/s (median, min-max over --repeats), the client's CPU seconds per GB (this
+process only, so less sensitive to other load than wall time) and the connector/raw ratio.
 Both sides use the same client settings (path-style, checksums only when required, a
 connection pool as large as the concurrency).
 
@@ -104,14 +105,18 @@ async def store_parallel(store: S3Store, keys: list[str], size: int, part: int, 
     return total
 
 
-async def timed(fn: Callable[..., Awaitable[int]], *args: object) -> float:
-    t0 = time.perf_counter()
+async def timed(fn: Callable[..., Awaitable[int]], *args: object) -> tuple[float, float]:
+    """(MB/s of wall time, client CPU seconds per GB): the second is robust to a busy machine."""
+    t0, c0 = time.perf_counter(), time.process_time()
     n = await fn(*args)
-    return n / (time.perf_counter() - t0) / 1e6
+    return n / (time.perf_counter() - t0) / 1e6, (time.process_time() - c0) / n * 1e9
 
 
-def summary(rates: list[float]) -> str:
-    return f"{statistics.median(rates):8.1f} MB/s  ({min(rates):.1f}-{max(rates):.1f})"
+def summary(runs: list[tuple[float, float]]) -> str:
+    rates = [r for r, _ in runs]
+    cpu = statistics.median(c for _, c in runs)
+    spread = f"({min(rates):.1f}-{max(rates):.1f})"
+    return f"{statistics.median(rates):8.1f} MB/s  {spread:13}  client CPU {cpu:.2f} s/GB"
 
 
 async def run(server: SeaweedServer, args: argparse.Namespace) -> None:
@@ -140,7 +145,8 @@ async def run(server: SeaweedServer, args: argparse.Namespace) -> None:
             print(f"{label}")
             print(f"  raw aiobotocore  {summary(raw)}")
             print(f"  S3Store          {summary(ours)}")
-            print(f"  connector / raw  {statistics.median(ours) / statistics.median(raw):.2f}")
+            ratio = statistics.median(r for r, _ in ours) / statistics.median(r for r, _ in raw)
+            print(f"  connector / raw  {ratio:.2f} (MB/s medians)")
         print(f"connector statistics: {store.statistics()}")
 
 
