@@ -14,7 +14,11 @@ process only, so less sensitive to other load than wall time) and the connector/
 Both sides use the same client settings (path-style, checksums only when required, a
 connection pool as large as the concurrency).
 
-    .venv/bin/python bench/s3.py [--objects 16] [--size-mib 16] [--repeats 5]
+Then it uploads the real-text shards of bench/loader.py (about 50 MB of documentation, as
+multi-frame JSONL.zst) and runs one loader epoch from SeaweedFS and one from the local disk,
+alternating, and prints tokens/s of each and the S3/local ratio.
+
+    .venv/bin/python bench/s3.py [--objects 16] [--size-mib 16] [--repeats 5] [--loader-repeats 3]
 """
 
 from __future__ import annotations
@@ -150,6 +154,40 @@ async def run(server: SeaweedServer, args: argparse.Namespace) -> None:
         print(f"connector statistics: {store.statistics()}")
 
 
+def loader_compare(server: SeaweedServer, args: argparse.Namespace) -> None:
+    """Loader tokens/s for one epoch of the same real-text shards, from S3 and from the local disk."""
+    import os
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from loader import loader_epoch, prepare
+
+    from zephon_stream import Config, SourceConfig
+
+    _, tok = prepare(args.data.resolve(), args.mb)
+    shards = sorted((tok.parent / "text").glob("*.jsonl.zst"))
+    client = server.client()
+    for path in shards:
+        client.put_object(Bucket=BUCKET, Key=f"text/{path.name}", Body=path.read_bytes())
+    opts = server.store_options()
+    os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = opts["access_key_id"], opts["secret_access_key"]
+    local = Config(seed=1, lanes=12, seq_len=2048, global_batch_size=24, tokenizer=str(tok), max_epochs=1,
+                   sources=[SourceConfig(name="text", uri=f"file://{tok.parent}/text/")])
+    remote = local.replace(sources=[SourceConfig(name="text", uri=f"s3://{BUCKET}/text/", endpoint_url=opts["endpoint_url"],
+                                                 region=opts["region"], addressing_style="path")])
+    runs: dict[str, list[float]] = {"local": [], "s3": []}
+    for r in range(args.loader_repeats):
+        order = [("local", local), ("s3", remote)]
+        for name, cfg in order if r % 2 == 0 else order[::-1]:
+            rate, tokens, first = loader_epoch(cfg)
+            runs[name].append(rate)
+            print(f"  loader from {name:5}: {rate:,.0f} tok/s ({tokens:,} tokens, first batch after {first:.2f}s)")
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    for name, rates in runs.items():
+        print(f"loader from {name:5}  median {med[name]:,.0f} tok/s  (min {min(rates):,.0f}, max {max(rates):,.0f})")
+    print(f"loader S3 / local: {med['s3'] / med['local']:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -158,10 +196,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--part-mib", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--mb", type=int, default=48, help="real text for the loader comparison")
+    parser.add_argument("--data", type=Path, default=Path("data/bench"))
+    parser.add_argument("--loader-repeats", type=int, default=3)
+    parser.add_argument("--skip-raw", action="store_true", help="only the loader comparison")
     args = parser.parse_args()
     with SeaweedServer() as server:
         server.create_bucket(BUCKET)
-        anyio.run(run, server, args)
+        if not args.skip_raw:
+            anyio.run(run, server, args)
+        loader_compare(server, args)
 
 
 if __name__ == "__main__":
