@@ -1,0 +1,62 @@
+"""Helpers of the relay tests: what a watcher checks at a child prefix, and bounded waits."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import anyio
+
+from zephon_stream import ObjectNotFound
+from zephon_stream.connectors.base import Store
+from zephon_stream.refit.manifest import decode_manifest
+
+from ..refit._helpers import assert_same, model, raw, step, zeros_like  # noqa: F401  (re-exported)
+
+
+async def committed(store: Store, prefix: str) -> list[int]:
+    """Versions with a MANIFEST under `prefix`, ascending."""
+    out = []
+    for info in await store.list(f"{prefix}v"):
+        head, _, rest = info.key[len(prefix) + 1 :].partition("/")
+        if rest == "MANIFEST" and head.isdigit():
+            out.append(int(head))
+    return sorted(out)
+
+
+async def assert_no_partial_version(store: Store, prefix: str) -> list[int]:
+    """Every version visible under `prefix` has every object its MANIFEST names, at its size.
+
+    A version whose MANIFEST is gone by the time an object is found missing was being
+    garbage-collected (MANIFEST first), which is allowed. Returns the versions checked.
+    """
+    seen = []
+    for v in await committed(store, prefix):
+        key = f"{prefix}v{v}/MANIFEST"
+        try:
+            m, _ = decode_manifest(await store.read(key), key)
+        except ObjectNotFound:
+            continue
+        have = {o.key: o.size for o in await store.list(f"{prefix}v{v}/")}
+        want = {m.chunk_key(prefix, i, what): size for i, c in enumerate(m.chunks)
+                for what, size in (("chunk", c.size), ("key", c.key_size), ("over", c.over_size)) if size}
+        wrong = {k: (s, have.get(k)) for k, s in want.items() if have.get(k) != s}
+        if wrong:
+            try:
+                await store.head(key)
+            except ObjectNotFound:
+                continue  # collected while we looked
+            raise AssertionError(f"partial version {v} visible under {prefix}: {len(wrong)} objects "
+                                 f"missing or short, e.g. {next(iter(wrong.items()))}")
+        seen.append(v)
+    return seen
+
+
+async def until(check: Callable[[], Awaitable[bool]], *, timeout: float = 30.0, every: float = 0.01) -> None:
+    """Poll `check` until it holds, at most `timeout` seconds."""
+    with anyio.fail_after(timeout):
+        while not await check():
+            await anyio.sleep(every)
+
+
+def snapshot(state: dict) -> dict:  # type: ignore[type-arg]
+    return {k: v.clone() for k, v in state.items()}
