@@ -1,0 +1,123 @@
+"""`zephon relay` from the command line: flags, config files, --once, and what it never prints."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from zephon_stream import ConfigError
+from zephon_stream.refit import Publisher, Subscriber
+from zephon_stream.refit.relay_cli import add_subparser, load_config
+
+from ._helpers import assert_same, model, snapshot, step, zeros_like
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="zephon")
+    add_subparser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["relay", *argv])
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Iterator[None]:
+    logger = logging.getLogger("zephon_stream")
+    saved = logger.handlers[:], logger.level, logger.propagate
+    yield
+    logger.handlers[:], logger.level, logger.propagate = saved
+
+
+def test_endpoint_options_follow_their_prefix() -> None:
+    args = parse("--from", "s3://t/p/", "--from-endpoint", "http://127.0.0.1:1", "--to", "s3://a/p/",
+                 "--to-endpoint", "http://127.0.0.1:2", "--to-region", "eu-west-1", "--to", "s3://b/p/",
+                 "--to-profile", "b", "--poll-interval", "0.5", "--metrics-port", "9464")
+    cfg = load_config(args)
+    assert cfg.parent is not None and cfg.parent.endpoint_url == "http://127.0.0.1:1"
+    assert [(c.uri, c.endpoint_url, c.region, c.profile) for c in cfg.to] == [
+        ("s3://a/p/", "http://127.0.0.1:2", "eu-west-1", None), ("s3://b/p/", None, None, "b")]
+    assert (cfg.poll_interval, cfg.metrics_port) == (0.5, 9464)
+
+
+def test_option_before_its_prefix_refused(capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit):
+        parse("--to-endpoint", "http://x:1", "--to", "s3://a/")
+    assert "--to-endpoint must follow a --to" in capsys.readouterr().err
+
+
+def test_config_file_with_credentials_from_env(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "r.toml").write_text(
+        'poll_interval = 0.25\n[from]\nuri = "s3://t/p/"\nendpoint_url = "http://127.0.0.1:1"\n'
+        'access_key_id_env = "K"\nsecret_access_key_env = "S"\n[from.options]\nmax_in_flight = 8\n'
+        '[[to]]\nuri = "s3://a/p/"\n')
+    monkeypatch.setenv("K", "key-id")
+    monkeypatch.setenv("S", "very-secret")
+    cfg = load_config(parse("--config", str(tmp_path / "r.toml"), "--to", "s3://b/p/"))
+    assert [c.uri for c in cfg.to] == ["s3://a/p/", "s3://b/p/"] and cfg.poll_interval == 0.25
+    parent = cfg.parent.prefix()  # type: ignore[union-attr]
+    assert parent.options["secret_access_key"] == "very-secret" and parent.options["max_in_flight"] == 8
+    assert "very-secret" not in repr(parent) and "very-secret" not in parent.name
+    monkeypatch.delenv("S")
+    with pytest.raises(ConfigError, match=r"\$S, which is not set"):
+        load_config(parse("--config", str(tmp_path / "r.toml"))).parent.prefix()  # type: ignore[union-attr]
+    (tmp_path / "bad.toml").write_text('[from]\nuri = "s3://t/"\nendpoint = "x"\n')
+    with pytest.raises(ConfigError, match="endpoint"):
+        load_config(parse("--config", str(tmp_path / "bad.toml"), "--to", "s3://a/"))
+
+
+def test_once_over_file_prefixes(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    for d in ("root", "a", "b"):
+        (tmp_path / d).mkdir()
+    w = model(3)
+
+    async def publish() -> dict:  # type: ignore[type-arg]
+        async with Publisher(f"file://{tmp_path}/root/", chunk_bytes=256, keyframe_every=2) as pub:
+            nonlocal w
+            for v in (1, 2, 3):
+                w = step(w, v)
+                await pub.publish(w)
+        return snapshot(w)
+
+    final = anyio.run(publish)
+    args = parse("--from", f"file://{tmp_path}/root/", "--to", f"file://{tmp_path}/a/", "--to",
+                 f"file://{tmp_path}/b/", "--once")
+    assert args.func(args) == 0
+    out, err = capsys.readouterr()
+    assert f"file://{tmp_path}/b/: relayed 3 version(s) [1, 2, 3]; parent at 3" in out
+    assert '"event": "version_committed"' in err
+    assert args.func(args) == 0  # nothing pending: a no-op
+    assert "relayed 0 version(s)" in capsys.readouterr().out
+
+    async def pull() -> dict:  # type: ignore[type-arg]
+        replica = zeros_like(w)
+        async with Subscriber(f"file://{tmp_path}/b/") as sub:
+            assert await sub.pull(replica) == 3
+        return replica
+
+    assert_same(final, anyio.run(pull))
+
+
+@pytest.mark.s3
+def test_rejected_credentials_never_printed(regions, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    trainer, child = regions("trainer", proxy=False), regions("child")
+    secret = trainer.options["secret_access_key"]
+    (tmp_path / "r.toml").write_text(
+        f'[from]\nuri = "{trainer.uri("p/")}"\nendpoint_url = "{trainer.options["endpoint_url"]}"\n'
+        f'access_key_id = "{trainer.options["access_key_id"]}"\nsecret_access_key = "{secret}"\n'
+        f'[[to]]\nuri = "{child.uri("p/")}"\nendpoint_url = "{child.options["endpoint_url"]}"\n'
+        f'access_key_id = "{child.options["access_key_id"]}"\nsecret_access_key = "wrong-{secret}"\n')
+
+    async def publish() -> None:
+        store, key = trainer.open("p/")
+        async with store, Publisher(key, store=store, chunk_bytes=256) as pub:
+            await pub.publish(model(4))
+
+    anyio.run(publish)
+    args = parse("--config", str(tmp_path / "r.toml"), "--once")
+    assert args.func(args) == 1
+    out, err = capsys.readouterr()
+    assert "credentials were rejected" in err
+    assert secret not in out + err

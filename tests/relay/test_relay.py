@@ -1,0 +1,189 @@
+"""Relay logic on memory stores: lagging children, restarts, retention, foreign trees, metrics."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from zephon_stream import RefitError
+from zephon_stream.connectors import MemoryStore
+from zephon_stream.connectors.base import Store
+from zephon_stream.refit import Publisher, Subscriber
+from zephon_stream.refit.relay import Prefix, Relay
+from zephon_stream.refit.relay_cli import serve_metrics
+
+from ._helpers import assert_no_partial_version, assert_same, committed, model, snapshot, step, zeros_like
+
+
+async def _publish(pub: Publisher, w: dict, versions: range, models: dict) -> dict:  # type: ignore[type-arg]
+    for v in versions:
+        w = step(w, v, frac=0.2)
+        models[v] = snapshot(w)
+        assert (await pub.publish(w)).version == v
+    return w
+
+
+def test_lagging_child_restarts_at_newest_keyframe() -> None:
+    async def main() -> None:
+        parent, child = MemoryStore(), MemoryStore()
+        models: dict = {}  # type: ignore[type-arg]
+        w = model(5)
+        replica = zeros_like(w)
+        sub = Subscriber("c/", store=child)
+        async with Publisher("p/", store=parent, chunk_bytes=256, keyframe_every=3, keep_versions=2) as pub, \
+                Relay(Prefix("p/", store=parent), [Prefix("c/", store=child)], lanes=2) as relay:
+            w = await _publish(pub, w, range(1, 3), models)
+            assert (await relay.sync()).committed == {"c/": [1, 2]}
+            assert await sub.pull(replica) == 2
+            w = await _publish(pub, w, range(3, 10), models)  # keyframes 1, 4, 7; the parent keeps 7..9
+            assert await committed(parent, "p/") == [7, 8, 9]
+            report = await relay.sync()
+            assert report.ok and report.committed == {"c/": [7, 8, 9]}
+            assert await committed(child, "c/") == [7, 8, 9]  # old versions below the gap swept
+            assert not [k for k in child.objects if k.startswith(("c/v1/", "c/v2/"))]
+            assert await sub.pull(replica) == 9  # across the gap: from keyframe 7
+            assert_same(models[9], replica)
+            w = await _publish(pub, w, range(10, 13), models)  # intact chain: every delta, composed by subscribers
+            assert (await relay.sync()).committed == {"c/": [10, 11, 12]}
+            assert await sub.pull(replica) == 12
+            assert_same(models[12], replica)
+            assert await committed(child, "c/") == await committed(parent, "p/")
+
+    anyio.run(main)
+
+
+class Killed(BaseException):
+    """Stands in for kill -9: nothing after it runs."""
+
+
+class _Dies:
+    def __init__(self, inner: Store, after: int) -> None:
+        self.inner, self.after = inner, after
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.inner, name)
+
+    async def put(self, key: str, data: bytes, *, if_none_match: bool = False) -> None:
+        self.after -= 1
+        if self.after < 0:
+            raise Killed(key)
+        await self.inner.put(key, data, if_none_match=if_none_match)
+
+
+@pytest.mark.parametrize("after", [0, 3, 7, 12])
+def test_restart_copies_only_what_is_missing(after: int) -> None:
+    async def main() -> None:
+        parent, child = MemoryStore(), MemoryStore()
+        models: dict = {}  # type: ignore[type-arg]
+        async with Publisher("p/", store=parent, chunk_bytes=256) as pub:
+            await _publish(pub, model(6), range(1, 3), models)
+        with pytest.raises(Killed):
+            async with Relay(Prefix("p/", store=parent), [Prefix("c/", store=_Dies(child, after))], lanes=1) as r:
+                await r.sync()
+        done = await assert_no_partial_version(child, "c/")
+        pending = lambda k: "/MANIFEST" not in k and "LATEST" not in k and int(k[3:].partition("/")[0]) not in done  # noqa: E731
+        there = {k: len(v) for k, v in child.objects.items() if pending(k)}
+        total = sum(len(v) for k, v in parent.objects.items() if pending(k))
+        before = parent.statistics().bytes_read
+        async with Relay(Prefix("p/", store=parent), [Prefix("c/", store=child)], lanes=3) as relay:
+            assert (await relay.sync()).ok
+            stats = relay.statistics()
+        assert stats.children[0].objects_skipped == len(there)
+        assert stats.bytes_read == total - sum(there.values())  # nothing already at the child read again
+        manifests = sum(len(v) for k, v in parent.objects.items() if k.endswith("/MANIFEST"))
+        assert parent.statistics().bytes_read - before <= total - sum(there.values()) + manifests + 64
+        replica = zeros_like(models[2])
+        assert await Subscriber("c/", store=child).pull(replica) == 2
+        assert_same(models[2], replica)
+
+    anyio.run(main)
+
+
+def test_corrupt_object_at_child_is_replaced() -> None:
+    async def main() -> None:
+        parent, child = MemoryStore(), MemoryStore()
+        models: dict = {}  # type: ignore[type-arg]
+        async with Publisher("p/", store=parent, chunk_bytes=256) as pub:
+            await _publish(pub, model(7), range(1, 2), models)
+        key = next(k for k in parent.objects if "/key-" in k)
+        child.objects["c/" + key[2:]] = bytes(len(parent.objects[key]))  # a stale, wrong object of the right size
+        async with Relay(Prefix("p/", store=parent), [Prefix("c/", store=child)]) as relay:
+            assert (await relay.sync()).ok
+        assert child.objects["c/" + key[2:]] == parent.objects[key]
+
+    anyio.run(main)
+
+
+def test_keep_versions_at_the_children() -> None:
+    async def main() -> None:
+        parent, child = MemoryStore(), MemoryStore()
+        async with Publisher("p/", store=parent, chunk_bytes=256, keyframe_every=2, keep_versions=100) as pub, \
+                Relay(Prefix("p/", store=parent), [Prefix("c/", store=child)], keep_versions=2) as relay:
+            await _publish(pub, model(8), range(1, 8), {})
+            assert (await relay.sync()).ok
+        assert await committed(parent, "p/") == list(range(1, 8))
+        assert await committed(child, "c/") == [6, 7]  # min(newest keyframe 7, 7 - 2 + 1)
+
+    anyio.run(main)
+
+
+def test_child_fed_by_another_tree_is_refused() -> None:
+    async def main() -> None:
+        parent, other, child = MemoryStore(), MemoryStore(), MemoryStore()
+        async with Publisher("p/", store=parent, chunk_bytes=256) as pub:
+            await _publish(pub, model(9), range(1, 3), {})
+        async with Publisher("p/", store=other, chunk_bytes=256) as pub:
+            await _publish(pub, model(10), range(1, 2), {})
+        async with Relay(Prefix("p/", store=other), [Prefix("c/", store=child)]) as relay:
+            assert (await relay.sync()).ok
+        async with Relay(Prefix("p/", store=parent), [Prefix("c/", store=child)]) as relay:
+            report = await relay.sync()
+        assert not report.ok and isinstance(report.errors[0], RefitError)
+        assert "another tree" in str(report.errors[0])
+        assert await committed(child, "c/") == [1]
+
+    anyio.run(main)
+
+
+def test_bad_settings_refused() -> None:
+    with pytest.raises(RefitError, match="at least one child"):
+        Relay("memory://x/p/", [])
+    with pytest.raises(RefitError, match="must differ"):
+        Relay("memory://x/p/", ["memory://x/p/"])
+    with pytest.raises(RefitError, match="lanes=0"):
+        Relay("memory://x/p/", ["memory://x/c/"], lanes=0)
+    assert "secret" not in repr(Prefix("s3://b/p/", endpoint_url="http://u:secret@h:1", secret_access_key="secret"))
+
+
+def test_metrics_endpoint() -> None:
+    async def get(port: int, path: str) -> tuple[str, str]:
+        async with await anyio.connect_tcp("127.0.0.1", port) as s:
+            await s.send(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            data = b""
+            try:
+                while True:
+                    data += await s.receive()
+            except (anyio.EndOfStream, anyio.BrokenResourceError):
+                pass
+        head, _, body = data.decode().partition("\r\n\r\n")
+        return head.split("\r\n")[0], body
+
+    async def main() -> None:
+        parent, child = MemoryStore(), MemoryStore()
+        async with Publisher("p/", store=parent, chunk_bytes=256) as pub:
+            await _publish(pub, model(11), range(1, 3), {})
+        with anyio.fail_after(30):
+            async with Relay(Prefix("p/", store=parent), [Prefix("c/", store=child)]) as relay, \
+                    anyio.create_task_group() as tg:
+                assert (await relay.sync()).ok
+                port = await tg.start(serve_metrics, relay, 0)
+                status, body = await get(port, "/metrics")
+                assert status == "HTTP/1.1 200 OK"
+                assert 'zephon_relay_versions_relayed_total{child="c/"} 2' in body
+                assert 'zephon_relay_lag_versions{child="c/"} 0' in body
+                assert "zephon_relay_up 1" in body
+                assert await get(port, "/healthz") == ("HTTP/1.1 200 OK", "ok\n")
+                assert (await get(port, "/nope"))[0] == "HTTP/1.1 404 Not Found"
+                tg.cancel_scope.cancel()
+
+    anyio.run(main)
