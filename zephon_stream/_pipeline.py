@@ -65,7 +65,8 @@ class Lanes:
         if self.config.max_epochs and epoch >= self.config.max_epochs:
             return None
         split = src.splits[self._perm(source, epoch)[index]]
-        return SplitReader(self.stores[source], src.shards[split.shard], split, self.config.max_record_bytes)
+        return SplitReader(self.stores[source], src.shards[split.shard], split, self.config.max_record_bytes,
+                           self.run_cpu)
 
     def skipped(self) -> int:
         return sum(p.skipped for p in self.parsers)

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import AsyncIterator
-from typing import Literal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Literal
 
 import anyio
 import msgspec
@@ -202,9 +202,12 @@ def _cut(index: int, shard: ShardPlan, target: int) -> list[Split]:
 class SplitReader:
     """Streams the records a split owns, as blocks of whole lines, with bounded memory."""
 
-    def __init__(self, store: Store, shard: ShardPlan, split: Split, max_record: int) -> None:
+    def __init__(self, store: Store, shard: ShardPlan, split: Split, max_record: int,
+                 run_cpu: Callable[..., Awaitable[Any]] | None = None) -> None:
         self.store, self.key, self.shard, self.split = store, shard.key, shard, split
         self.max_record = max_record
+        self.run_cpu = run_cpu or anyio.to_thread.run_sync
+        self._byte_before = b""
 
     def __repr__(self) -> str:
         return f"SplitReader({self.key!r}, {self.split})"
@@ -214,9 +217,11 @@ class SplitReader:
 
         `offset` > 0 must be a record start (a checkpoint cursor always is one).
         """
-        skip_partial = offset == 0 and self.split.start > 0 and not await self._starts_at_record()
+        skip_partial: bool | None = None if offset == 0 and self.split.start > 0 else False
         pos, pending, owned_end = 0, b"", None
         async for piece_pos, piece, inside in self._pieces(offset):
+            if skip_partial is None:  # after the first piece: for JSONL it carries the byte before the split
+                skip_partial = not await self._starts_at_record()
             if not inside and owned_end is None:
                 owned_end = piece_pos
             if not pending:
@@ -259,28 +264,51 @@ class SplitReader:
         return f"byte {self.split.start + pos}"
 
     async def _starts_at_record(self) -> bool:
+        """Whether the split begins at a record start: the byte (frame) before it ends a line."""
         if not self.shard.frames:
-            return await self.store.read(self.key, self.split.start - 1, self.split.start) == b"\n"
+            return self._byte_before == b"\n"
         f = self.split.start - 1
         data = await self.store.read(self.key, self.shard.frames[f], self.shard.frames[f + 1])
-        return (await anyio.to_thread.run_sync(self._decompress, data, f)).endswith(b"\n")
+        return (await self.run_cpu(self._decompress, data, f)).endswith(b"\n")
 
     async def _pieces(self, offset: int) -> AsyncIterator[tuple[int, bytes, bool]]:
         """(decoded offset, bytes, inside the owned range) pieces from the split's start onwards."""
         if self.shard.frames:
-            frames, pos = self.shard.frames, 0
-            for f in range(self.split.start, len(frames) - 1):
-                data = await self.store.read(self.key, frames[f], frames[f + 1])
-                piece = await anyio.to_thread.run_sync(self._decompress, data, f)
-                yield pos, piece, f < self.split.end
-                pos += len(piece)
+            async for piece in self._frame_pieces():
+                yield piece
             return
         start, end, size = self.split.start, self.split.end, self.shard.size
         pos = start + offset
+        if pos == start and start > 0:  # one request for the split and the byte before it
+            data = await self.store.read(self.key, start - 1, min(end, start + _READ_PART))
+            self._byte_before = data[:1]
+            yield 0, data[1:], True
+            pos = start + len(data) - 1
         while pos < size:
             stop = min(end, pos + _READ_PART) if pos < end else min(size, pos + (1 << 16))
             yield pos - start, await self.store.read(self.key, pos, stop), pos < end
             pos = stop
+
+    async def _frame_pieces(self) -> AsyncIterator[tuple[int, bytes, bool]]:
+        """Decompressed frames from the split's first: its own in requests of up to _READ_PART
+        compressed bytes, then (only to finish a record) the following frames one at a time."""
+        frames, f, pos = self.shard.frames, self.split.start, 0
+        while f < len(frames) - 1:
+            g = f + 1
+            if f < self.split.end:
+                while g < self.split.end and frames[g + 1] - frames[f] <= _READ_PART:
+                    g += 1
+            data = await self.store.read(self.key, frames[f], frames[g])
+            pieces = await self.run_cpu(self._decompress_range, data, f, g)
+            for i, piece in enumerate(pieces):
+                yield pos, piece, f + i < self.split.end
+                pos += len(piece)
+            f = g
+
+    def _decompress_range(self, data: bytes, first: int, last: int) -> list[bytes]:
+        base = self.shard.frames[first]
+        return [self._decompress(data[self.shard.frames[i] - base:self.shard.frames[i + 1] - base], i)
+                for i in range(first, last)]
 
     def _decompress(self, data: bytes, frame: int) -> bytes:
         where = self.shard.frames[frame]
