@@ -33,23 +33,25 @@ def prepare(root: Path, mb: int) -> tuple[list[str], Path]:
     return [t for _, t in docs], root / "tokenizer.json"
 
 
-def tokenizer_only(texts: list[str], path: Path, batch: int) -> tuple[float, int]:
+def tokenizer_only(texts: list[str], path: Path, batch: int) -> tuple[float, int, float]:
+    """(tokens/s, tokens, tokens per CPU-second of this process) for encode_batch_fast alone."""
     tok = Tokenizer.from_file(str(path))
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     n = 0
     for i in range(0, len(texts), batch):
         n += sum(len(e.ids) + 1 for e in tok.encode_batch_fast(texts[i:i + batch], add_special_tokens=False))
-    return n / (time.perf_counter() - t), n
+    return n / (time.perf_counter() - t), n, n / (time.process_time() - c)
 
 
-def loader_epoch(config: Config) -> tuple[float, int, float]:
-    t = time.perf_counter()
+def loader_epoch(config: Config) -> tuple[float, int, float, float]:
+    """(tokens/s, tokens, seconds to the first batch, tokens per CPU-second) for one loader epoch."""
+    t, c = time.perf_counter(), time.process_time()
     loader = Loader(config)
     tokens, first = 0, None
     for batch in loader:
         tokens += int(batch["num_tokens"].sum())
         first = first or time.perf_counter() - t
-    return tokens / (time.perf_counter() - t), tokens, first
+    return tokens / (time.perf_counter() - t), tokens, first, tokens / (time.process_time() - c)
 
 
 def restore_time(config: Config, step: int) -> tuple[float, int]:
@@ -84,18 +86,23 @@ def main() -> None:
     print(f"data: {len(texts)} documents, {size / 1e6:.1f} MB of real text; tokenizer {tok}")
     config = Config(seed=1, lanes=12, seq_len=2048, global_batch_size=24, tokenizer=str(tok), max_epochs=1,
                     backend=args.backend, sources=[SourceConfig(name="text", uri=f"file://{tok.parent}/text/")])
-    base, mine = [], []
+    base, mine, base_cpu, mine_cpu = [], [], [], []
     for r in range(args.repeats):
-        rate, n = tokenizer_only(texts, tok, config.tokenize_batch)
+        rate, n, cpu = tokenizer_only(texts, tok, config.tokenize_batch)
         base.append(rate)
-        lrate, ln, first = loader_epoch(config)
+        base_cpu.append(cpu)
+        lrate, ln, first, lcpu = loader_epoch(config)
         mine.append(lrate)
-        print(f"  run {r}: tokenizer-only {rate:,.0f} tok/s ({n:,} tokens)   loader {lrate:,.0f} tok/s "
-              f"({ln:,} tokens, first batch after {first:.2f}s)")
+        mine_cpu.append(lcpu)
+        print(f"  run {r}: tokenizer-only {rate:,.0f} tok/s ({n:,} tokens, {cpu:,.0f} tok/CPU-s)   loader "
+              f"{lrate:,.0f} tok/s ({ln:,} tokens, first batch after {first:.2f}s, {lcpu:,.0f} tok/CPU-s)")
     print(f"tokenizer encode_batch_fast alone: {fmt(base)} tok/s")
     print(f"loader ({args.backend}, 12 lanes, seq_len 2048): {fmt(mine)} tok/s")
-    print(f"ratio loader / tokenizer-only: {statistics.median(mine) / statistics.median(base):.3f} "
+    print(f"ratio loader / tokenizer-only (wall): {statistics.median(mine) / statistics.median(base):.3f} "
           f"(per-run: {', '.join(f'{m / b:.3f}' for m, b in zip(mine, base))})")
+    print(f"ratio loader / tokenizer-only (tokens per CPU-second of this process): "
+          f"{statistics.median(mine_cpu) / statistics.median(base_cpu):.3f} "
+          f"(per-run: {', '.join(f'{m / b:.3f}' for m, b in zip(mine_cpu, base_cpu))})")
     for step in (10, 200):
         t, nbytes = restore_time(config.replace(max_epochs=0), step)
         print(f"restore at step {step}: first batch after {t * 1000:.0f} ms (median of 3); checkpoint "

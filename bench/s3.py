@@ -179,7 +179,7 @@ def loader_compare(server: SeaweedServer, args: argparse.Namespace) -> None:
     for r in range(args.loader_repeats):
         order = [("local", local), ("s3", remote)]
         for name, cfg in order if r % 2 == 0 else order[::-1]:
-            rate, tokens, first = loader_epoch(cfg)
+            rate, tokens, first, _ = loader_epoch(cfg)
             runs[name].append(rate)
             print(f"  loader from {name:5}: {rate:,.0f} tok/s ({tokens:,} tokens, first batch after {first:.2f}s)")
     med = {k: statistics.median(v) for k, v in runs.items()}
