@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from zephon_stream._core.config import SourceConfig
+from zephon_stream import AccessDenied, ObjectNotFound
 from zephon_stream._loader import Loader
 from zephon_stream.testing.determinism import batch_records, run_world
 from zephon_stream.testing.proxy import FAULT_KINDS, Faults
@@ -65,3 +65,26 @@ def test_faults_change_nothing_and_are_counted(s3_config, local_baseline, s3, s3
     faults = proxy.statistics().faults
     assert set(faults) == set(FAULT_KINDS), faults
     assert stats.store_retries > 0, stats
+
+
+def test_s3_buffer_sizes_and_resume_twice(s3_config, local_baseline):
+    tiny = s3_config.replace(sample_buffer=1, doc_buffer=1, sample_batch=1, tokenize_batch=3, cpu_threads=1)
+    a, s1 = run_world(tiny, 6, 3, backend="threads")
+    b, s2 = run_world(s3_config.replace(doc_buffer=16, sample_buffer=16), 2, 4, backend="inline", resume=s1)
+    c, _ = run_world(s3_config, 1, STEPS - 7, backend="threads", resume=s2)
+    assert a + b + c == local_baseline
+
+
+@pytest.mark.parametrize(("change", "error", "needle"), [
+    ("bucket", ObjectNotFound, "no-such-bucket-zz"),
+    ("secret", AccessDenied, "check"),
+])
+def test_permanent_errors_stop_the_loader_naming_the_object(s3_config, monkeypatch, change, error, needle):
+    if change == "bucket":
+        cfg = s3_config.replace(sources=[msgspec.structs.replace(s3_config.sources[0], uri="s3://no-such-bucket-zz/a/")])
+    else:
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")
+        cfg = s3_config
+    with pytest.raises(error, match=needle) as info:
+        next(iter(Loader(cfg, backend="threads")))
+    assert "wrong-secret" not in str(info.value)
