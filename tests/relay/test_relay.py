@@ -5,14 +5,14 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from zephon_stream import RefitError
+from zephon_stream import DataError, RefitError
 from zephon_stream.connectors import MemoryStore
 from zephon_stream.connectors.base import Store
 from zephon_stream.refit import Publisher, Subscriber
 from zephon_stream.refit.relay import Prefix, Relay
 from zephon_stream.refit.relay_cli import serve_metrics
 
-from ._helpers import assert_no_partial_version, assert_same, committed, model, snapshot, step, zeros_like
+from ._helpers import assert_no_partial_version, assert_same, committed, model, snapshot, step, until, zeros_like
 
 
 async def _publish(pub: Publisher, w: dict, versions: range, models: dict) -> dict:  # type: ignore[type-arg]
@@ -187,3 +187,79 @@ def test_metrics_endpoint() -> None:
                 tg.cancel_scope.cancel()
 
     anyio.run(main)
+
+
+def test_hostile_parent_manifest_reported_not_copied() -> None:
+    async def main() -> None:
+        parent, child = MemoryStore(), MemoryStore()
+        async with Publisher("p/", store=parent, chunk_bytes=256) as pub:
+            await _publish(pub, model(12), range(1, 3), {})
+        async with Relay(Prefix("p/", store=parent), [Prefix("c/", store=child)]) as relay:
+            assert (await relay.sync()).ok
+        child.objects.pop("c/v2/MANIFEST")
+        parent.objects["p/v1/MANIFEST"] = b"\x81\xa7version\x01"  # not a manifest
+        async with Relay(Prefix("p/", store=parent), [Prefix("c/", store=child)]) as relay:
+            report = await relay.sync()  # the child's newest version is checked against the parent's
+        assert not report.ok and isinstance(report.errors[0], DataError), report.errors
+        assert "p/v1/MANIFEST" in str(report.errors[0])
+        assert await committed(child, "c/") == [1]
+
+    anyio.run(main)
+
+
+class _HoldManifest:
+    """The publisher's store: its MANIFEST put of `version` waits for `release`."""
+
+    def __init__(self, inner: Store, version: int) -> None:
+        self.inner, self.version = inner, version
+        self.waiting, self.release = anyio.Event(), anyio.Event()
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.inner, name)
+
+    async def put(self, key: str, data: bytes, *, if_none_match: bool = False) -> None:
+        if key.endswith(f"v{self.version}/MANIFEST"):
+            self.waiting.set()
+            await self.release.wait()
+        await self.inner.put(key, data, if_none_match=if_none_match)
+
+
+def test_stream_ahead_copies_while_publishing_and_reads_once() -> None:
+    async def main() -> None:
+        parent, child = MemoryStore(), MemoryStore()
+        held = _HoldManifest(parent, 2)
+        models: dict = {}  # type: ignore[type-arg]
+        w = model(13)
+        stop = anyio.Event()
+        with anyio.fail_after(30):
+            async with Publisher("p/", store=held, chunk_bytes=256) as pub, \
+                    Relay(Prefix("p/", store=parent), [Prefix("c/", store=child)], stream_ahead=True,
+                          poll_interval=0.002) as relay, anyio.create_task_group() as tg:
+                w = await _publish(pub, w, range(1, 2), models)
+                tg.start_soon(relay.run, stop)
+                await until(lambda: _has(child, "c/", 1))
+                before = relay.statistics().bytes_read
+                tg.start_soon(_publish, pub, w, range(2, 3), models)
+                await held.waiting.wait()  # every object of v2 is at the parent, its MANIFEST is not
+                objects = {k: len(v) for k, v in parent.objects.items() if k.startswith("p/v2/")}
+                await until(lambda: _ahead(relay, len(objects)))
+                assert not [k for k in child.objects if k.startswith("c/v2/MANIFEST")]  # invisible so far
+                held.release.set()
+                await until(lambda: _has(child, "c/", 2))
+                stop.set()
+            stats = relay.statistics()
+        assert stats.bytes_read - before == sum(objects.values())  # each object read once, ahead
+        assert stats.children[0].objects_skipped == len(objects)
+        replica = zeros_like(w)
+        assert await Subscriber("c/", store=child).pull(replica) == 2
+        assert_same(models[2], replica)
+
+    anyio.run(main)
+
+
+async def _has(store: MemoryStore, prefix: str, v: int) -> bool:
+    return v in await committed(store, prefix)
+
+
+async def _ahead(relay: Relay, n: int) -> bool:
+    return relay.statistics().objects_ahead >= n

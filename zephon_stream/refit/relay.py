@@ -10,7 +10,9 @@ MANIFEST is copied byte for byte, so a version means the same thing at every lev
 
 One sync runs on the refit engine: the objects of the pending versions spread over `lanes`
 (at most `lanes` objects in memory, whatever the model size), and the sequencer commits each
-version's MANIFEST once every object before it is in place.
+version's MANIFEST once every object before it is in place. With `stream_ahead`, the daemon
+polls the next version with a LIST and copies its objects while the publisher is still writing
+them (each checked against the MANIFEST once it exists), so the link works during the encode.
 
 - Never a partial version: the MANIFEST is the last write of a version at a child.
 - Killed at any point and restarted, the relay lists what a child already holds of a version and
@@ -31,6 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
@@ -39,9 +42,19 @@ from typing import Any
 from urllib.parse import urlparse
 
 import anyio
+import anyio.abc
 import msgspec
 
-from .._exceptions import AlreadyExists, ConnectorError, DataError, DigestMismatch, ObjectNotFound, RefitError, ZephonError
+from .._exceptions import (
+    AlreadyExists,
+    ConnectorError,
+    DataError,
+    DigestMismatch,
+    ObjectNotFound,
+    RefitError,
+    ZephonError,
+    root_error,
+)
 from ..connectors import open_store, parse_uri
 from ..connectors.base import Store
 from ._pipeline import run_ordered
@@ -51,6 +64,7 @@ from .manifest import Manifest, decode_manifest, object_digest
 __all__ = ["ChildStatistics", "Prefix", "Relay", "RelayStatistics", "SyncReport", "prometheus_text"]
 
 log = logging.getLogger(__name__)
+_OBJECT = re.compile(r"^(chunk|key|over)-\d+\.[0-9a-f]{8,32}$")  # what a MANIFEST may name
 
 
 class Prefix:
@@ -109,6 +123,7 @@ class RelayStatistics(msgspec.Struct, frozen=True):
     versions_relayed: int
     objects_read: int
     bytes_read: int
+    objects_ahead: int  # copied while their version was still being published (`stream_ahead`)
     errors: dict[str, int]
     last_error: str
     last_success_unix: float
@@ -155,6 +170,7 @@ class _Version:
     manifest: Manifest
     children: list[int]  # indexes of the children that take it
     present: dict[int, dict[str, int]]  # child -> relative key -> size, already at the child
+    ready: float = 0.0  # monotonic time its last object was in place at every child
 
 
 @dataclass(frozen=True, eq=False)
@@ -182,13 +198,14 @@ class Relay:
         poll_interval: float = 1.0,
         keep_versions: int | None = None,
         verify_existing: bool = True,
+        stream_ahead: bool = False,
         max_batch: int = 16,
         resync_interval: float = 60.0,
         max_backoff: float = 30.0,
     ) -> None:
         if not children:
             raise RefitError("a relay needs at least one child prefix (--to)")
-        if lanes < 1 or poll_interval <= 0 or max_batch < 1 or (keep_versions is not None and keep_versions < 1):
+        if lanes < 1 or poll_interval <= 0 or max_batch < 1 or (keep_versions or 1) < 1:
             raise RefitError(f"invalid relay settings: lanes={lanes}, poll_interval={poll_interval}, "
                              f"max_batch={max_batch}, keep_versions={keep_versions}")
         self.parent = parent if isinstance(parent, Prefix) else Prefix(parent)
@@ -197,14 +214,21 @@ class Relay:
         if len(set(names)) != len(names) or self.parent.name in names:
             raise RefitError(f"child prefixes must differ from each other and from the parent: {names}")
         self.lanes, self.poll_interval, self.keep_versions = lanes, poll_interval, keep_versions
-        self.verify_existing, self.max_batch = verify_existing, max_batch
+        self.verify_existing, self.stream_ahead, self.max_batch = verify_existing, stream_ahead, max_batch
         self.resync_interval, self.max_backoff = resync_interval, max_backoff
         self._cpu = anyio.CapacityLimiter(threads or max(1, min(lanes, os.cpu_count() or 1)))
         self._stack = AsyncExitStack()
         self._children: list[_Child] = []
         self._manifests: dict[int, tuple[bytes, Manifest]] = {}
+        self._is_key: dict[int, bool] = {}  # whether a parent version is a keyframe, down to the newest one
         self._seen: dict[int, float] = {}  # version -> monotonic time the relay first saw it
         self._seen_upto = 0
+        self._ahead: dict[str, tuple[int, str, frozenset[int]]] = {}  # key -> size, digest, children written
+        self._ahead_count = 0
+        self._ahead_group: anyio.abc.TaskGroup | None = None  # set while `run` runs
+        self._ahead_limit = anyio.CapacityLimiter(lanes)
+        self._inflight: set[str] = set()
+        self._settled = anyio.Event()
         self._parent_latest = 0
         self._parent_oldest: int | None = None
         self._polls = self._syncs = self._versions = self._objects = self._bytes = 0
@@ -248,37 +272,96 @@ class Relay:
         `stop` is set (between syncs; cancel the caller's scope to stop mid-sync)."""
         stop = stop or anyio.Event()
         backoff, due, full_at = self.poll_interval, 0.0, 0.0
-        while not stop.is_set():
-            now = time.monotonic()
-            if now >= due or now >= full_at:
-                if now >= full_at:
-                    self._forget()
-                    full_at = now + self.resync_interval
-                report = await self.sync()
-                backoff = self.poll_interval if report.ok else min(2 * backoff, self.max_backoff)
-                due = math.inf if report.ok else time.monotonic() + backoff
-                continue
-            with anyio.move_on_after(self.poll_interval):
-                await stop.wait()
-            if not stop.is_set() and await self._news():
-                due = 0.0
+        async with anyio.create_task_group() as ahead:  # copies of objects ahead of their MANIFEST
+            self._ahead_group = ahead
+            while not stop.is_set():
+                now = time.monotonic()
+                if now >= due or now >= full_at:
+                    if now >= full_at:
+                        self._forget()
+                        full_at = now + self.resync_interval
+                    while self._inflight:  # let them land first: no object is read twice
+                        await self._settled.wait()
+                    report = await self.sync()
+                    backoff = self.poll_interval if report.ok else min(2 * backoff, self.max_backoff)
+                    due = math.inf if report.ok else time.monotonic() + backoff
+                    continue
+                with anyio.move_on_after(self.poll_interval):
+                    await stop.wait()
+                if not stop.is_set() and await self._news():
+                    due = 0.0
+            self._ahead_group = None
+            ahead.cancel_scope.cancel()
 
     async def _news(self) -> bool:
-        """One HEAD: a publisher's next version appears as its MANIFEST before anything else."""
+        """One request: a publisher's next version exists once its MANIFEST does. With
+        `stream_ahead`, a LIST of the next version, whose objects are copied as they appear."""
         self._polls += 1
+        nxt = f"{self._pkey}v{self._parent_latest + 1}/"
         try:
-            await self._pstore.head(f"{self._pkey}v{self._parent_latest + 1}/MANIFEST")
+            if not self.stream_ahead:
+                await self._pstore.head(nxt + "MANIFEST")
+                return True
+            infos = await self._pstore.list(nxt)
         except ObjectNotFound:
             return False
         except ConnectorError as exc:
             self._error("poll", exc)
             return False
-        return True
+        if any(o.key == nxt + "MANIFEST" for o in infos):
+            return True
+        todo = [o.key[len(self._pkey):] for o in infos if _OBJECT.match(o.key[len(nxt):])]
+        for rel in todo:
+            if rel not in self._ahead and rel not in self._inflight and self._ahead_group is not None:
+                if not self._inflight:
+                    self._settled = anyio.Event()
+                self._inflight.add(rel)
+                self._ahead_group.start_soon(self._copy_ahead, rel)
+        return False
+
+    async def _copy_ahead(self, rel: str) -> None:
+        """Copy one object of a version still being published. It stays invisible at the children
+        (no MANIFEST names it yet); its digest is kept, to be checked against the MANIFEST later."""
+        try:
+            await self._copy_ahead_now(rel)
+        finally:
+            self._inflight.discard(rel)
+            if not self._inflight:
+                self._settled.set()
+
+    async def _copy_ahead_now(self, rel: str) -> None:
+        async with self._ahead_limit:
+            try:
+                data = await self._pstore.read(self._pkey + rel)
+            except ZephonError as exc:
+                log.debug("copy ahead of %s stopped: %s", rel, exc)
+                return
+            self._objects += 1
+            self._bytes += len(data)
+            digest = await anyio.to_thread.run_sync(object_digest, data, limiter=self._cpu)
+            written: set[int] = set()
+
+            async def write(i: int, c: _Child) -> None:
+                try:
+                    if c.same_store:
+                        await c.store.copy(self._pkey + rel, c.key + rel)
+                    else:
+                        await c.store.put(c.key + rel, data, if_none_match=True)
+                except ZephonError as exc:  # AlreadyExists included: the sync checks such objects itself
+                    log.debug("copy ahead of %s to %s stopped: %s", rel, c.prefix.name, exc)
+                    return
+                written.add(i)
+
+            async with anyio.create_task_group() as tg:
+                for i, c in enumerate(self._children):
+                    tg.start_soon(write, i, c)
+            self._ahead[rel] = (len(data), digest, frozenset(written))
+            self._ahead_count += 1
 
     def _forget(self) -> None:
-        """Drop what the relay believes about the children, so the next sync asks them."""
+        """Drop what the relay believes about the children's newest versions, so the next sync asks."""
         for c in self._children:
-            c.latest, c.oldest = None, None
+            c.latest = None
 
     # -- one sync ----------------------------------------------------------------------------
 
@@ -289,8 +372,11 @@ class Relay:
         for c in self._children:
             c.failed = None
         try:
-            while await self._pass(report):
-                pass
+            try:
+                while await self._pass(report):
+                    pass
+            except BaseExceptionGroup as group:  # from a task group: report its ZephonError alone
+                raise root_error(group) from None
         except ZephonError as exc:
             report.errors.append(exc)
             self._error(_kind(exc), exc)
@@ -334,8 +420,9 @@ class Relay:
             self._parent_latest = max(self._parent_latest, await find_latest(self._pstore, self._pkey))
         if not latest or latest > self._parent_latest:
             if latest and latest > self._parent_latest:
-                self._fail(c, RefitError(f"child {c.prefix.name} is at version {latest}, ahead of its parent "
-                                         f"{self.parent.name} at {self._parent_latest}: is it fed by another tree?"))
+                self._fail(c, RefitError(
+                    f"child {c.prefix.name} is at version {latest}, ahead of its parent "
+                    f"{self.parent.name} at {self._parent_latest}: is it fed by another tree?"))
             return
         try:
             theirs = await c.store.read(f"{c.key}v{latest}/MANIFEST")
@@ -356,16 +443,21 @@ class Relay:
             return have + 1  # the parent's versions are contiguous: the chain have+1..latest is intact
         key = await self._newest_keyframe(latest)
         log.warning("child behind the parent's garbage collection: restarting it at the newest keyframe",
-                    extra={"event": "child_jump", "child": c.prefix.name, "child_latest": have, "keyframe": key})
+                    extra={"event": "child_jump", "child": c.prefix.name, "child_latest": have,
+                           "keyframe": key})
         c.oldest = None  # sweep the versions left below the gap
         return key
 
     async def _newest_keyframe(self, latest: int) -> int:
         for v in range(latest, 0, -1):
-            got = await self._manifest(v)
-            if got is None:
-                break
-            if got[1].keyframe:
+            if v not in self._is_key:
+                got = await self._manifest(v)
+                if got is None:
+                    break
+                self._is_key[v] = got[1].keyframe
+            if self._is_key[v]:
+                for old in [k for k in self._is_key if k < v]:
+                    del self._is_key[old]
                 return v
         raise RefitError(f"no keyframe at or below version {latest} of {self.parent.name}: the parent "
                          "collected it (or its publisher is mid-collection); retrying later")
@@ -448,7 +540,11 @@ class Relay:
             return "absent"
         if present[item.rel] != item.size:
             return "bad"
-        if self.verify_existing:
+        ahead = self._ahead.get(item.rel)
+        if ahead is not None and self._children.index(c) in ahead[2]:
+            if ahead[:2] != (item.size, item.digest):
+                return "bad"
+        elif self.verify_existing:
             data = await self._child_call(c, c.store.read(c.key + item.rel))
             if data is None or not await self._verified(data, item):
                 return "bad"
@@ -495,6 +591,7 @@ class Relay:
     # -- the sequencer: one version at a time, in order ---------------------------------------
 
     async def _commit(self, ver: _Version, report: SyncReport) -> None:
+        ver.ready = time.monotonic()
         async with anyio.create_task_group() as tg:
             for i in ver.children:
                 if self._children[i].failed is None:
@@ -507,9 +604,10 @@ class Relay:
                 await c.store.put(key, ver.raw, if_none_match=True)
             except AlreadyExists:
                 if await c.store.read(key) != ver.raw:
-                    raise RefitError(f"{c.prefix.name} already has a different version {ver.version}: another "
-                                     "tree feeds this child; give each tree its own prefix") from None
+                    raise RefitError(f"{c.prefix.name} already has a different version {ver.version}: "
+                                     "another tree feeds this child; give each tree its own prefix") from None
                 c.raced += 1
+            visible = time.monotonic()
             await write_latest(c.store, c.key, ver.version)
         except ZephonError as exc:
             self._fail(c, exc)
@@ -518,10 +616,12 @@ class Relay:
         c.versions += 1
         self._versions += 1
         report.committed[c.prefix.name].append(ver.version)
-        seen = self._seen.get(ver.version)
+        seen, now = self._seen.get(ver.version), time.monotonic()
         log.info("version relayed", extra={
             "event": "version_committed", "child": c.prefix.name, "version": ver.version,
-            "keyframe": ver.manifest.keyframe, "lag_s": round(time.monotonic() - seen, 6) if seen else None,
+            "keyframe": ver.manifest.keyframe, "lag_s": round(now - seen, 6) if seen else None,
+            "copy_s": round(ver.ready - seen, 6) if seen else None, "commit_s": round(now - ver.ready, 6),
+            "manifest_s": round(visible - ver.ready, 6),
         })
 
     # -- garbage collection, mirrored ----------------------------------------------------------
@@ -530,7 +630,7 @@ class Relay:
         if self.keep_versions is None:
             await self._find_parent_oldest()
         for c in self._children:
-            if c.failed is None and c.latest and c.latest == self._parent_latest:  # caught up: the parent's window applies
+            if c.failed is None and c.latest and c.latest == self._parent_latest:  # caught up: mirror it
                 try:
                     await self._collect(c)
                 except ZephonError as exc:
@@ -599,6 +699,8 @@ class Relay:
             del self._manifests[v]
         for v in [v for v in self._seen if v <= floor]:
             del self._seen[v]
+        latest = self._parent_latest
+        self._ahead = {k: v for k, v in self._ahead.items() if int(k[1:].partition("/")[0]) > latest}
 
     # -- errors and statistics -----------------------------------------------------------------
 
@@ -630,12 +732,12 @@ class Relay:
             lag = max(0, self._parent_latest - have)
             seen = self._seen.get(have + 1) if lag else None
             children.append(ChildStatistics(
-                c.prefix.name, have, lag, round(now - seen, 6) if seen else 0.0, c.versions, c.objects, c.skipped,
-                c.copies, c.bytes, c.raced, c.collected, c.errors, c.last_error,
+                c.prefix.name, have, lag, round(now - seen, 6) if seen else 0.0, c.versions, c.objects,
+                c.skipped, c.copies, c.bytes, c.raced, c.collected, c.errors, c.last_error,
             ))
-        return RelayStatistics(self.parent.name, self._parent_latest, self._healthy, self._polls, self._syncs, self._versions,
-                               self._objects, self._bytes, dict(self._errors), self._last_error,
-                               self._last_success, children)
+        return RelayStatistics(self.parent.name, self._parent_latest, self._healthy, self._polls, self._syncs,
+                               self._versions, self._objects, self._bytes, self._ahead_count,
+                               dict(self._errors), self._last_error, self._last_success, children)
 
 
 def _kind(exc: BaseException) -> str:
@@ -645,11 +747,11 @@ def _kind(exc: BaseException) -> str:
 
 _METRICS = [
     ("versions_relayed_total", "counter", "versions committed at a child", "versions_relayed"),
-    ("objects_written_total", "counter", "objects written to a child (PUT or server-side copy)", "objects_written"),
+    ("objects_written_total", "counter", "objects written to a child (PUT or copy)", "objects_written"),
     ("objects_skipped_total", "counter", "objects already at a child and verified", "objects_skipped"),
     ("server_side_copies_total", "counter", "objects copied inside one store", "server_side_copies"),
     ("bytes_written_total", "counter", "object bytes uploaded to a child", "bytes_written"),
-    ("manifests_raced_total", "counter", "MANIFESTs a racing relay had put first, same bytes", "manifests_raced"),
+    ("manifests_raced_total", "counter", "MANIFESTs a racing relay put first", "manifests_raced"),
     ("versions_collected_total", "counter", "versions deleted at a child", "versions_collected"),
     ("child_errors_total", "counter", "errors writing to a child", "errors"),
     ("child_latest_version", "gauge", "newest version committed at a child", "latest"),
@@ -673,7 +775,10 @@ def prometheus_text(s: RelayStatistics) -> str:
     metric("syncs_total", "counter", "syncs run", [("", s.syncs)])
     metric("objects_read_total", "counter", "objects read from the parent", [("", s.objects_read)])
     metric("bytes_read_total", "counter", "object bytes read from the parent", [("", s.bytes_read)])
-    metric("errors_total", "counter", "errors by kind", [(f'{{kind="{_label(k)}"}}', n) for k, n in sorted(s.errors.items())])
+    metric("objects_ahead_total", "counter", "objects copied while their version was being published",
+           [("", s.objects_ahead)])
+    metric("errors_total", "counter", "errors by kind",
+           [(f'{{kind="{_label(k)}"}}', n) for k, n in sorted(s.errors.items())])
     metric("last_success_timestamp_seconds", "gauge", "unix time of the last sync without errors",
            [("", s.last_success_unix)])
     for name, kind, doc, attr in _METRICS:

@@ -1,0 +1,409 @@
+"""Relay benchmark: one delta version against one full checkpoint through the same relay tree.
+
+    trainer (SeaweedFS) ── root relay (`zephon relay`) ──100 Mbit/s link──> region A (SeaweedFS) <── subscriber A
+                                                      └─100 Mbit/s link──> region B (SeaweedFS) <── subscriber B
+
+Every box is its own process (three `weed` servers, the relay daemon, two subscribers; the
+publisher and the two WAN links, `zephon_stream.testing.proxy.FaultProxy` with a token bucket and
+a per-request latency, live in this one). The model is >= 256M bf16 parameters, N(0, 0.02).
+
+- full: version 1 is a keyframe (every chunk compressed whole, what a joiner downloads): the
+  trainer publishes it, the relay copies it to both regions, each subscriber applies it.
+- delta: scenario A of the refit bench, an Adam-like step w +- lr*u, u ~ U(0.5, 1.5),
+  lr = 1e-6, then version 2 goes the same way.
+
+Each phase is timed from `publish()` to the slower region's subscriber having applied it, and
+split along its critical path: encode + upload at the trainer (until its MANIFEST is in), relay
+poll wait, transfer (the relay reads the trainer and writes both regions over the links),
+commit (MANIFEST + LATEST over each link), subscriber poll wait, fetch + verify + apply.
+Then the relay node's peak RSS (wait4) for `--once` over a 1 GB and a 4 GB keyframe, without
+links, and with nothing to copy.
+
+    .venv/bin/python bench/relay.py [--params 268435456] [--latency-ms 30] [--rss-gb 1 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from zephon_stream import ObjectNotFound
+from zephon_stream.connectors import open_store
+from zephon_stream.refit import Publisher, Subscriber
+from zephon_stream.refit._store import find_latest
+from zephon_stream.testing.proxy import FaultProxy, Link
+from zephon_stream.testing.seaweed import SeaweedServer
+
+BLOCK = 1 << 24
+URI = "s3://weights/policy/"
+
+
+# -- the model --------------------------------------------------------------------------------
+
+
+def shapes(params: int, tensors: int) -> dict[str, tuple[int, int]]:
+    per = params // tensors // 4096 * 4096
+    return {f"layer{i:03d}.weight": (per // 4096, 4096) for i in range(tensors)}
+
+
+def make_model(params: int, tensors: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in shapes(params, tensors).items():
+        t = torch.empty(shape, dtype=torch.bfloat16)
+        flat = t.view(-1)
+        for lo in range(0, flat.numel(), BLOCK):
+            n = min(BLOCK, flat.numel() - lo)
+            flat[lo : lo + n] = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)
+        out[name] = t
+    return out
+
+
+def adam_step(model: dict[str, torch.Tensor], seed: int) -> None:
+    """Scenario A: w <- w +- lr*u, u ~ U(0.5, 1.5), lr = 1e-6, in place."""
+    g = torch.Generator().manual_seed(seed)
+    for t in model.values():
+        flat = t.view(-1)
+        for lo in range(0, flat.numel(), BLOCK):
+            w = flat[lo : lo + BLOCK]
+            u = torch.rand(w.numel(), generator=g) + 0.5
+            sign = torch.randint(0, 2, (w.numel(),), generator=g, dtype=torch.int8).float() * 2 - 1
+            w.copy_((w.float() + sign * u * 1e-6).to(torch.bfloat16))
+
+
+def digest(model: dict[str, torch.Tensor]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for k in sorted(model):
+        h.update(memoryview(model[k].view(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
+# -- the subscriber process -------------------------------------------------------------------
+
+
+def emit(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+async def subscribe(args: argparse.Namespace) -> None:
+    cfg = json.loads(Path(args.config).read_text())
+    state = {k: torch.zeros(s, dtype=torch.bfloat16) for k, s in shapes(args.params, args.tensors).items()}
+    store, key = open_store(cfg["uri"], **cfg["options"])
+    async with store:
+        sub = Subscriber(key, store=store, lanes=4, threads=1)
+        await find_latest(store, key)
+        emit(event="ready")
+        have = 0
+        while have < args.versions:
+            try:  # one HEAD per poll: the next version exists once its MANIFEST does
+                await store.head(f"{key}v{have + 1}/MANIFEST")
+            except ObjectNotFound:
+                await anyio.sleep(args.poll)
+                continue
+            detect = time.time()
+            have = await sub.pull(state)
+            emit(event="applied", version=have, detect=detect, done=time.time(), model_digest=sub.record.model_digest)
+    emit(event="final", digest=digest(state))
+
+
+# -- the orchestrator -------------------------------------------------------------------------
+
+
+class TimedStore:
+    """The publisher's store, noting when each MANIFEST put returns (the version exists then)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.manifests = inner, {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def put(self, key: str, data: bytes, *, if_none_match: bool = False) -> None:
+        await self.inner.put(key, data, if_none_match=if_none_match)
+        if key.endswith("/MANIFEST"):
+            self.manifests[int(key.rsplit("/v", 1)[1].split("/")[0])] = time.time()
+
+
+def prefix_table(name: str, options: dict[str, Any]) -> str:
+    o = options
+    return (f'[{name}]\nuri = "{URI}"\nendpoint_url = "{o["endpoint_url"]}"\nregion = "{o["region"]}"\n'
+            f'access_key_id = "{o["access_key_id"]}"\nsecret_access_key = "{o["secret_access_key"]}"\n')
+
+
+def private(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(0o600)
+    return path
+
+
+def relay_events(log: Path, version: int) -> list[dict[str, Any]]:
+    out = []
+    for line in log.read_text().splitlines():
+        if line.startswith("{"):
+            e = json.loads(line)
+            if e.get("event") == "version_committed" and e.get("version") == version:
+                out.append(e)
+    return out
+
+
+async def wait_for_line(log: Path, needle: str, timeout: float = 60) -> None:
+    with anyio.fail_after(timeout):
+        while not log.exists() or needle not in log.read_text():
+            await anyio.sleep(0.05)
+
+
+class Sub:
+    def __init__(self, region: str, proc: Any) -> None:
+        self.region, self.proc = region, proc
+        self.out = BufferedByteReceiveStream(proc.stdout)
+
+    async def next(self, event: str) -> dict[str, Any]:
+        while True:
+            line = json.loads(await self.out.receive_until(b"\n", 1 << 20))
+            if line["event"] == event:
+                return line
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def scrape(port: int, metric: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(metric + " "):
+                return float(line.split()[1])
+    raise KeyError(metric)
+
+
+async def phase(name: str, pub: Publisher, store: TimedStore, model: dict, subs: list[Sub], log: Path,
+                links: dict[str, FaultProxy], relay_pid: int, port: int) -> dict[str, Any]:
+    for link in links.values():
+        link.reset_statistics()
+    ahead = await anyio.to_thread.run_sync(scrape, port, "zephon_relay_objects_ahead_total")
+    cpu = {"relay": cpu_seconds(relay_pid), "self": time.process_time(),
+           **{s.region: cpu_seconds(s.proc.pid) for s in subs}}
+    t0 = time.time()
+    info = await pub.publish(model)
+    t_pub = time.time()
+    applied = {s.region: await s.next("applied") for s in subs}
+    for s in subs:
+        assert applied[s.region]["version"] == info.version, applied
+        assert applied[s.region]["model_digest"] == info.model_digest, "subscriber digest differs"
+    with anyio.fail_after(10):
+        while len(events := relay_events(log, info.version)) < len(subs):
+            await anyio.sleep(0.01)
+    by_child = {s.region: next(e for e in events if e["child"].endswith("@" + links[s.region].url[7:]))
+                for s in subs}
+    cpu = {"relay": cpu_seconds(relay_pid) - cpu["relay"], "publisher + links": time.process_time() - cpu["self"],
+           **{f"subscriber {s.region}": cpu_seconds(s.proc.pid) - cpu[s.region] for s in subs}}
+    ahead = await anyio.to_thread.run_sync(scrape, port, "zephon_relay_objects_ahead_total") - ahead
+    objects = [o for o in await store.list(f"{pub._prefix}v{info.version}/") if "/MANIFEST" not in o.key]
+    r: dict[str, Any] = {"name": name, "version": info.version, "t0": t0, "publish_end": t_pub, "cpu": cpu,
+                         "ahead": (int(ahead), len(objects)),
+                         "manifest": store.manifests[info.version], "bytes": info.delta_bytes + info.key_bytes,
+                         "keyframe": info.keyframe, "regions": {}}
+    for region, e in by_child.items():
+        committed = e["ts"]
+        ready = committed - e["commit_s"]
+        seen = ready - e["copy_s"]
+        a = applied[region]
+        r["regions"][region] = {"seen": seen, "ready": ready, "visible": ready + e["manifest_s"],
+                                "committed": committed, "detect": a["detect"],
+                                "done": a["done"], "link_bytes": links[region].statistics(settle=1).bytes_up}
+    return r
+
+
+def report(full: dict[str, Any], delta: dict[str, Any], model_bytes: int) -> None:
+    def segments(p: dict[str, Any], region: str) -> list[tuple[str, float]]:
+        g = p["regions"][region]
+        return [("encode + upload at the trainer (until its MANIFEST)", p["manifest"] - p["t0"]),
+                ("relay sees the MANIFEST (poll; ahead copies finish)", g["seen"] - p["manifest"]),
+                ("relay copies what is left over the link", g["ready"] - g["seen"]),
+                ("relay commit (MANIFEST put over the link)", g["visible"] - g["ready"]),
+                ("subscriber poll wait (from the MANIFEST)", g["detect"] - g["visible"]),
+                ("subscriber fetch + verify + apply", g["done"] - g["detect"])]
+
+    regions = sorted(full["regions"])
+    print(f"\n{'':<52}" + "".join(f"{p['name'] + ' ' + r:>16}" for p in (full, delta) for r in regions))
+    rows = [segments(p, r) for p in (full, delta) for r in regions]
+    for i, (label, _) in enumerate(rows[0]):
+        print(f"{label:<52}" + "".join(f"{row[i][1]:>15.3f}s" for row in rows))
+    ends = [p["regions"][r]["done"] - p["t0"] for p in (full, delta) for r in regions]
+    print(f"{'end to end (publish -> applied)':<52}" + "".join(f"{e:>15.3f}s" for e in ends))
+    for p in (full, delta):
+        print(f"CPU seconds during {p['name']}: " + ", ".join(f"{k} {v:.2f}" for k, v in p["cpu"].items()))
+    links = [p["regions"][r]["link_bytes"] for p in (full, delta) for r in regions]
+    print(f"{'bytes up each region link (bodies + headers)':<52}" + "".join(f"{b:>16,}" for b in links))
+    rates = [p["regions"][r]["link_bytes"] * 8e-6 / (p["regions"][r]["ready"] - p["t0"]) for p in (full, delta)
+             for r in regions]
+    print(f"{'link Mbit/s, publish start -> last object in':<52}" + "".join(f"{x:>16.1f}" for x in rates))
+    ahead = [p["ahead"] for p in (full, delta)]
+    print(f"objects the relay copied ahead (while the trainer was still publishing): full {ahead[0][0]} of "
+          f"{ahead[0][1]}, delta {ahead[1][0]} of {ahead[1][1]}")
+    t_full = max(full["regions"][r]["done"] for r in regions) - full["t0"]
+    t_delta = max(delta["regions"][r]["done"] for r in regions) - delta["t0"]
+    print(f"\nmodel {model_bytes:,} B; full checkpoint (keyframe) {full['bytes']:,} B "
+          f"({model_bytes / full['bytes']:.2f}x compressed); delta {delta['bytes']:,} B "
+          f"({model_bytes / delta['bytes']:.1f}x smaller than the model)")
+    print(f"publish -> both regions applied: full checkpoint {t_full:.2f} s, delta {t_delta:.3f} s: "
+          f"delta is {t_full / t_delta:.1f}x faster (goal >= 40x)")
+    print(f"publish() call wall time (adds LATEST + GC after the MANIFEST): full "
+          f"{full['publish_end'] - full['t0']:.3f} s, delta {delta['publish_end'] - delta['t0']:.3f} s")
+    latest = [p["regions"][r]["committed"] - p["regions"][r]["visible"] for p in (full, delta) for r in regions]
+    print(f"relay LATEST put after each MANIFEST (off the critical path: subscribers probe for the next "
+          f"MANIFEST): {', '.join(f'{x * 1000:.0f} ms' for x in latest)}")
+
+
+async def tree(args: argparse.Namespace, work: Path, stack: ExitStack) -> None:
+    servers = {r: stack.enter_context(SeaweedServer()) for r in ("trainer", "A", "B")}
+    for s in servers.values():
+        s.create_bucket("weights")
+    # A burst above the proxy's 64 KiB writes: else each sleep's overshoot is lost and bulk runs ~20% slow.
+    link = Link(bandwidth=args.mbit * 1e6 / 8, latency_s=args.latency_ms / 1000, burst=1 << 20)
+    links = {r: stack.enter_context(FaultProxy(servers[r].endpoint_url, link=link)) for r in ("A", "B")}
+    opts = {r: s.store_options() for r, s in servers.items()}
+    config = private(work / "relay.toml", prefix_table("from", opts["trainer"]) + "".join(
+        prefix_table("[to]", {**opts[r], "endpoint_url": links[r].url}) for r in ("A", "B")))
+    log = work / "relay.log"
+    relay = stack.enter_context(open(log, "wb"))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "zephon_stream.cli", "relay", "--config", str(config), "--metrics-port", str(port),
+           "--lanes",
+           str(args.relay_lanes), "--poll-interval", str(args.poll), *(["--stream-ahead"] if args.stream_ahead else [])]
+    proc = subprocess.Popen(cmd, stdout=relay, stderr=relay)
+    subs = []
+    try:
+        for r in ("A", "B"):
+            cfg = private(work / f"sub-{r}.json", json.dumps({"uri": URI, "options": opts[r]}))
+            sp = await anyio.open_process([sys.executable, __file__, "--role", "subscriber", "--config", str(cfg),
+                                           "--params", str(args.params), "--tensors", str(args.tensors),
+                                           "--versions", "2", "--poll", str(args.poll)], stderr=None)
+            subs.append(Sub(r, sp))
+        t = time.perf_counter()
+        model = make_model(args.params, args.tensors, seed=1)
+        nbytes = sum(v.numel() * 2 for v in model.values())
+        print(f"model: {nbytes // 2:,} bf16 params ({nbytes / 1e9:.2f} GB) in {len(model)} tensors, made in "
+              f"{time.perf_counter() - t:.1f} s; links {args.mbit:g} Mbit/s + {args.latency_ms:g} ms per request")
+        for s in subs:
+            await s.next("ready")
+        await wait_for_line(log, '"event": "started"')
+        pstore, pkey = open_store(URI, **opts["trainer"])
+        timed = TimedStore(pstore)
+        async with pstore, Publisher(pkey, store=timed, chunk_bytes=args.chunk_bytes, keyframe_every=1000,  # type: ignore[arg-type]
+                                     lanes=4, threads=2) as pub:
+            full = await phase("full", pub, timed, model, subs, log, links, proc.pid, port)
+            adam_step(model, seed=2)
+            delta = await phase("delta", pub, timed, model, subs, log, links, proc.pid, port)
+        want = digest(model)
+        for s in subs:
+            got = (await s.next("final"))["digest"]
+            print(f"subscriber {s.region}: blake2b {got} {'== trainer (bit-exact)' if got == want else '!= trainer'}")
+            await s.proc.wait()
+        report(full, delta, nbytes)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        for s in subs:
+            if s.proc.returncode is None:
+                s.proc.kill()
+                await s.proc.wait()
+    print(f"relay daemon: exit {proc.returncode} after SIGTERM")
+
+
+async def high_water(proc: subprocess.Popen[bytes]) -> int:
+    """The process's peak RSS in KiB: VmHWM, polled until it exits. (wait4's ru_maxrss would not
+    do: Linux carries the spawning process's high-water mark, a model-sized one here, across exec.)"""
+    peak = 0
+    while proc.poll() is None:
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+            peak = max(peak, int(status.split("VmHWM:")[1].split()[0]))
+        except (OSError, IndexError):
+            pass  # exiting
+        await anyio.sleep(0.02)
+    return peak
+
+
+async def rss(args: argparse.Namespace, work: Path) -> None:
+    print(f"\nrelay node peak RSS (zephon relay --once, chunks of {args.chunk_bytes >> 20} MiB, no links):")
+    rows = [("nothing to copy", 0)] + [(f"{gb:g} GB model", int(gb * (1 << 30)) // 2) for gb in args.rss_gb]
+    for label, params in rows:
+        with ExitStack() as stack:
+            parent = stack.enter_context(SeaweedServer())
+            parent.create_bucket("weights")
+            moved = 0
+            if params:
+                block = make_model(BLOCK * 16, 1, seed=3)["layer000.weight"].view(-1)  # 256M params, reused
+                model = {name: block[: s[0] * s[1]].view(s) for name, s in shapes(params, 8).items()}
+                store, key = open_store(URI, **parent.store_options())
+                async with store, Publisher(key, store=store, chunk_bytes=args.chunk_bytes, lanes=4, threads=2) as pub:
+                    info = await pub.publish(model)
+                moved = info.key_bytes
+                del model, block
+            for lanes in args.rss_lanes:
+                with SeaweedServer() as child:  # a fresh one each time: a server holds 4 GB at most
+                    child.create_bucket("weights")
+                    config = private(work / "rss.toml", prefix_table("from", parent.store_options())
+                                     + prefix_table("[to]", child.store_options()))
+                    t = time.perf_counter()
+                    proc = subprocess.Popen([sys.executable, "-m", "zephon_stream.cli", "relay", "--config",
+                                             str(config), "--once", "--lanes", str(lanes)],
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    peak = await high_water(proc)
+                    secs = time.perf_counter() - t
+                print(f"  {label:<16} {lanes:>3} lanes: copied {moved:>14,} B in {secs:6.1f} s, peak RSS "
+                      f"{peak / 1024:7.1f} MiB (exit {proc.returncode})")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--role", choices=["bench", "subscriber"], default="bench")
+    ap.add_argument("--params", type=int, default=1 << 28)
+    ap.add_argument("--tensors", type=int, default=8)
+    ap.add_argument("--chunk-bytes", type=int, default=16 << 20, help="the publisher's chunk size")
+    ap.add_argument("--mbit", type=float, default=100.0, help="bandwidth of each region's link")
+    ap.add_argument("--latency-ms", type=float, default=30.0, help="delay the link adds to every request")
+    ap.add_argument("--relay-lanes", type=int, default=32)
+    ap.add_argument("--poll", type=float, default=0.01, help="poll interval of the relay and subscribers")
+    ap.add_argument("--no-stream-ahead", dest="stream_ahead", action="store_false",
+                    help="the relay waits for each MANIFEST before it copies anything")
+    ap.add_argument("--rss-gb", type=float, nargs="*", default=[1, 4], help="model sizes of the RSS runs")
+    ap.add_argument("--rss-lanes", type=int, nargs="+", default=[8, 32], help="relay lanes of the RSS runs")
+    ap.add_argument("--skip-tree", action="store_true", help="only the RSS runs")
+    ap.add_argument("--config", help=argparse.SUPPRESS)
+    ap.add_argument("--versions", type=int, default=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if args.role == "subscriber":
+        anyio.run(subscribe, args)
+        return 0
+    if not args.skip_tree:
+        with tempfile.TemporaryDirectory(prefix="zephon-bench-relay-") as tmp, ExitStack() as stack:
+            anyio.run(tree, args, Path(tmp), stack)
+    if args.rss_gb:
+        with tempfile.TemporaryDirectory(prefix="zephon-bench-rss-") as tmp:
+            anyio.run(rss, args, Path(tmp))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
