@@ -6,6 +6,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
+from zephon_stream import DigestMismatch
 from zephon_stream.refit._pipeline import run_ordered
 
 
@@ -52,3 +53,26 @@ def test_lane_error_is_raised_plainly() -> None:
 
     with pytest.raises(ValueError, match="chunk 5 is bad"):
         anyio.run(main)
+
+
+def test_deferred_error_commits_every_item_before_it() -> None:
+    committed: list[int] = []
+
+    async def main() -> None:
+        failed = anyio.Event()
+
+        async def stage(i: int) -> int:
+            if i == 2:
+                failed.set()
+                raise DigestMismatch("item 2 is corrupt")
+            await failed.wait()  # items 0 and 1 finish only after item 2 has failed
+            return i
+
+        async def commit(i: int, _: int) -> None:
+            committed.append(i)
+
+        with anyio.fail_after(10), pytest.raises(DigestMismatch, match="item 2"):
+            await run_ordered(list(range(5)), stage, commit, lanes=3, window=3, defer_errors=True)
+
+    anyio.run(main)
+    assert committed == [0, 1]

@@ -10,7 +10,7 @@ worker threads under one CapacityLimiter); commits run one at a time, in item or
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import msgspec
@@ -35,8 +35,13 @@ async def run_ordered(
     *,
     lanes: int,
     window: int,
+    defer_errors: bool = False,
 ) -> PipelineStatistics:
-    """Run `stage` over items on `lanes` concurrent lanes and `commit` each result in order."""
+    """Run `stage` over items on `lanes` concurrent lanes and `commit` each result in order.
+
+    With `defer_errors`, a stage error is raised only when the sequencer reaches its item, so
+    every item before it is still committed (a relay commits the good versions before a bad one).
+    """
     window = max(window, lanes, 1)
     slots = anyio.Semaphore(window)
     todo_send, todo_recv = anyio.create_memory_object_stream[int](lanes)
@@ -52,7 +57,13 @@ async def run_ordered(
     async def lane(todo: anyio.abc.ObjectReceiveStream[int], done: anyio.abc.ObjectSendStream[tuple[int, R]]) -> None:
         async with todo, done:
             async for i in todo:
-                await done.send((i, await stage(items[i])))
+                try:
+                    result: Any = await stage(items[i])
+                except Exception as exc:
+                    if not defer_errors:
+                        raise
+                    result = _Failed(exc)
+                await done.send((i, result))
 
     async def sequence() -> None:
         nonlocal peak
@@ -63,7 +74,10 @@ async def run_ordered(
                 pending[i] = result
                 peak = max(peak, len(pending))
                 while nxt in pending:
-                    await commit(items[nxt], pending.pop(nxt))
+                    result = pending.pop(nxt)
+                    if isinstance(result, _Failed):
+                        raise result.error
+                    await commit(items[nxt], result)
                     nxt += 1
                     slots.release()
 
@@ -77,6 +91,13 @@ async def run_ordered(
     except BaseExceptionGroup as group:
         raise _first(group) from None
     return PipelineStatistics(committed=len(items), peak_pending=peak)
+
+
+class _Failed:
+    """A stage error held until the sequencer reaches its item."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
 
 
 def _first(group: BaseExceptionGroup) -> BaseException:

@@ -514,7 +514,8 @@ class Relay:
             if not item.rel:
                 await self._commit(item.version, report)
 
-        await run_ordered(items, self._stage, commit, lanes=self.lanes, window=2 * self.lanes)
+        # a bad object stops the copy at its version, after the versions before it are committed
+        await run_ordered(items, self._stage, commit, lanes=self.lanes, window=2 * self.lanes, defer_errors=True)
 
     # -- one object, on a lane ----------------------------------------------------------------
 
