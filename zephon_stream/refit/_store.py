@@ -6,7 +6,8 @@ import re
 
 import msgspec
 
-from .._exceptions import DataError, ObjectNotFound
+from .._exceptions import DataError, ObjectNotFound, RefitError
+from ..connectors import open_store
 from ..connectors.base import Store
 from .layout import TensorTable
 from .manifest import Manifest, decode_manifest, encode_manifest
@@ -92,3 +93,29 @@ async def collect_garbage(store: Store, prefix: str, latest: int, newest_key: in
             await store.delete(info.key)
     return doomed
 
+
+
+class StoreOwner:
+    """An async context manager that opens its prefix's store unless one was given, and closes
+    only a store it opened itself. Users set `_uri`, `_store` and `_prefix` before entering."""
+
+    _uri: str
+    _store: Store | None
+    _prefix: str
+
+    async def __aenter__(self):  # noqa: ANN204  (returns the subclass)
+        if self._store is None:
+            self._store, self._prefix = open_store(self._uri)
+            self._owned = True
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if getattr(self, "_owned", False) and self._store is not None:
+            await self._store.aclose()
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            name = type(self).__name__
+            raise RefitError(f"{self!r} is not open: use `async with {name}(...) as {name[:3].lower()}:`")
+        return self._store

@@ -24,12 +24,11 @@ import numpy as np
 import torch
 
 from .._exceptions import AlreadyExists, ConfigError, DigestMismatch, RefitError
-from ..connectors import open_store
 from ..connectors.base import Store
 from . import codec
 from ._local import ChunkPlan, LocalState
 from ._pipeline import run_ordered
-from ._store import collect_garbage, commit_manifest, find_latest, read_manifest, write_latest
+from ._store import StoreOwner, collect_garbage, commit_manifest, find_latest, read_manifest, write_latest
 from .hashing import MASK
 from .layout import RankStream, Sharding, TensorTable
 from .manifest import ChunkEntry, Manifest, Part, decode_part, encode_manifest, object_digest
@@ -59,7 +58,7 @@ class VersionInfo(msgspec.Struct, frozen=True):
     committed: bool = True
 
 
-class Publisher:
+class Publisher(StoreOwner):
     """Publish versions of a model under `prefix` (a URI, or a key prefix of `store`)."""
 
     def __init__(
@@ -92,22 +91,6 @@ class Publisher:
 
     def __repr__(self) -> str:
         return f"Publisher({self._uri!r}, sharding={self.sharding}, keyframe_every={self.keyframe_every})"
-
-    async def __aenter__(self) -> Publisher:
-        if self._store is None:
-            self._store, self._prefix = open_store(self._uri)
-            self._owned = True
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if getattr(self, "_owned", False) and self._store is not None:
-            await self._store.aclose()
-
-    @property
-    def store(self) -> Store:
-        if self._store is None:
-            raise RefitError(f"{self!r} is not open: use `async with Publisher(...) as pub:`")
-        return self._store
 
     async def publish(self, state: Mapping[str, torch.Tensor]) -> VersionInfo:
         """Publish `state` as the next version; returns what was published."""

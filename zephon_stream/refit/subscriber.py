@@ -27,12 +27,11 @@ import numpy as np
 import torch
 
 from .._exceptions import BaseVersionMismatch, ConnectorError, DataError, DigestMismatch, RefitError
-from ..connectors import open_store
 from ..connectors.base import Store
 from . import codec
 from ._local import ChunkPlan, LocalState
 from ._pipeline import run_ordered
-from ._store import find_latest, read_manifest
+from ._store import StoreOwner, find_latest, read_manifest
 from .layout import WORD, RankStream, Sharding, TensorTable
 from .manifest import Manifest, object_digest
 
@@ -63,7 +62,7 @@ def geometry(m: Manifest) -> str:
     return f"{m.table_digest}/{m.world_size}/{sorted(m.split_dims.items())}/{m.chunk_bytes}"
 
 
-class Subscriber:
+class Subscriber(StoreOwner):
     """Pull every pending version of `prefix` into a state_dict in place.
 
     `sharding` says which piece of each tensor this rank holds (default: everything).
@@ -93,22 +92,6 @@ class Subscriber:
 
     def __repr__(self) -> str:
         return f"Subscriber({self._uri!r}, version={self.record.version}, sharding={self.sharding})"
-
-    async def __aenter__(self) -> Subscriber:
-        if self._store is None:
-            self._store, self._prefix = open_store(self._uri)
-            self._owned = True
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if getattr(self, "_owned", False) and self._store is not None:
-            await self._store.aclose()
-
-    @property
-    def store(self) -> Store:
-        if self._store is None:
-            raise RefitError(f"{self!r} is not open: use `async with Subscriber(...) as sub:`")
-        return self._store
 
     @property
     def version(self) -> int:
