@@ -64,7 +64,7 @@ def main() -> int:
     want = [r for r in records if r[0] >= CUT]
     digest = hashlib.sha256("".join(r[4] for r in want).encode()).hexdigest()[:16]
     if resumed != want:
-        print(f"MISMATCH: the resumed continuation differs from the uninterrupted run", file=sys.stderr)
+        print("MISMATCH: the resumed continuation differs from the uninterrupted run", file=sys.stderr)
         return 1
     print(f"resumed on 2 ranks (processes backend): steps {CUT}..{STEPS - 1}, {len(want)} samples "
           f"byte-identical to the uninterrupted run (digest {digest}): continuation matched")

@@ -17,7 +17,7 @@ from ._core.config import Config
 from ._core.sequencer import check_world, consumed, rank_lanes, rank_slots
 from ._core.state import FORMAT_VERSION, LaneState, LoaderState, StateHeader
 from ._exceptions import CheckpointError, IncompatibleState, ZephonError, root_error
-from ._pipeline import DataPlan, Lanes, TextLane
+from ._pipeline import DataPlan
 from .connectors import open_store, parse_uri
 from .connectors.base import Store
 from .operators.read import plan_source
@@ -80,7 +80,6 @@ class Loader:
         self._stats = collections.Counter()
         self._peak = 0
         self._streams: dict[int, Any] = {}
-        self._shared: Lanes | None = None
         self._store_stats: list[Any] = []
         self._skipped: Callable[[], int] = lambda: 0
 
