@@ -1,16 +1,17 @@
-"""Relay benchmark: one delta version against one full checkpoint through the same relay tree.
+"""Relay benchmark: delta versions against one full checkpoint through the same relay tree.
 
     trainer (SeaweedFS) ── root relay (`zephon relay`) ──100 Mbit/s link──> region A (SeaweedFS) <── subscriber A
                                                       └─100 Mbit/s link──> region B (SeaweedFS) <── subscriber B
 
-Every box is its own process (three `weed` servers, the relay daemon, two subscribers; the
-publisher and the two WAN links, `zephon_stream.testing.proxy.FaultProxy` with a token bucket and
-a per-request latency, live in this one). The model is >= 256M bf16 parameters, N(0, 0.02).
+Every box is its own process: three `weed` servers, the relay daemon, two subscribers, the two
+WAN links (`zephon_stream.testing.proxy.FaultProxy` with a token bucket and a per-request
+latency), and the publisher in this one. The model is >= 256M bf16 parameters, N(0, 0.02).
 
 - full: version 1 is a keyframe (every chunk compressed whole, what a joiner downloads): the
   trainer publishes it, the relay copies it to both regions, each subscriber applies it.
 - delta: scenario A of the refit bench, an Adam-like step w +- lr*u, u ~ U(0.5, 1.5),
-  lr = 1e-6, then version 2 goes the same way.
+  lr = 1e-6, then versions 2, 3, ... go the same way (`--deltas`, default 5; the report gives
+  the median and the spread).
 
 Each phase is timed from `publish()` to the slower region's subscriber having applied it, and
 split along its critical path: encode + upload at the trainer (until its MANIFEST is in), relay
@@ -19,7 +20,7 @@ commit (MANIFEST + LATEST over each link), subscriber poll wait, fetch + verify 
 Then the relay node's peak RSS (wait4) for `--once` over a 1 GB and a 4 GB keyframe, without
 links, and with nothing to copy.
 
-    .venv/bin/python bench/relay.py [--params 268435456] [--latency-ms 30] [--rss-gb 1 4]
+    .venv/bin/python bench/relay.py [--params 268435456] [--deltas 5] [--latency-ms 30] [--rss-gb 1 4]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import hashlib
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -121,6 +123,19 @@ async def subscribe(args: argparse.Namespace) -> None:
     emit(event="final", digest=digest(state))
 
 
+def serve_link(args: argparse.Namespace) -> None:
+    """A region's WAN link in its own process, as a real one is in nobody's: `reset` and `stats` on stdin."""
+    link = Link(bandwidth=args.mbit * 1e6 / 8, latency_s=args.latency_ms / 1000, burst=1 << 20)
+    with FaultProxy(args.upstream, link=link) as proxy:
+        emit(event="ready", url=proxy.url)
+        for line in sys.stdin:
+            if line.strip() == "reset":
+                proxy.reset_statistics()
+                emit(event="reset")
+            elif line.strip() == "stats":
+                emit(event="stats", bytes_up=proxy.statistics(settle=1).bytes_up)
+
+
 # -- the orchestrator -------------------------------------------------------------------------
 
 
@@ -168,8 +183,10 @@ async def wait_for_line(log: Path, needle: str, timeout: float = 60) -> None:
 
 
 class Sub:
+    """A child process that speaks JSON lines: a subscriber, or a link."""
+
     def __init__(self, region: str, proc: Any) -> None:
-        self.region, self.proc = region, proc
+        self.region, self.proc, self.url = region, proc, ""
         self.out = BufferedByteReceiveStream(proc.stdout)
 
     async def next(self, event: str) -> dict[str, Any]:
@@ -177,6 +194,10 @@ class Sub:
             line = json.loads(await self.out.receive_until(b"\n", 1 << 20))
             if line["event"] == event:
                 return line
+
+    async def ask(self, command: str, event: str) -> dict[str, Any]:
+        await self.proc.stdin.send(command.encode() + b"\n")
+        return await self.next(event)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -193,12 +214,14 @@ def scrape(port: int, metric: str) -> float:
 
 
 async def phase(name: str, pub: Publisher, store: TimedStore, model: dict, subs: list[Sub], log: Path,
-                links: dict[str, FaultProxy], relay_pid: int, port: int) -> dict[str, Any]:
+                links: dict[str, Sub], pids: dict[str, int], port: int) -> dict[str, Any]:
     for link in links.values():
-        link.reset_statistics()
+        await link.ask("reset", "reset")
     ahead = await anyio.to_thread.run_sync(scrape, port, "zephon_relay_objects_ahead_total")
-    cpu = {"relay": cpu_seconds(relay_pid), "self": time.process_time(),
-           **{s.region: cpu_seconds(s.proc.pid) for s in subs}}
+    def cpu_now() -> dict[str, float]:
+        return {"publisher": time.process_time(), **{k: cpu_seconds(pid) for k, pid in pids.items()}}
+
+    cpu = cpu_now()
     t0 = time.time()
     info = await pub.publish(model)
     t_pub = time.time()
@@ -211,12 +234,11 @@ async def phase(name: str, pub: Publisher, store: TimedStore, model: dict, subs:
             await anyio.sleep(0.01)
     by_child = {s.region: next(e for e in events if e["child"].endswith("@" + links[s.region].url[7:]))
                 for s in subs}
-    cpu = {"relay": cpu_seconds(relay_pid) - cpu["relay"], "publisher + links": time.process_time() - cpu["self"],
-           **{f"subscriber {s.region}": cpu_seconds(s.proc.pid) - cpu[s.region] for s in subs}}
+    now = cpu_now()
     ahead = await anyio.to_thread.run_sync(scrape, port, "zephon_relay_objects_ahead_total") - ahead
     objects = [o for o in await store.list(f"{pub._prefix}v{info.version}/") if "/MANIFEST" not in o.key]
-    r: dict[str, Any] = {"name": name, "version": info.version, "t0": t0, "publish_end": t_pub, "cpu": cpu,
-                         "ahead": (int(ahead), len(objects)),
+    r: dict[str, Any] = {"name": name, "version": info.version, "t0": t0, "publish_end": t_pub,
+                         "cpu": {k: now[k] - v for k, v in cpu.items()}, "ahead": (int(ahead), len(objects)),
                          "manifest": store.manifests[info.version], "bytes": info.delta_bytes + info.key_bytes,
                          "keyframe": info.keyframe, "regions": {}}
     for region, e in by_child.items():
@@ -225,50 +247,56 @@ async def phase(name: str, pub: Publisher, store: TimedStore, model: dict, subs:
         seen = ready - e["copy_s"]
         a = applied[region]
         r["regions"][region] = {"seen": seen, "ready": ready, "visible": ready + e["manifest_s"],
-                                "committed": committed, "detect": a["detect"],
-                                "done": a["done"], "link_bytes": links[region].statistics(settle=1).bytes_up}
+                                "committed": committed, "detect": a["detect"], "done": a["done"],
+                                "link_bytes": (await links[region].ask("stats", "stats"))["bytes_up"]}
+    r["end"] = max(g["done"] for g in r["regions"].values()) - t0
     return r
 
 
-def report(full: dict[str, Any], delta: dict[str, Any], model_bytes: int) -> None:
-    def segments(p: dict[str, Any], region: str) -> list[tuple[str, float]]:
-        g = p["regions"][region]
-        return [("encode + upload at the trainer (until its MANIFEST)", p["manifest"] - p["t0"]),
-                ("relay sees the MANIFEST (poll; ahead copies finish)", g["seen"] - p["manifest"]),
-                ("relay copies what is left over the link", g["ready"] - g["seen"]),
-                ("relay commit (MANIFEST put over the link)", g["visible"] - g["ready"]),
-                ("subscriber poll wait (from the MANIFEST)", g["detect"] - g["visible"]),
-                ("subscriber fetch + verify + apply", g["done"] - g["detect"])]
+def segments(p: dict[str, Any], region: str) -> list[tuple[str, float]]:
+    g = p["regions"][region]
+    return [("encode + upload at the trainer (until its MANIFEST)", p["manifest"] - p["t0"]),
+            ("relay sees the MANIFEST (poll; ahead copies finish)", g["seen"] - p["manifest"]),
+            ("relay copies what is left over the link", g["ready"] - g["seen"]),
+            ("relay commit (MANIFEST put over the link)", g["visible"] - g["ready"]),
+            ("subscriber poll wait (from the MANIFEST)", g["detect"] - g["visible"]),
+            ("subscriber fetch + verify + apply", g["done"] - g["detect"]),
+            ("end to end (publish -> applied)", g["done"] - p["t0"])]
 
+
+def spread(xs: list[float], fmt: str = "{:.3f}") -> str:
+    """median (min - max)"""
+    return f"{fmt.format(statistics.median(xs))} ({fmt.format(min(xs))} - {fmt.format(max(xs))})"
+
+
+def report(full: dict[str, Any], deltas: list[dict[str, Any]], model_bytes: int) -> None:
     regions = sorted(full["regions"])
-    print(f"\n{'':<52}" + "".join(f"{p['name'] + ' ' + r:>16}" for p in (full, delta) for r in regions))
-    rows = [segments(p, r) for p in (full, delta) for r in regions]
-    for i, (label, _) in enumerate(rows[0]):
-        print(f"{label:<52}" + "".join(f"{row[i][1]:>15.3f}s" for row in rows))
-    ends = [p["regions"][r]["done"] - p["t0"] for p in (full, delta) for r in regions]
-    print(f"{'end to end (publish -> applied)':<52}" + "".join(f"{e:>15.3f}s" for e in ends))
-    for p in (full, delta):
+    n = len(deltas)
+    print(f"\n{'seconds':<52}" + "".join(f"{'full ' + r:>14}" for r in regions)
+          + "".join(f"{f'delta {r}, median (min - max) of {n}':>36}" for r in regions))
+    for i, (label, _) in enumerate(segments(full, regions[0])):
+        row = "".join(f"{segments(full, r)[i][1]:>14.3f}" for r in regions)
+        row += "".join(f"{spread([segments(d, r)[i][1] for d in deltas]):>36}" for r in regions)
+        print(f"{label:<52}{row}")
+    for p in (full, deltas[len(deltas) // 2]):
         print(f"CPU seconds during {p['name']}: " + ", ".join(f"{k} {v:.2f}" for k, v in p["cpu"].items()))
-    links = [p["regions"][r]["link_bytes"] for p in (full, delta) for r in regions]
-    print(f"{'bytes up each region link (bodies + headers)':<52}" + "".join(f"{b:>16,}" for b in links))
-    rates = [p["regions"][r]["link_bytes"] * 8e-6 / (p["regions"][r]["ready"] - p["t0"]) for p in (full, delta)
-             for r in regions]
-    print(f"{'link Mbit/s, publish start -> last object in':<52}" + "".join(f"{x:>16.1f}" for x in rates))
-    ahead = [p["ahead"] for p in (full, delta)]
-    print(f"objects the relay copied ahead (while the trainer was still publishing): full {ahead[0][0]} of "
-          f"{ahead[0][1]}, delta {ahead[1][0]} of {ahead[1][1]}")
-    t_full = max(full["regions"][r]["done"] for r in regions) - full["t0"]
-    t_delta = max(delta["regions"][r]["done"] for r in regions) - delta["t0"]
+    print(f"{'bytes up each region link (bodies + headers)':<52}"
+          + "".join(f"{full['regions'][r]['link_bytes']:>14,}" for r in regions)
+          + "".join(f"{spread([d['regions'][r]['link_bytes'] for d in deltas], '{:,.0f}'):>36}" for r in regions))
+    print("objects the relay copied ahead (while the trainer was still publishing): full "
+          f"{full['ahead'][0]} of {full['ahead'][1]}, deltas " + ", ".join(f"{d['ahead'][0]}/{d['ahead'][1]}"
+                                                                       for d in deltas))
+    ends = [d["end"] for d in deltas]
+    ratios = [full["end"] / e for e in ends]
     print(f"\nmodel {model_bytes:,} B; full checkpoint (keyframe) {full['bytes']:,} B "
-          f"({model_bytes / full['bytes']:.2f}x compressed); delta {delta['bytes']:,} B "
-          f"({model_bytes / delta['bytes']:.1f}x smaller than the model)")
-    print(f"publish -> both regions applied: full checkpoint {t_full:.2f} s, delta {t_delta:.3f} s: "
-          f"delta is {t_full / t_delta:.1f}x faster (goal >= 40x)")
+          f"({model_bytes / full['bytes']:.2f}x compressed); delta {spread([d['bytes'] for d in deltas], '{:,.0f}')} B "
+          f"({model_bytes / statistics.median(d['bytes'] for d in deltas):.1f}x smaller than the model)")
+    print(f"publish -> both regions applied: full checkpoint {full['end']:.2f} s; delta {spread(ends)} s over {n} "
+          f"versions ({', '.join(f'{e:.3f}' for e in ends)})")
+    print(f"delta is {statistics.median(ratios):.1f}x faster than the full checkpoint (median; "
+          f"{min(ratios):.1f} - {max(ratios):.1f}x) (goal >= 40x)")
     print(f"publish() call wall time (adds LATEST + GC after the MANIFEST): full "
-          f"{full['publish_end'] - full['t0']:.3f} s, delta {delta['publish_end'] - delta['t0']:.3f} s")
-    latest = [p["regions"][r]["committed"] - p["regions"][r]["visible"] for p in (full, delta) for r in regions]
-    print(f"relay LATEST put after each MANIFEST (off the critical path: subscribers probe for the next "
-          f"MANIFEST): {', '.join(f'{x * 1000:.0f} ms' for x in latest)}")
+          f"{full['publish_end'] - full['t0']:.3f} s, delta {spread([d['publish_end'] - d['t0'] for d in deltas])} s")
 
 
 async def alone(args: argparse.Namespace, model: dict[str, torch.Tensor]) -> None:
@@ -295,9 +323,13 @@ async def tree(args: argparse.Namespace, work: Path, stack: ExitStack) -> None:
     servers = {r: stack.enter_context(SeaweedServer()) for r in ("trainer", "A", "B")}
     for s in servers.values():
         s.create_bucket("weights")
-    # A burst above the proxy's 64 KiB writes: else each sleep's overshoot is lost and bulk runs ~20% slow.
-    link = Link(bandwidth=args.mbit * 1e6 / 8, latency_s=args.latency_ms / 1000, burst=1 << 20)
-    links = {r: stack.enter_context(FaultProxy(servers[r].endpoint_url, link=link)) for r in ("A", "B")}
+    links: dict[str, Sub] = {}
+    for r in ("A", "B"):
+        lp = await anyio.open_process([sys.executable, __file__, "--role", "link", "--upstream",
+                                       servers[r].endpoint_url, "--mbit", str(args.mbit), "--latency-ms",
+                                       str(args.latency_ms)], stderr=None)
+        links[r] = Sub(r, lp)
+        links[r].url = (await links[r].next("ready"))["url"]
     opts = {r: s.store_options() for r, s in servers.items()}
     config = private(work / "relay.toml", prefix_table("from", opts["trainer"]) + "".join(
         prefix_table("[to]", {**opts[r], "endpoint_url": links[r].url}) for r in ("A", "B")))
@@ -316,7 +348,7 @@ async def tree(args: argparse.Namespace, work: Path, stack: ExitStack) -> None:
             cfg = private(work / f"sub-{r}.json", json.dumps({"uri": URI, "options": opts[r]}))
             sp = await anyio.open_process([sys.executable, __file__, "--role", "subscriber", "--config", str(cfg),
                                            "--params", str(args.params), "--tensors", str(args.tensors),
-                                           "--versions", "2", "--poll", str(args.poll)], stderr=None)
+                                           "--versions", str(1 + args.deltas), "--poll", str(args.sub_poll)], stderr=None)
             subs.append(Sub(r, sp))
         t = time.perf_counter()
         model = make_model(args.params, args.tensors, seed=1)
@@ -325,25 +357,30 @@ async def tree(args: argparse.Namespace, work: Path, stack: ExitStack) -> None:
               f"{time.perf_counter() - t:.1f} s; links {args.mbit:g} Mbit/s + {args.latency_ms:g} ms per request")
         for s in subs:
             await s.next("ready")
+        pids = {"relay": proc.pid, **{f"subscriber {s.region}": s.proc.pid for s in subs},
+                **{f"link {r}": k.proc.pid for r, k in links.items()},
+                **{f"weed {r}": w._proc.pid for r, w in servers.items() if w._proc is not None}}
         await wait_for_line(log, '"event": "started"')
         pstore, pkey = open_store(URI, **opts["trainer"])
         timed = TimedStore(pstore)
         async with pstore, Publisher(pkey, store=timed, chunk_bytes=args.chunk_bytes, keyframe_every=1000,  # type: ignore[arg-type]
                                      lanes=4, threads=2) as pub:
-            full = await phase("full", pub, timed, model, subs, log, links, proc.pid, port)
-            adam_step(model, seed=2)
-            delta = await phase("delta", pub, timed, model, subs, log, links, proc.pid, port)
+            full = await phase("full", pub, timed, model, subs, log, links, pids, port)
+            deltas = []
+            for k in range(args.deltas):
+                adam_step(model, seed=2 + k)
+                deltas.append(await phase("delta", pub, timed, model, subs, log, links, pids, port))
         want = digest(model)
         for s in subs:
             got = (await s.next("final"))["digest"]
             print(f"subscriber {s.region}: blake2b {got} {'== trainer (bit-exact)' if got == want else '!= trainer'}")
             await s.proc.wait()
-        report(full, delta, nbytes)
+        report(full, deltas, nbytes)
         await alone(args, model)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-        for s in subs:
+        for s in [*subs, *links.values()]:
             if s.proc.returncode is None:
                 s.proc.kill()
                 await s.proc.wait()
@@ -365,7 +402,7 @@ async def high_water(proc: subprocess.Popen[bytes]) -> int:
 
 
 async def rss(args: argparse.Namespace, work: Path) -> None:
-    print(f"\nrelay node peak RSS (zephon relay --once, chunks of {args.chunk_bytes >> 20} MiB, no links):")
+    print(f"\nrelay node peak RSS (zephon relay --once, chunks of {args.rss_chunk_bytes >> 20} MiB, no links):")
     rows = [("nothing to copy", 0)] + [(f"{gb:g} GB model", int(gb * (1 << 30)) // 2) for gb in args.rss_gb]
     for label, params in rows:
         with ExitStack() as stack:
@@ -376,7 +413,8 @@ async def rss(args: argparse.Namespace, work: Path) -> None:
                 block = make_model(BLOCK * 16, 1, seed=3)["layer000.weight"].view(-1)  # 256M params, reused
                 model = {name: block[: s[0] * s[1]].view(s) for name, s in shapes(params, 8).items()}
                 store, key = open_store(URI, **parent.store_options())
-                async with store, Publisher(key, store=store, chunk_bytes=args.chunk_bytes, lanes=4, threads=2) as pub:
+                async with store, Publisher(key, store=store, chunk_bytes=args.rss_chunk_bytes, lanes=4,
+                                            threads=2) as pub:
                     info = await pub.publish(model)
                 moved = info.key_bytes
                 del model, block
@@ -397,14 +435,21 @@ async def rss(args: argparse.Namespace, work: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--role", choices=["bench", "subscriber"], default="bench")
+    ap.add_argument("--role", choices=["bench", "subscriber", "link"], default="bench")
+    ap.add_argument("--deltas", type=int, default=5, help="delta versions to time (median and spread)")
+    ap.add_argument("--upstream", help=argparse.SUPPRESS)
     ap.add_argument("--params", type=int, default=1 << 28)
     ap.add_argument("--tensors", type=int, default=8)
-    ap.add_argument("--chunk-bytes", type=int, default=16 << 20, help="the publisher's chunk size")
+    ap.add_argument("--chunk-bytes", type=int, default=64 << 20,
+                    help="the publisher's chunk size: each chunk is one object per hop, and on 2 shared cores "
+                         "the S3 requests' CPU matters (16 MiB: 4x the objects)")
+    ap.add_argument("--rss-chunk-bytes", type=int, default=16 << 20, help="the chunk size of the RSS runs")
     ap.add_argument("--mbit", type=float, default=100.0, help="bandwidth of each region's link")
     ap.add_argument("--latency-ms", type=float, default=30.0, help="delay the link adds to every request")
     ap.add_argument("--relay-lanes", type=int, default=32)
-    ap.add_argument("--poll", type=float, default=0.01, help="poll interval of the relay and subscribers")
+    ap.add_argument("--poll", type=float, default=0.01, help="the relay's poll interval")
+    ap.add_argument("--sub-poll", type=float, default=0.025,
+                    help="each subscriber's poll interval (a HEAD each: many subscribers share a region's store)")
     ap.add_argument("--no-stream-ahead", dest="stream_ahead", action="store_false",
                     help="the relay waits for each MANIFEST before it copies anything")
     ap.add_argument("--rss-gb", type=float, nargs="*", default=[1, 4], help="model sizes of the RSS runs")
@@ -416,6 +461,9 @@ def main() -> int:
     torch.set_num_threads(1)
     if args.role == "subscriber":
         anyio.run(subscribe, args)
+        return 0
+    if args.role == "link":
+        serve_link(args)
         return 0
     if not args.skip_tree:
         with tempfile.TemporaryDirectory(prefix="zephon-bench-relay-") as tmp, ExitStack() as stack:

@@ -61,6 +61,21 @@ def test_signed_zero_and_nan_payload_are_changes() -> None:
     assert pos.tolist() == [0, 1]
 
 
+@pytest.mark.parametrize("n", [0, 1, codec._DIFF_BLOCK - 1, codec._DIFF_BLOCK, codec._DIFF_BLOCK + 1,
+                               3 * codec._DIFF_BLOCK + 7])
+@pytest.mark.parametrize("width", [1, 2, 4])
+def test_blocked_diff_across_block_edges(n: int, width: int) -> None:
+    rng = np.random.default_rng(n + width)
+    old = rng.integers(0, 1 << (8 * width), n, dtype=np.uint64).astype(WORD[width])
+    new = old.copy()
+    edges = [i for b in range(0, n + 1, codec._DIFF_BLOCK) for i in (b - 1, b) if 0 <= i < n]
+    touched = np.unique(np.concatenate([rng.integers(0, max(n, 1), n // 50), edges]).astype(np.int64))
+    new[touched] ^= WORD[width].type(1)
+    pos, x = codec.diff(old, new)
+    assert pos.tolist() == touched.tolist()
+    assert (x == 1).all() and x.dtype == old.dtype
+
+
 @given(st.lists(pairs(), min_size=1, max_size=1), st.integers(2, 6), st.randoms(use_true_random=False))
 @settings(max_examples=40, deadline=None)
 def test_compose_equals_sequential_apply(first: list, k: int, rnd) -> None:  # type: ignore[no-untyped-def]
