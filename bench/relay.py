@@ -115,6 +115,8 @@ async def subscribe(args: argparse.Namespace) -> None:
             try:  # one HEAD per poll: the next version exists once its MANIFEST does
                 await store.head(f"{key}v{have + 1}/MANIFEST")
             except ObjectNotFound:
+                if args.prefetch and have:  # verify ahead what the relay already streamed here (a LIST)
+                    await sub.prefetch(state)
                 await anyio.sleep(args.poll)
                 continue
             detect = time.time()
@@ -348,7 +350,8 @@ async def tree(args: argparse.Namespace, work: Path, stack: ExitStack) -> None:
             cfg = private(work / f"sub-{r}.json", json.dumps({"uri": URI, "options": opts[r]}))
             sp = await anyio.open_process([sys.executable, __file__, "--role", "subscriber", "--config", str(cfg),
                                            "--params", str(args.params), "--tensors", str(args.tensors),
-                                           "--versions", str(1 + args.deltas), "--poll", str(args.sub_poll)], stderr=None)
+                                           "--versions", str(1 + args.deltas), "--poll", str(args.sub_poll),
+                                           *([] if args.prefetch else ["--no-prefetch"])], stderr=None)
             subs.append(Sub(r, sp))
         t = time.perf_counter()
         model = make_model(args.params, args.tensors, seed=1)
@@ -452,6 +455,8 @@ def main() -> int:
                     help="each subscriber's poll interval (a HEAD each: many subscribers share a region's store)")
     ap.add_argument("--no-stream-ahead", dest="stream_ahead", action="store_false",
                     help="the relay waits for each MANIFEST before it copies anything")
+    ap.add_argument("--no-prefetch", dest="prefetch", action="store_false",
+                    help="subscribers do not verify objects ahead of the MANIFEST (Subscriber.prefetch)")
     ap.add_argument("--rss-gb", type=float, nargs="*", default=[1, 4], help="model sizes of the RSS runs")
     ap.add_argument("--rss-lanes", type=int, nargs="+", default=[8, 32], help="relay lanes of the RSS runs")
     ap.add_argument("--skip-tree", action="store_true", help="only the RSS runs")

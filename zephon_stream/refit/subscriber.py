@@ -9,6 +9,12 @@ A pull runs in two phases over the chunks, both streamed through the same lanes:
    keyframe); if none verifies, the pull is refused and nothing has been written.
 2. apply: record "applying v" locally, write each chunk in place, then record v.
 
+`prefetch()`, called while waiting for the next version, does phase 1's work early for the
+delta objects already in the store (a relay streaming ahead puts them there before the
+MANIFEST): fetch, digest, decode, and the O(delta) digest change against the current values.
+The pull then checks those results against the MANIFEST instead of fetching again; whatever
+does not match (another publish attempt, a corrupt object) takes the normal path.
+
 A subscriber killed in phase 2 finds "applying" in its record on restart. It re-hashes each
 chunk it holds: a chunk that matches the old or the new digest resumes from there; any other
 (torn) chunk is rebuilt from overwrite objects or the newest keyframe.
@@ -89,6 +95,9 @@ class Subscriber(StoreOwner):
         self._cpu = anyio.CapacityLimiter(threads or max(1, min(lanes, os.cpu_count() or 1)))
         self.record = self._load_record()
         self._manifests: dict[int, tuple[Manifest, TensorTable] | None] = {}
+        self._ahead: dict[str, _Ahead] = {}  # object key -> phase-1 result, from prefetch()
+        self._ahead_bytes = 0
+        self._ahead_tried: set[str] = set()
 
     def __repr__(self) -> str:
         return f"Subscriber({self._uri!r}, version={self.record.version}, sharding={self.sharding})"
@@ -136,7 +145,64 @@ class Subscriber(StoreOwner):
         if sync is not None:
             await anyio.to_thread.run_sync(sync)
         await self._save(LocalRecord(latest, None, geometry(m), [c.plain for c in m.chunks], m.model_digest))
+        self._drop_ahead()
         return latest
+
+    async def prefetch(self, state: Mapping[str, torch.Tensor]) -> int:
+        """Verify ahead the delta objects of the next version that are already in the store.
+
+        Call it while waiting for the next version, from the task that pulls, with the same
+        `state` (which only `pull` may change). It fetches each new `chunk` object of version
+        `v+1`, checks it decodes against its chunk, and computes the chunk's digest change
+        from the current values, holding at most `staged_bytes` of results. The next `pull`
+        uses a result only where the MANIFEST names that very object (key, size, blake2b) as a
+        delta from our version. Returns how many results are held; 0 when there is no version
+        to build on yet, or the next version's MANIFEST is already in (then just pull).
+        """
+        rec = self.record
+        if rec.version == 0 or rec.target is not None:
+            return 0
+        nxt = f"{self._prefix}v{rec.version + 1}/"
+        objects = await self.store.list(nxt)
+        if any(o.key == nxt + "MANIFEST" for o in objects):
+            return len(self._ahead)
+        m, table = await self._manifest(rec.version)
+        if geometry(m) != rec.geometry:
+            return 0
+        job = _Pull(self, m, table, LocalState(table, self.sharding, state))
+        todo = []
+        for o in objects:
+            name = o.key[len(nxt):]
+            kind, _, rest = name.partition("-")
+            index = rest.partition(".")[0]
+            if kind != "chunk" or not index.isdigit() or o.key in self._ahead or o.key in self._ahead_tried:
+                continue
+            i = int(index)
+            if i < len(job.plans) and job.plans[i].owned:
+                todo.append((i, o.key))
+
+        async def stage(n: int) -> None:
+            i, key = todo[n]
+            self._ahead_tried.add(key)
+            try:
+                data = await self.store.read(key)
+            except ConnectorError:
+                return  # gone, or not there yet: the pull fetches what it needs
+            got = await anyio.to_thread.run_sync(job.ahead, i, rec.version + 1, rec.version, data, limiter=self._cpu)
+            if got is not None and self._ahead_bytes + got.nbytes <= self.staged_bytes:
+                self._ahead[key] = got
+                self._ahead_bytes += got.nbytes
+
+        async def commit(n: int, _: None) -> None:
+            pass
+
+        await run_ordered(range(len(todo)), stage, commit, lanes=self.lanes, window=2 * self.lanes)
+        return len(self._ahead)
+
+    def _drop_ahead(self) -> None:
+        self._ahead.clear()
+        self._ahead_tried.clear()
+        self._ahead_bytes = 0
 
     async def _manifest(self, version: int) -> tuple[Manifest, TensorTable]:
         if version not in self._manifests:
@@ -165,6 +231,22 @@ def _write_atomic(path: Path, data: bytes) -> None:
 class _Staged(NamedTuple):
     route: Route
     decoded: tuple[np.ndarray | None, np.ndarray, np.ndarray] | None  # None: re-fetch (over budget)
+
+
+class _Ahead(NamedTuple):
+    """Phase 1 done early for one delta object (see `Subscriber.prefetch`)."""
+
+    version: int  # the version the object belongs to
+    base: int  # the version whose values `change` was computed from
+    size: int
+    digest: str  # blake2b of the object
+    positions: np.ndarray
+    new: np.ndarray  # the values at `positions` after the delta
+    change: int  # the chunk digest's change, mod 2**64
+
+    @property
+    def nbytes(self) -> int:
+        return self.positions.nbytes + self.new.nbytes
 
 
 class _Pull:
@@ -301,6 +383,33 @@ class _Pull:
         pos, val = (codec.compose_set if route.kind == "set" else codec.compose_xor)(parts)
         return base, pos, val
 
+    def ahead(self, i: int, version: int, base: int, data: bytes) -> _Ahead | None:
+        """Phase 1 of an owned chunk's single delta, before its MANIFEST (None: undecodable)."""
+        plan = self.plans[i]
+        c = plan.chunk
+        try:
+            d = codec.decode(data, kinds=(codec.SPARSE_XOR, codec.DENSE_XOR), itemsize=c.itemsize, words=c.words,
+                             key=f"v{version}/chunk-{i}")
+        except DataError:
+            return None  # the pull fetches it again and reports it against the MANIFEST
+        pos = d.positions if d.positions is not None else np.flatnonzero(d.values)
+        val = d.values if d.positions is not None else d.values[pos]
+        old = plan.gather(pos)
+        new = old ^ val
+        return _Ahead(version, base, len(data), object_digest(data), pos, new, plan.change_sum(pos, old, new))
+
+    def _ready(self, i: int, route: Route) -> tuple[None, np.ndarray, np.ndarray] | None:
+        """The prefetched phase 1 of chunk i, when the MANIFEST names that very object."""
+        c, plan = self.m.chunks[i], self.plans[i]
+        if route.kind != "xor" or route.start != self.target - 1 or route.digest is None or not plan.owned or not c.size:
+            return None
+        got = self.sub._ahead.get(self.m.chunk_key(self.sub._prefix, i, "chunk"))
+        if got is None or (got.version, got.base, got.size, got.digest) != (self.target, route.start, c.size, c.digest):
+            return None
+        if (route.digest + got.change) & ((1 << 64) - 1) != c.plain:
+            return None  # the values it read were not our version's: the normal path and its fallbacks decide
+        return None, got.positions, got.new
+
     def _check(self, i: int, route: Route, objects: list[bytes]) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
         """Decode a route and check the chunk digest it would produce, writing nothing."""
         plan, want = self.plans[i], self.m.chunks[i].plain
@@ -353,6 +462,9 @@ class _Pull:
         async def stage(i: int) -> _Staged:
             errors: list[Exception] = []
             for route in self.routes[i]:
+                ready = self._ready(i, route)
+                if ready is not None:
+                    return _Staged(route, ready)  # its bytes are already counted in the prefetch budget
                 try:
                     objects = await self._fetch(i, route)
                     decoded = await anyio.to_thread.run_sync(self._check, i, route, objects, limiter=cpu)
