@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo bench bench-data clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,7 +20,11 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-bench: $(STAMP)
+# The one step that uses the network (Debian mirrors): benchmarks then talk only to loopback.
+bench-data: $(STAMP)
+	$(BIN)/python -c "from zephon_stream._datasets import ensure_debian_docs as e; p = e(); print(p); raise SystemExit(p is None)"
+
+bench: bench-data
 	$(BIN)/python bench/loader.py
 
 clean:

@@ -2,9 +2,9 @@
 
     .venv/bin/python bench/loader.py [--mb 48] [--repeats 3] [--backend threads]
 
-Data: Debian's kernel and Python documentation (about 41 MB of English text, fetched once with
-apt-get into ~/.cache/zephon-stream) topped up with the standard library's sources, written as
-multi-frame JSONL.zst shards; a byte-level BPE (vocab 8192) trained on it. The baseline is
+Data: Debian's kernel and Python documentation (about 41 MB of English text, fetched beforehand
+by `make bench-data` with apt-get into ~/.cache/zephon-stream) topped up with the standard
+library's sources, written as multi-frame JSONL.zst shards; a byte-level BPE (vocab 8192) trained on it. The baseline is
 `Tokenizer.encode_batch_fast` alone on the same documents, in batches of the same size, in this
 process on the same cores. The loader runs one epoch (max_epochs = 1) of the same documents.
 """
@@ -20,11 +20,16 @@ from tokenizers import Tokenizer
 
 from zephon_stream import Config, Loader, SourceConfig
 from zephon_stream._core.state import state_to_bytes
-from zephon_stream._datasets import collect_documents, train_tokenizer, write_jsonl_shards
+from zephon_stream._datasets import collect_documents, have_debian_docs, train_tokenizer, write_jsonl_shards
 
 
 def prepare(root: Path, mb: int) -> tuple[list[str], Path]:
-    docs = collect_documents(mb << 20)
+    """The bench's documents and tokenizer. Reads the Debian docs from the cache only: a benchmark
+    talks to nothing but loopback, so `make bench-data` fetches them beforehand."""
+    if not have_debian_docs():
+        raise SystemExit("the Debian documentation is not in the cache: run `make bench-data` first "
+                         "(apt-get download + dpkg-deb -x, the one step that uses the network)")
+    docs = collect_documents(mb << 20, download=False)
     marker = root / f"built-{mb}"
     if not marker.exists():
         write_jsonl_shards(docs, root / "text", name="text", shards=8, compress="zst")

@@ -414,6 +414,11 @@ def _debian_source(download: bool = True) -> _FileSource | None:
     return _FileSource("debian", root / doc, files, _read_text_file)
 
 
+def have_debian_docs() -> bool:
+    """Whether the Debian documentation is already downloaded and unpacked in the cache."""
+    return (_debian_root() / _DEBIAN_MARKER).is_file()
+
+
 def debian_documents(*, download: bool = True) -> Iterator[tuple[str, str]]:
     """Every Debian documentation document ``(doc_id, text)``, sorted by path; nothing when unavailable.
 
@@ -499,7 +504,7 @@ def _take(docs: Iterable[tuple[str, str]], budget: int) -> list[tuple[str, str]]
     return sorted(chosen, key=lambda d: d[0])
 
 
-def collect_documents(min_bytes: int, *, debian_docs: bool = True) -> list[tuple[str, str]]:
+def collect_documents(min_bytes: int, *, debian_docs: bool = True, download: bool = True) -> list[tuple[str, str]]:
     """Real English text: ``(doc_id, text)`` pairs holding at least ``min_bytes`` UTF-8 bytes if the
     sources have that much, else all they have.
 
@@ -508,11 +513,12 @@ def collect_documents(min_bytes: int, *, debian_docs: bool = True) -> list[tuple
     into the cache when ``debian_docs`` is true; if that fails one line is logged), then the standard
     library's source files. Within a source whole files are taken in a stable pseudo-random order, so
     the text spreads evenly over the tree, and returned sorted by path: the same call gives the same
-    list, and a smaller ``min_bytes`` gives a subset of it.
+    list, and a smaller ``min_bytes`` gives a subset of it. With ``download=False`` only an existing
+    cache of the Debian documentation is read (no network).
     """
     out: list[tuple[str, str]] = []
     total = 0
-    sources = [_debian_source(), _stdlib_source()] if debian_docs else [_stdlib_source()]
+    sources = [_debian_source(download), _stdlib_source()] if debian_docs else [_stdlib_source()]
     for src in sources:
         if src is not None and total < min_bytes:
             docs, n = src.sample(min_bytes - total)

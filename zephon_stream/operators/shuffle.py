@@ -2,7 +2,7 @@
 
 The window fills to `size` documents; each pull takes the document at index
 `mix64(seed, lane, pulls) % len(window)` and moves the last one into its place. Together with
-the per-epoch permutation of splits (see `_core.plan`), this mixes documents across and within
+the per-epoch permutation of splits (`Lanes._permutation`), this mixes documents across and within
 shards with memory bounded by `size`. The state is the window's document references in
 window order plus the pull counter; restore re-reads those documents.
 """
