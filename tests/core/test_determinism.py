@@ -3,11 +3,13 @@ buffer sizes, injected latency and any sequence of checkpoint/resume (L = 12).""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from zephon_stream import ConfigError
 from zephon_stream._loader import Loader
-from zephon_stream.testing.determinism import real, run_world
+from zephon_stream.testing.determinism import batch_records, real, run_world
 from zephon_stream.testing.stores import WithLatency
 
 STEPS = 24
@@ -72,6 +74,34 @@ def test_epochs_to_the_end_and_resume_at_epoch_boundary(config):
         first, states = run_world(cfg, 4, cut, backend="threads")
         rest, _ = run_world(cfg, 2, None, backend="inline", resume=states)
         assert real(first + rest) == real(full)
+
+
+def _epoch_crossing(loader, lanes):
+    """Whether some lane's reader has moved into its first split of epoch 1, for some source."""
+    for lane, st in loader._lane_states.items():
+        for s, (position, _) in enumerate(st.cursors if st else []):
+            n = len(loader._plan.sources[s].splits)
+            if position >= math.ceil((n - lane) / lanes):  # position p is split g = lane + p * lanes
+                return True
+    return False
+
+
+def test_resume_on_both_sides_of_the_first_epoch_crossing(config):
+    """Cut at the last step before any lane reads its second epoch, and at the first step after."""
+    cfg = config.replace(max_epochs=2)
+    loader = Loader(cfg, backend="inline")
+    records, states, crossing = [], {}, None
+    for batch in loader:
+        records += batch_records(batch)
+        states[loader.step] = loader.state_dict()
+        if crossing is None and _epoch_crossing(loader, cfg.lanes):
+            crossing = loader.step
+        if crossing is not None and loader.step == crossing + 8:
+            break
+    assert crossing is not None and crossing > 1, "no lane reached its second epoch"
+    for cut in (crossing - 1, crossing):
+        rest, _ = run_world(cfg, 3, crossing + 8 - cut, backend="threads", resume=[states[cut]])
+        assert rest == [r for r in records if r[0] >= cut], f"continuation after step {cut} differs"
 
 
 def test_refuses_world_that_cannot_keep_order(config):
