@@ -75,16 +75,45 @@ def test_s3_buffer_sizes_and_resume_twice(s3_config, local_baseline):
     assert a + b + c == local_baseline
 
 
-@pytest.mark.parametrize(("change", "error", "needle"), [
-    ("bucket", ObjectNotFound, "no-such-bucket-zz"),
-    ("secret", AccessDenied, "check"),
+class VanishingShard:
+    """A store whose listing is followed by another client deleting a shard: NoSuchKey on read."""
+
+    def __init__(self, inner, client, bucket):
+        self.inner, self.client, self.bucket = inner, client, bucket
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def list(self, prefix=""):
+        objects = await self.inner.list(prefix)
+        if prefix.endswith("/a/"):
+            self.client.delete_object(Bucket=self.bucket, Key=objects[0].key)
+        return objects
+
+
+@pytest.mark.parametrize(("change", "error", "code", "needle"), [
+    ("bucket", ObjectNotFound, "NoSuchBucket", "no-such-bucket-zz"),
+    ("key", ObjectNotFound, "NoSuchKey", "data/a/a-0.jsonl"),
+    ("identity", AccessDenied, "AccessDenied", "data/a/"),
+    ("key-id", AccessDenied, "InvalidAccessKeyId", "check"),
+    ("secret", AccessDenied, "SignatureDoesNotMatch", "check"),
 ])
-def test_permanent_errors_stop_the_loader_naming_the_object(s3_config, monkeypatch, change, error, needle):
+def test_permanent_errors_stop_the_loader_naming_the_object(s3_config, s3, seaweed, monkeypatch, change, error,
+                                                            code, needle):
+    cfg, wrap = s3_config, None
     if change == "bucket":
         cfg = s3_config.replace(sources=[msgspec.structs.replace(s3_config.sources[0], uri="s3://no-such-bucket-zz/a/")])
+    elif change == "key":
+        wrap = lambda store: VanishingShard(store, s3.client(), s3.bucket)  # noqa: E731
+    elif change == "identity":  # a valid identity without permission on the bucket
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", seaweed.limited_access_key)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", seaweed.limited_secret_key)
+    elif change == "key-id":
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDNOSUCHKEY0000001")
     else:
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")
-        cfg = s3_config
     with pytest.raises(error, match=needle) as info:
-        next(iter(Loader(cfg, backend="threads")))
-    assert "wrong-secret" not in str(info.value)
+        next(iter(Loader(cfg, backend="threads", wrap_store=wrap)))
+    assert code in str(info.value)  # the server's error code, named in the message
+    for secret in ("wrong-secret", seaweed.limited_secret_key, "AKIDNOSUCHKEY0000001"):
+        assert secret not in str(info.value)
