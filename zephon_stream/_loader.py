@@ -315,11 +315,22 @@ def _unwrap_groups() -> Iterator[None]:
 
 
 async def open_stores(config: Config, stack: AsyncExitStack, wrap: StoreWrapper | None) -> list[Store]:
-    """Open (and register for closing) one store per source, wrapped by `wrap` if given."""
+    """Open (and register for closing) one store per source, wrapped by `wrap` if given.
+
+    S3 sources share one client pool: one client per endpoint and credentials, entered once and
+    closed once, and one limiter on the requests in flight across all sources.
+    """
     stores = []
+    pool = None
     for src in config.sources:
-        opts = {k: v for k, v in (("endpoint_url", src.endpoint_url), ("region", src.region),
-                                  ("addressing_style", src.addressing_style)) if v is not None}
+        opts: dict[str, Any] = {k: v for k, v in (("endpoint_url", src.endpoint_url), ("region", src.region),
+                                                  ("addressing_style", src.addressing_style)) if v is not None}
+        if parse_uri(src.uri)[0] == "s3":
+            if pool is None:
+                from .connectors.s3 import S3ClientPool
+
+                pool = await stack.enter_async_context(S3ClientPool())
+            opts["pool"] = pool
         store, _ = open_store(src.uri, **opts)
         store = await stack.enter_async_context(store)  # type: ignore[arg-type]
         stores.append(wrap(store) if wrap else store)

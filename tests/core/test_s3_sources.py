@@ -3,6 +3,7 @@ per-sample digests equal the local-store run of the same data, with and without 
 
 from __future__ import annotations
 
+import anyio
 import msgspec
 import pytest
 
@@ -117,3 +118,18 @@ def test_permanent_errors_stop_the_loader_naming_the_object(s3_config, s3, seawe
     assert code in str(info.value)  # the server's error code, named in the message
     for secret in ("wrong-secret", seaweed.limited_secret_key, "AKIDNOSUCHKEY0000001"):
         assert secret not in str(info.value)
+
+
+def test_sources_on_one_endpoint_share_one_client(s3_config):
+    """One client per endpoint and credentials, and one limiter, whatever the number of sources."""
+
+    async def main():
+        loader = Loader(s3_config, backend="threads")
+        async with loader.open() as stream:
+            await stream.__anext__()
+            pools = {id(store._pool) for store in loader._store_stats}
+            clients = sorted(len(store._pool._clients) for store in loader._store_stats)
+        return pools, clients
+
+    pools, clients = anyio.run(main)
+    assert len(s3_config.sources) == 2 and len(pools) == 1 and clients == [1, 1]
