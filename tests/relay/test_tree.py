@@ -226,3 +226,28 @@ def test_parent_reads_once_whatever_the_number_of_children(regions, seaweed) -> 
                     assert got == size, (n, v, got, size)
 
     anyio.run(main)
+
+
+def test_child_bucket_on_the_parent_endpoint_is_copied_server_side(regions) -> None:  # type: ignore[no-untyped-def]
+    """Another bucket on the same endpoint with the same credentials: CopyObject, no uploads."""
+    trainer, other = regions("trainer", proxy=False), regions("other", proxy=False)
+
+    async def main() -> None:
+        pstore, pkey = trainer.open("policy/")
+        w = model(2, {"w": ((64, 96), torch.bfloat16)})
+        relay = Relay(trainer.prefix("policy/"), [other.prefix("copy/")], lanes=4)
+        replica = zeros_like(w)
+        with anyio.fail_after(60):
+            async with pstore, Publisher(pkey, store=pstore, chunk_bytes=CHUNK) as pub, relay:
+                for v in range(1, 4):
+                    w = step(w, v, frac=0.1)
+                    await pub.publish(w)
+                    assert (await relay.sync()).ok
+                store, key = other.open("copy/")
+                async with store:
+                    assert await Subscriber(key, store=store).pull(replica) == 3
+        assert_same(w, replica)
+        c = relay.statistics().children[0]
+        assert c.server_side_copies > 0 and c.bytes_written == 0 and c.versions_relayed == 3
+
+    anyio.run(main)

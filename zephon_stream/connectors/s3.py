@@ -720,10 +720,17 @@ class S3Store:
     async def delete(self, key: str) -> None:
         await self._request("delete_object", key, Key=key)
 
-    async def copy(self, src_key: str, dst_key: str) -> None:
-        """Server-side copy (CopyObject): the bytes do not pass through this process."""
-        source = {"Bucket": self.bucket, "Key": src_key}
+    async def copy(self, src_key: str, dst_key: str, *, src_bucket: str | None = None) -> None:
+        """Server-side copy (CopyObject): the bytes do not pass through this process.
+
+        `src_bucket` copies from another bucket of the same endpoint, which these credentials
+        can read (see `copies_from`)."""
+        source = {"Bucket": src_bucket or self.bucket, "Key": src_key}
         await self._request("copy_object", src_key, Key=dst_key, CopySource=source)
+
+    def copies_from(self, other: object) -> bool:
+        """Whether `copy(..., src_bucket=other.bucket)` works: the same endpoint, region and credentials."""
+        return isinstance(other, S3Store) and other._key == self._key
 
     def statistics(self) -> StoreStatistics:
         c = self._counters

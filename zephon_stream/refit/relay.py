@@ -148,7 +148,7 @@ class _Child:
     prefix: Prefix
     store: Store
     key: str
-    same_store: bool  # as the parent's: copy server-side
+    same_store: bool  # the parent's store, or a bucket its endpoint and credentials reach: copy server-side
     latest: int | None = None  # None: not known yet (find_latest on the next sync)
     oldest: int | None = None  # None: sweep by listing before the next collection
     failed: ZephonError | None = None  # in this sync: skip the rest
@@ -179,6 +179,10 @@ class _Item:
     rel: str = ""  # "": the version's commit marker
     size: int = 0
     digest: str = ""
+
+
+def _no(_: object) -> bool:
+    return False
 
 
 class Relay:
@@ -255,7 +259,8 @@ class Relay:
                 if p is self.parent:
                     self._pstore, self._pkey = store, key
                 else:
-                    self._children.append(_Child(p, store, key, same_store=store is self._pstore))
+                    server_side = store is self._pstore or getattr(store, "copies_from", _no)(self._pstore)
+                    self._children.append(_Child(p, store, key, same_store=server_side))
         except BaseException:
             await self._stack.aclose()
             raise
@@ -344,7 +349,7 @@ class Relay:
             async def write(i: int, c: _Child) -> None:
                 try:
                     if c.same_store:
-                        await c.store.copy(self._pkey + rel, c.key + rel)
+                        await self._server_copy(c, rel)
                     else:
                         await c.store.put(c.key + rel, data, if_none_match=True)
                 except ZephonError as exc:  # AlreadyExists included: the sync checks such objects itself
@@ -573,12 +578,18 @@ class Relay:
         raise DigestMismatch(f"{key} at the parent has blake2b {object_digest(data)}, its MANIFEST says "
                              f"{item.digest}: corrupt object, version {item.version.version} not relayed")
 
+    async def _server_copy(self, c: _Child, rel: str) -> None:
+        if c.store is self._pstore:
+            await c.store.copy(self._pkey + rel, c.key + rel)
+        else:  # another bucket on the parent's endpoint, with the same credentials
+            await c.store.copy(self._pkey + rel, c.key + rel, src_bucket=self._pstore.bucket)  # type: ignore[call-arg,attr-defined]
+
     async def _write(self, c: _Child, item: _Item, data: bytes, replace: bool) -> None:
         if c.failed is not None:
             return
         try:
             if c.same_store:
-                await c.store.copy(self._pkey + item.rel, c.key + item.rel)
+                await self._server_copy(c, item.rel)
                 c.copies += 1
             else:
                 await c.store.put(c.key + item.rel, data, if_none_match=not replace)
