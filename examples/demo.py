@@ -3,8 +3,9 @@
 1. Builds a small dataset of real documentation (Debian's kernel and Python manuals when apt can
    fetch them, else the standard library's docstrings) plus stdlib source code, and trains a BPE
    tokenizer on it: no model hub.
-2. Streams 40 global batches on one rank with a live progress line, saving a checkpoint at step 20.
-3. Resumes that checkpoint on two ranks with the processes backend and checks that steps 20..39
+2. Streams 40 global batches on one rank with a live progress line, saving a checkpoint file at
+   step 20.
+3. Resumes from that file on two ranks with the processes backend and checks that steps 20..39
    are byte-identical to the uninterrupted run.
 """
 
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 
 from zephon_stream import Config, Loader, SourceConfig
-from zephon_stream._core.state import state_to_bytes
+from zephon_stream._core.state import state_from_bytes, state_to_bytes
 from zephon_stream._datasets import build_demo
 from zephon_stream.testing.determinism import batch_records
 
@@ -50,7 +51,10 @@ def main() -> int:
             state = loader.state_dict()
         if loader.step == STEPS:
             break
-    print(f"\ncheckpoint at step {CUT}: {len(state_to_bytes(state))} bytes for {config.lanes} lanes")
+    ckpt = root / f"loader-step{CUT}.state"
+    ckpt.write_bytes(state_to_bytes(state))
+    print(f"\ncheckpoint at step {CUT}: {ckpt} ({ckpt.stat().st_size} bytes for {config.lanes} lanes)")
+    state = state_from_bytes(ckpt.read_bytes())  # resume from the file, as a restarted job would
 
     resumed = []
     for rank in range(2):
