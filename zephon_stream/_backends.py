@@ -65,6 +65,7 @@ async def _run_local(config: Config, plan: DataPlan, stores: list[Store], tokeni
     shared = Lanes(config, plan, stores, tokenizer, cpu_policy(config))
     streams: Streams = {}
     async with anyio.create_task_group() as tg:
+        shared.spawn = tg.start_soon
         for lane, state in states.items():
             send, recv = anyio.create_memory_object_stream[list[Sample]](config.sample_buffer)
             tg.start_soon(TextLane(shared, lane, state).run, send)

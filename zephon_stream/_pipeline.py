@@ -53,6 +53,7 @@ class Lanes:
         self.config, self.plan, self.stores, self.tokenizer, self.run_cpu = config, plan, stores, tokenizer, run_cpu
         self.parsers = [Parser(s.text_field, config.on_bad_record) for s in plan.sources]
         self._perm = lru_cache(maxsize=8)(self._permutation)
+        self.spawn: Callable[..., Any] | None = None  # the lanes' task group, for read-ahead requests
 
     def _permutation(self, source: int, epoch: int) -> list[int]:
         return permutation(len(self.plan.sources[source].splits), self.config.seed, source, epoch)
@@ -66,7 +67,7 @@ class Lanes:
             return None
         split = src.splits[self._perm(source, epoch)[index]]
         return SplitReader(self.stores[source], src.shards[split.shard], split, self.config.max_record_bytes,
-                           self.run_cpu)
+                           self.run_cpu, spawn=self.spawn, read_ahead=self.config.read_ahead)
 
     def skipped(self) -> int:
         return sum(p.skipped for p in self.parsers)

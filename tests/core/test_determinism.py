@@ -10,6 +10,7 @@ import pytest
 from zephon_stream import ConfigError
 from zephon_stream._loader import Loader
 from zephon_stream.testing.determinism import batch_records, real, run_world
+from zephon_stream.operators.read import ReadWindow
 from zephon_stream.testing.stores import WithLatency
 
 STEPS = 24
@@ -102,6 +103,25 @@ def test_resume_on_both_sides_of_the_first_epoch_crossing(config):
     for cut in (crossing - 1, crossing):
         rest, _ = run_world(cfg, 3, crossing + 8 - cut, backend="threads", resume=[states[cut]])
         assert rest == [r for r in records if r[0] >= cut], f"continuation after step {cut} differs"
+
+
+@pytest.mark.parametrize("backend", ["inline", "threads"])
+def test_read_ahead_window_does_not_change_order(config, baseline, backend, monkeypatch):
+    """Splits read through a window of ranged requests (the default) or one request at a time."""
+    windows = []
+    real_init = ReadWindow.__init__
+
+    def counting(self, *args, **kwargs):
+        windows.append(args[2])  # the ranges
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(ReadWindow, "__init__", counting)
+    slow = WithLatency(seed=5, max_ms=3.0)  # parts finish out of order
+    ahead, _ = run_world(config.replace(read_ahead=3), 2, STEPS, backend=backend, wrap_store=slow)
+    assert windows and max(len(r) for r in windows) >= 3
+    windows.clear()
+    one, _ = run_world(config.replace(read_ahead=1), 3, STEPS, backend=backend)
+    assert ahead == one == baseline and not windows
 
 
 def test_refuses_world_that_cannot_keep_order(config):

@@ -57,6 +57,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     doc_buffer: int = 4  # tokenized document batches buffered per source per lane
     sample_buffer: int = 4  # sample batches buffered per lane
     sample_batch: int = 4  # samples per lane-to-sequencer hand-off
+    read_ahead: int = 4  # ranged reads (1 MiB) of a split in flight per lane; 1 = one at a time
 
     def __post_init__(self) -> None:
         _check(self.lanes >= 1, "lanes", self.lanes, "must be >= 1")
@@ -70,7 +71,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         _check(len(set(names)) == len(names), "sources", names, "source names must be unique")
         for s in self.sources:
             _check(s.weight > 0 and math.isfinite(s.weight), f"sources[{s.name}].weight", s.weight, "must be > 0")
-        for field in ("workers", "cpu_threads", "tokenize_batch", "doc_buffer", "sample_buffer", "sample_batch"):
+        for field in ("workers", "cpu_threads", "tokenize_batch", "doc_buffer", "sample_buffer", "sample_batch",
+                      "read_ahead"):
             _check(getattr(self, field) >= 1, field, getattr(self, field), "must be >= 1")
 
     @classmethod

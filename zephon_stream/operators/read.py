@@ -34,7 +34,8 @@ from ..connectors.base import ObjectInfo, Store
 
 SUFFIXES = (".jsonl", ".jsonl.zst")
 _ZSTD_MAGIC = 0xFD2FB528
-_READ_PART = 1 << 20
+_READ_PART = 1 << 20  # the largest ranged read of a split
+_MIN_PART = 1 << 10  # the smallest, when a small split is cut into `read_ahead` parts
 
 
 class ShardPlan(msgspec.Struct, frozen=True, array_like=True):
@@ -199,15 +200,91 @@ def _cut(index: int, shard: ShardPlan, target: int) -> list[Split]:
     return out
 
 
+Spawn = Callable[..., Any]  # a task group's start_soon
+
+
+class _Part:
+    __slots__ = ("data", "error", "done")
+
+    def __init__(self) -> None:
+        self.data, self.error, self.done = b"", None, anyio.Event()
+
+
+class ReadWindow:
+    """Ranged reads of one object, in order, with a sliding window of `ahead` requests.
+
+    Taking a part starts the next request, so at most `ahead` parts are in flight or waiting:
+    bounded memory, and the store's latency is hidden behind the lane's CPU work. Requests run
+    as tasks of `spawn` (the lanes' task group), never inside the reader's generator, so a
+    reader dropped half way leaves nothing to clean up but its finished requests.
+    """
+
+    def __init__(self, store: Store, key: str, ranges: list[tuple[int, int]], ahead: int, spawn: Spawn) -> None:
+        self.store, self.key, self.ranges, self.ahead, self.spawn = store, key, ranges, ahead, spawn
+        self._parts: dict[int, _Part] = {}
+        self._started = self._taken = 0
+
+    def _fill(self) -> None:
+        while self._started < len(self.ranges) and self._started < self._taken + self.ahead:
+            part = self._parts[self._started] = _Part()
+            self.spawn(self._fetch, part, *self.ranges[self._started])
+            self._started += 1
+
+    async def _fetch(self, part: _Part, start: int, end: int) -> None:
+        try:
+            part.data = await self.store.read(self.key, start, end)
+        except Exception as exc:  # raised where the part is taken, in the lane
+            part.error = exc
+        finally:
+            part.done.set()
+
+    def __aiter__(self) -> ReadWindow:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._taken >= len(self.ranges):
+            raise StopAsyncIteration
+        self._fill()
+        part = self._parts.pop(self._taken)
+        self._taken += 1
+        self._fill()
+        await part.done.wait()
+        if part.error is not None:
+            raise part.error
+        return part.data
+
+
 class SplitReader:
-    """Streams the records a split owns, as blocks of whole lines, with bounded memory."""
+    """Streams the records a split owns, as blocks of whole lines, with bounded memory.
+
+    With `spawn` (a task group's `start_soon`), the owned range is read through a `ReadWindow`
+    of `read_ahead` requests; without, one request at a time.
+    """
 
     def __init__(self, store: Store, shard: ShardPlan, split: Split, max_record: int,
-                 run_cpu: Callable[..., Awaitable[Any]] | None = None) -> None:
+                 run_cpu: Callable[..., Awaitable[Any]] | None = None, *, spawn: Spawn | None = None,
+                 read_ahead: int = 1) -> None:
         self.store, self.key, self.shard, self.split = store, shard.key, shard, split
         self.max_record = max_record
         self.run_cpu = run_cpu or anyio.to_thread.run_sync
+        self.spawn, self.read_ahead = spawn, read_ahead
         self._byte_before = b""
+
+    def _part(self, owned: int) -> int:
+        """Request size for `owned` bytes: up to _READ_PART, small enough that the window has
+        `read_ahead` requests to overlap (when there is a window)."""
+        if self.spawn is None or self.read_ahead <= 1:
+            return _READ_PART
+        return min(_READ_PART, max(_MIN_PART, -(-owned // self.read_ahead)))
+
+    async def _ranges(self, ranges: list[tuple[int, int]]) -> AsyncIterator[bytes]:
+        """The bytes of `ranges` in order: through a window when there is one, else one by one."""
+        if self.spawn is not None and self.read_ahead > 1 and len(ranges) > 1:
+            async for data in ReadWindow(self.store, self.key, ranges, self.read_ahead, self.spawn):
+                yield data
+            return
+        for start, end in ranges:
+            yield await self.store.read(self.key, start, end)
 
     def __repr__(self) -> str:
         return f"SplitReader({self.key!r}, {self.split})"
@@ -279,31 +356,45 @@ class SplitReader:
             return
         start, end, size = self.split.start, self.split.end, self.shard.size
         pos = start + offset
-        if pos == start and start > 0:  # one request for the split and the byte before it
-            data = await self.store.read(self.key, start - 1, min(end, start + _READ_PART))
-            self._byte_before = data[:1]
-            yield 0, data[1:], True
-            pos = start + len(data) - 1
-        while pos < size:
-            stop = min(end, pos + _READ_PART) if pos < end else min(size, pos + (1 << 16))
-            yield pos - start, await self.store.read(self.key, pos, stop), pos < end
+        if pos < end:  # the owned bytes; the first request also takes the byte before the split
+            lo = start - 1 if pos == start and start > 0 else pos
+            bounds = [*range(lo, end, self._part(end - lo)), end]
+            async for data in self._ranges(list(zip(bounds, bounds[1:]))):
+                if lo < start:
+                    self._byte_before, data, lo = data[:1], data[1:], start
+                yield pos - start, data, True
+                pos += len(data)
+        while pos < size:  # past the end only to finish the last record
+            stop = min(size, pos + (1 << 16))
+            yield pos - start, await self.store.read(self.key, pos, stop), False
             pos = stop
 
     async def _frame_pieces(self) -> AsyncIterator[tuple[int, bytes, bool]]:
         """Decompressed frames from the split's first: its own in requests of up to _READ_PART
         compressed bytes, then (only to finish a record) the following frames one at a time."""
         frames, f, pos = self.shard.frames, self.split.start, 0
-        while f < len(frames) - 1:
+        part = self._part(frames[self.split.end] - frames[f])
+        groups = []  # the owned frames, in requests of about `part` compressed bytes (whole frames)
+        while f < self.split.end:
             g = f + 1
-            if f < self.split.end:
-                while g < self.split.end and frames[g + 1] - frames[f] <= _READ_PART:
-                    g += 1
-            data = await self.store.read(self.key, frames[f], frames[g])
-            pieces = await self.run_cpu(self._decompress_range, data, f, g)
-            for i, piece in enumerate(pieces):
-                yield pos, piece, f + i < self.split.end
-                pos += len(piece)
+            while g < self.split.end and frames[g + 1] - frames[f] <= part:
+                g += 1
+            groups.append((f, g))
             f = g
+        ranges = [(frames[a], frames[b]) for a, b in groups]
+        k = 0
+        async for data in self._ranges(ranges):
+            a, b = groups[k]
+            k += 1
+            for piece in await self.run_cpu(self._decompress_range, data, a, b):
+                yield pos, piece, True
+                pos += len(piece)
+        while f < len(frames) - 1:  # the following frames, one at a time
+            data = await self.store.read(self.key, frames[f], frames[f + 1])
+            for piece in await self.run_cpu(self._decompress_range, data, f, f + 1):
+                yield pos, piece, False
+                pos += len(piece)
+            f += 1
 
     def _decompress_range(self, data: bytes, first: int, last: int) -> list[bytes]:
         base = self.shard.frames[first]
