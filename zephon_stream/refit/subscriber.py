@@ -98,6 +98,7 @@ class Subscriber(StoreOwner):
         self._ahead: dict[str, _Ahead] = {}  # object key -> phase-1 result, from prefetch()
         self._ahead_bytes = 0
         self._ahead_tried: set[str] = set()
+        self._ahead_job: tuple[int, Mapping[str, torch.Tensor], _Pull] | None = None  # plans per version
 
     def __repr__(self) -> str:
         return f"Subscriber({self._uri!r}, version={self.record.version}, sharding={self.sharding})"
@@ -169,7 +170,10 @@ class Subscriber(StoreOwner):
         m, table = await self._manifest(rec.version)
         if geometry(m) != rec.geometry:
             return 0
-        job = _Pull(self, m, table, LocalState(table, self.sharding, state))
+        cached = self._ahead_job
+        if cached is None or cached[0] != rec.version or cached[1] is not state:
+            cached = self._ahead_job = (rec.version, state, _Pull(self, m, table, LocalState(table, self.sharding, state)))
+        job = cached[2]
         todo = []
         for o in objects:
             name = o.key[len(nxt):]
@@ -203,6 +207,7 @@ class Subscriber(StoreOwner):
         self._ahead.clear()
         self._ahead_tried.clear()
         self._ahead_bytes = 0
+        self._ahead_job = None
 
     async def _manifest(self, version: int) -> tuple[Manifest, TensorTable]:
         if version not in self._manifests:
