@@ -70,6 +70,7 @@ class Loader:
         check_world(config.lanes, config.global_batch_size, self.dp_size, self.dp_rank)
         self.tokenizer = Tokenize(config.tokenizer, config.eos_token)
         import torch  # noqa: F401  (loaded here, not on the event loop at the first batch)
+        self.order_settings = msgspec.msgpack.decode(msgspec.msgpack.encode(config.order_settings(self.tokenizer.sha256)))
         self.order_digest = config.order_digest(self.tokenizer.sha256)
         self.lanes = rank_lanes(config.lanes, self.dp_size, self.dp_rank)
         self.wrap_store = wrap_store
@@ -101,7 +102,7 @@ class Loader:
         """
         states = [self._lane_states[lane] or self._initial(lane) for lane in self.lanes]
         header = StateHeader(FORMAT_VERSION, self.order_digest, self._fingerprint or self._data_fingerprint(),
-                             self.config.lanes, self.config.global_batch_size, self.step)
+                             self.config.lanes, self.config.global_batch_size, self.step, self.order_settings)
         return LoaderState(header, states).to_dict()
 
     def load_state_dict(self, state_dict: dict[str, bytes] | list[dict[str, bytes]]) -> None:
@@ -130,10 +131,15 @@ class Loader:
     def _check_compatible(self, st: LoaderState, first: LoaderState) -> None:
         cfg, head = self.config, st.header
         if head.order_digest != self.order_digest:
+            ours = self.order_settings
+            changed = [f"{k}: {head.order.get(k)!r} in the checkpoint, {ours.get(k)!r} now"
+                       for k in sorted(set(head.order) | set(ours)) if head.order.get(k) != ours.get(k)]
+            what = "; ".join(changed) if head.order else (
+                "seed, lanes, seq_len, sources, weights, tokenizer, shuffle_window, max_epochs, split_bytes or "
+                "global_batch_size changed")
             raise IncompatibleState(
                 f"checkpoint was written under another order config (digest {head.order_digest}, now "
-                f"{self.order_digest}): seed, lanes, seq_len, sources, weights, tokenizer, shuffle_window, "
-                f"max_epochs, split_bytes or global_batch_size changed; restore them or start fresh")
+                f"{self.order_digest}): {what}; restore them or start fresh")
         if (head.lanes, head.global_batch_size) != (cfg.lanes, cfg.global_batch_size):
             raise IncompatibleState(f"checkpoint has lanes={head.lanes} global_batch_size={head.global_batch_size}, "
                                     f"config has {cfg.lanes} and {cfg.global_batch_size}")

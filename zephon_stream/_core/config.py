@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import math
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -96,17 +96,21 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     def replace(self, **changes: object) -> Config:
         return msgspec.structs.replace(self, **changes)
 
-    def order_digest(self, tokenizer_sha: str) -> str:
-        """Digest of every setting that shapes the sample sequence (not execution settings)."""
-        order = {
+    def order_settings(self, tokenizer_sha: str) -> dict[str, Any]:
+        """Every setting that shapes the sample sequence (not execution settings), as plain data."""
+        order: dict[str, Any] = {
             f: getattr(self, f)
             for f in ("seed", "lanes", "seq_len", "global_batch_size", "eos_token", "pad_token_id",
                       "shuffle_window", "max_epochs", "mix", "mask_cross_document_labels",
                       "split_bytes", "on_bad_record", "max_record_bytes")
         }
-        order["sources"] = [(s.name, s.weight, s.text_field) for s in self.sources]
+        order["sources"] = [[s.name, s.weight, s.text_field] for s in self.sources]
         order["tokenizer_sha256"] = tokenizer_sha
-        return hashlib.sha256(msgspec.json.encode(order)).hexdigest()[:32]
+        return order
+
+    def order_digest(self, tokenizer_sha: str) -> str:
+        """Digest of `order_settings`: equal digests, equal sample sequences on equal data."""
+        return hashlib.sha256(msgspec.json.encode(self.order_settings(tokenizer_sha))).hexdigest()[:32]
 
 
 def _toml_value(v: object) -> str:

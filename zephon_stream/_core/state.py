@@ -7,6 +7,8 @@ shuffle window and the number of sources, whatever the dataset size or position.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from .._exceptions import CheckpointError
@@ -37,6 +39,7 @@ class StateHeader(msgspec.Struct, frozen=True):
     lanes: int
     global_batch_size: int
     step: int  # global batches consumed
+    order: dict[str, Any] = {}  # the settings `order_digest` covers (Config.order_settings), to name a change
 
 
 class LoaderState(msgspec.Struct, frozen=True):
