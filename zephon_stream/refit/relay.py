@@ -181,10 +181,6 @@ class _Item:
     digest: str = ""
 
 
-def _no(_: object) -> bool:
-    return False
-
-
 class Relay:
     """Copy the versions of `parent` into every child, in order. An async context manager.
 
@@ -259,7 +255,8 @@ class Relay:
                 if p is self.parent:
                     self._pstore, self._pkey = store, key
                 else:
-                    server_side = store is self._pstore or getattr(store, "copies_from", _no)(self._pstore)
+                    copies_from = getattr(store, "copies_from", None)  # S3: another bucket, same endpoint
+                    server_side = store is self._pstore or bool(copies_from and copies_from(self._pstore))
                     self._children.append(_Child(p, store, key, same_store=server_side))
         except BaseException:
             await self._stack.aclose()
