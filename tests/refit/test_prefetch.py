@@ -39,6 +39,19 @@ def hide_manifest(store: MemoryStore, version: int) -> tuple[str, bytes]:
     return key, store.objects.pop(key)
 
 
+async def v2_in_flight(s1, s2, **publisher):  # type: ignore[no-untyped-def]
+    """v1 published and pulled by a subscriber; v2's objects written, its MANIFEST held back."""
+    store = CountingStore()
+    replica = zeros_like(s1)
+    async with Publisher("p/", store=store, chunk_bytes=256, **publisher) as pub:
+        await pub.publish(s1)
+        sub = Subscriber("p/", store=store)
+        await sub.pull(replica)
+        await pub.publish(s2)
+    key, manifest = hide_manifest(store, 2)
+    return store, sub, replica, key, manifest
+
+
 def test_prefetched_version_applies_without_fetching_again() -> None:
     s1 = model(1)
     s2 = step(s1, 2)
@@ -99,14 +112,7 @@ def test_a_damaged_object_seen_early_still_fails_verification(damage: str) -> No
     s2 = step(s1, 2, frac=0.3)
 
     async def go() -> None:
-        store = CountingStore()
-        replica = zeros_like(s1)
-        async with Publisher("p/", store=store, chunk_bytes=256, overwrite=True) as pub:
-            await pub.publish(s1)
-            sub = Subscriber("p/", store=store)
-            await sub.pull(replica)
-            await pub.publish(s2)
-        key, manifest = hide_manifest(store, 2)
+        store, sub, replica, key, manifest = await v2_in_flight(s1, s2, overwrite=True)
         bad = next(k for k in sorted(store.objects) if k.startswith("p/v2/chunk-"))
         good = store.objects[bad]
         store.objects[bad] = good[:-3] if damage == "truncate" else good[:-1] + bytes([good[-1] ^ 1])
@@ -127,14 +133,7 @@ def test_early_result_from_corrupt_local_values_is_not_used() -> None:
     s2 = step(s1, 2, frac=0.3)
 
     async def go() -> None:
-        store = CountingStore()
-        replica = zeros_like(s1)
-        async with Publisher("p/", store=store, chunk_bytes=256, overwrite=True, keyframe_every=100) as pub:
-            await pub.publish(s1)
-            sub = Subscriber("p/", store=store)
-            await sub.pull(replica)
-            await pub.publish(s2)
-        key, manifest = hide_manifest(store, 2)
+        store, sub, replica, key, manifest = await v2_in_flight(s1, s2, overwrite=True, keyframe_every=100)
         w1 = replica["w1"].view(-1)
         at = int(torch.nonzero(s1["w1"].view(-1).view(torch.int16) != s2["w1"].view(-1).view(torch.int16))[0])
         w1[at] = -w1[at] + 1  # bit rot where the next version changes a value
