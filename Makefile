@@ -22,7 +22,7 @@ demo: $(STAMP)
 
 # The one step that uses the network (Debian mirrors): benchmarks then talk only to loopback.
 bench-data: $(STAMP)
-	$(BIN)/python -c "from zephon_stream._datasets import ensure_debian_docs as e; p = e(); print(p); raise SystemExit(p is None)"
+	$(BIN)/python -c "from tools.corpus import ensure_debian_docs as e; p = e(); print(p); raise SystemExit(p is None)"
 
 bench: bench-data
 	$(BIN)/python bench/loader.py

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from zephon_stream import Config, Loader, SourceConfig
-from zephon_stream._core.state import state_to_bytes
-from zephon_stream._datasets import collect_documents, have_debian_docs, train_tokenizer, write_jsonl_shards
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/ (not in the wheel)
+from tools.corpus import collect_documents, have_debian_docs, train_tokenizer  # noqa: E402
+from zephon_stream import Config, Loader, SourceConfig, state_to_bytes  # noqa: E402
+from zephon_stream.formats import write_jsonl_shards  # noqa: E402
 
 
 def prepare(root: Path, mb: int) -> tuple[list[str], Path]:

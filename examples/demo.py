@@ -16,10 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-from zephon_stream import Config, Loader, SourceConfig
-from zephon_stream._core.state import state_from_bytes, state_to_bytes
-from zephon_stream._datasets import build_demo
-from zephon_stream.testing.determinism import batch_records
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/ (not in the wheel)
+from tools.corpus import build_demo  # noqa: E402
+from zephon_stream import Config, Loader, SourceConfig, state_from_bytes, state_to_bytes  # noqa: E402
+from zephon_stream.testing.determinism import batch_records  # noqa: E402
 
 STEPS, CUT = 40, 20
 

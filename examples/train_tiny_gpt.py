@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 2 examples/train_tiny_gpt.py --steps 40   # resumes at 20
 
 Without --config it builds `data/tiny_gpt` (Debian's kernel and Python manuals, or the standard
-library's docstrings, plus stdlib code; a byte-level BPE) with `zephon_stream._datasets.build_demo`.
+library's docstrings, plus stdlib code; a byte-level BPE) with `tools/corpus.py`'s `build_demo`.
 Each start resumes from the newest *complete* checkpoint under --ckpt-dir (DCP writes `.metadata`
 last), on any number of processes that divides the 12 lanes. Rank 0 prints, per step, the loss
 over the global batch and the SHA-256 of the global batch's `input_ids` gathered from every rank:
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -72,7 +73,8 @@ class TinyGPT(nn.Module):
 
 
 def demo_config(data: Path, seq_len: int, global_batch: int) -> Config:
-    from zephon_stream._datasets import build_demo
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/ (not in the wheel)
+    from tools.corpus import build_demo
 
     if dist.get_rank() == 0:
         build_demo(data)  # real text and its tokenizer; the other ranks wait, then reuse it

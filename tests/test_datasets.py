@@ -1,4 +1,4 @@
-"""Real-text datasets, shards and the demo tokenizer (zephon_stream._datasets), offline."""
+"""The demo corpus tool (tools/corpus.py) and the public shard writer, offline."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ import pytest
 import zstandard
 from tokenizers import Tokenizer
 
-from zephon_stream import _datasets as ds
+from tools import corpus as ds
+from zephon_stream.formats import write_jsonl_shards
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +220,7 @@ def test_without_apt_falls_back_with_one_log_line(
 
 
 def test_jsonl_shards_round_trip_in_contiguous_blocks(docs: list[tuple[str, str]], tmp_path: Path) -> None:
-    paths = ds.write_jsonl_shards(docs, tmp_path, name="code", shards=3)
+    paths = write_jsonl_shards(docs, tmp_path, name="code", shards=3)
     assert [p.name for p in paths] == ["code-00000.jsonl", "code-00001.jsonl", "code-00002.jsonl"]
     records = []
     for p in paths:
@@ -232,7 +233,7 @@ def test_jsonl_shards_round_trip_in_contiguous_blocks(docs: list[tuple[str, str]
     assert max(sizes) < 2 * min(sizes) + 64 * 1024, sizes  # about equal bytes
     # A custom text field, and more shards than documents: the extra shards are empty.
     few = docs[:2]
-    paths = ds.write_jsonl_shards(few, tmp_path / "few", name="x", shards=4, text_field="content")
+    paths = write_jsonl_shards(few, tmp_path / "few", name="x", shards=4, text_field="content")
     got = [msgspec.json.decode(line) for p in paths for line in _read_lines(p)]
     assert got == [{"id": i, "content": t} for i, t in few]
     assert [len(_read_lines(p)) for p in paths].count(0) == 2
@@ -240,7 +241,7 @@ def test_jsonl_shards_round_trip_in_contiguous_blocks(docs: list[tuple[str, str]
 
 def test_zst_shards_are_multi_frame_of_whole_lines(docs: list[tuple[str, str]], tmp_path: Path) -> None:
     frame_bytes = 16 * 1024
-    paths = ds.write_jsonl_shards(
+    paths = write_jsonl_shards(
         docs, tmp_path, name="prose", shards=2, compress="zst", frame_bytes=frame_bytes
     )
     assert [p.name for p in paths] == ["prose-00000.jsonl.zst", "prose-00001.jsonl.zst"]
@@ -257,15 +258,15 @@ def test_zst_shards_are_multi_frame_of_whole_lines(docs: list[tuple[str, str]], 
         assert b"".join(c for c, _ in frames) == b"".join(_read_lines(p))
     assert [(r["id"], r["text"]) for r in records] == docs
     # An empty shard is one empty frame, still a valid zstd stream.
-    (empty,) = ds.write_jsonl_shards([], tmp_path / "empty", name="e", shards=1, compress="zst")
+    (empty,) = write_jsonl_shards([], tmp_path / "empty", name="e", shards=1, compress="zst")
     assert _frames(empty) == [(b"", 0)]
 
 
 def test_shard_arguments_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="compress"):
-        ds.write_jsonl_shards([], tmp_path, name="x", shards=1, compress="gzip")
+        write_jsonl_shards([], tmp_path, name="x", shards=1, compress="gzip")
     with pytest.raises(ValueError, match="shards"):
-        ds.write_jsonl_shards([], tmp_path, name="x", shards=0)
+        write_jsonl_shards([], tmp_path, name="x", shards=0)
 
 
 # ---------------------------------------------------------------------------------------- tokenizer
@@ -293,7 +294,7 @@ def test_tokenizer_is_the_same_in_a_fresh_single_threaded_process(
     small = docs[:40]
     here = ds.train_tokenizer(small, tmp_path / "here.json", vocab_size=600)
     code = (
-        "import sys, msgspec\nfrom zephon_stream import _datasets as ds\n"
+        "import sys, msgspec\nfrom tools import corpus as ds\n"
         "docs = [tuple(d) for d in msgspec.json.decode(open(sys.argv[1], 'rb').read())]\n"
         "ds.train_tokenizer(docs, sys.argv[2], vocab_size=600)\n"
     )
@@ -304,6 +305,7 @@ def test_tokenizer_is_the_same_in_a_fresh_single_threaded_process(
         check=True,
         env=env,
         timeout=60,
+        cwd=Path(__file__).resolve().parents[1],  # the repository root, where tools/ is
     )
     assert Path(here).read_bytes() == (tmp_path / "there.json").read_bytes()
 

@@ -1,4 +1,6 @@
-"""Real English text datasets and a tokenizer for the demo, examples, tests and benchmarks.
+"""The demo corpus: real English text and a tokenizer for the demo, examples, tests and benchmarks.
+
+This is a tool of the repository, not part of the installed package: it runs ``apt-get download``.
 
 Nothing here generates text and nothing needs a model hub. The text comes from:
 
@@ -7,27 +9,25 @@ a) the Debian documentation packages ``linux-doc-6.1`` and ``python3.11-doc`` (t
    ``apt-get download`` and unpacked with ``dpkg-deb -x`` into a cache directory;
 b) the Python standard library's own source files, which exist on every machine with Python.
 
-``collect_documents`` reads (a) and tops up with (b); ``write_jsonl_shards`` writes JSON Lines shards,
-plain or as multi-frame zstd; ``train_tokenizer`` trains a byte-level BPE deterministically;
+``collect_documents`` reads (a) and tops up with (b); shards are written with the library's public
+``zephon_stream.formats.write_jsonl_shards``; ``train_tokenizer`` trains a byte-level BPE deterministically;
 ``build_demo`` puts a small mixture dataset plus its tokenizer in one directory, reusing what is there.
 
 The cache directory is ``$ZEPHON_DATA_CACHE``, else ``$XDG_CACHE_HOME/zephon-stream``, else
 ``~/.cache/zephon-stream``; the Debian documents live in ``<cache>/debian-docs``.
 
-Command line: ``python -m zephon_stream._datasets OUT_DIR [--min-mb N] [--no-debian-docs]``.
+Command line (from the repository root): ``python -m tools.corpus OUT_DIR [--min-mb N] [--no-debian-docs]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import bisect
 import contextlib
 import fcntl
 import gzip
 import hashlib
 import html.parser
-import itertools
 import logging
 import os
 import re
@@ -42,6 +42,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import msgspec
+
+from zephon_stream.formats.jsonl_zst import atomic_write, write_jsonl_shards
 
 __all__ = [
     "DEBIAN_DOC_PACKAGES",
@@ -527,107 +529,6 @@ def collect_documents(min_bytes: int, *, debian_docs: bool = True, download: boo
     return out
 
 
-# -------------------------------------------------------------------------------------------- shards
-
-
-def _atomic_write(path: Path, chunks: Iterable[bytes]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.writelines(chunks)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _blocks(sizes: Sequence[int], shards: int) -> list[tuple[int, int]]:
-    """Cut ``len(sizes)`` items into ``shards`` contiguous ``[start, stop)`` blocks of about equal bytes.
-
-    No block is empty unless there are fewer items than shards.
-    """
-    n = len(sizes)
-    cum = list(itertools.accumulate(sizes, initial=0))
-    bounds = [0]
-    for k in range(1, shards):
-        target = cum[-1] * k / shards
-        i = bisect.bisect_left(cum, target)
-        if i > 0 and target - cum[i - 1] < cum[min(i, n)] - target:
-            i -= 1
-        lo, hi = (bounds[-1] + 1, n - (shards - k)) if n >= shards else (bounds[-1], n)
-        bounds.append(min(max(i, lo), hi))
-    bounds.append(n)
-    return list(itertools.pairwise(bounds))
-
-
-def _zst_frames(lines: Iterable[bytes], frame_bytes: int) -> Iterator[bytes]:
-    """Independent zstd frames (level 3, content size in the header), each of whole lines and about
-    ``frame_bytes`` of input (a line longer than that gets a frame of its own), then a seek table."""
-    import zstandard
-
-    from .operators.read import seek_table
-
-    cctx = zstandard.ZstdCompressor(level=3, write_content_size=True, write_checksum=True)
-    buf: list[bytes] = []
-    size = 0
-    wrote = False
-    sizes: list[tuple[int, int]] = []
-
-    def frame(raw: bytes) -> bytes:
-        out = cctx.compress(raw)
-        sizes.append((len(out), len(raw)))
-        return out
-
-    for line in lines:
-        if buf and size + len(line) > frame_bytes:
-            yield frame(b"".join(buf))
-            wrote = True
-            buf, size = [], 0
-        buf.append(line)
-        size += len(line)
-    if buf or not wrote:  # an empty shard is one empty frame: still a valid zstd stream
-        yield frame(b"".join(buf))
-    yield seek_table(sizes)  # the shard's frame index, so a reader plans it with one ranged read
-
-
-def write_jsonl_shards(
-    docs: Sequence[tuple[str, str]],
-    out_dir: str | os.PathLike[str],
-    *,
-    name: str,
-    shards: int,
-    compress: str = "none",
-    frame_bytes: int = 256 * 1024,
-    text_field: str = "text",
-) -> list[Path]:
-    """Write ``docs`` as ``{name}-{i:05d}.jsonl`` (or ``.jsonl.zst``) shards and return their paths.
-
-    One JSON object per line, ``{"id": doc_id, text_field: text}``. Shards hold contiguous runs of
-    ``docs`` of about equal bytes (in order, so reading the shards in order gives ``docs`` back).
-    ``compress="zst"`` writes multi-frame zstd: a new independent frame starts every ~``frame_bytes``
-    of uncompressed input, always at a line boundary, so each frame decodes to whole lines.
-    """
-    if shards < 1:
-        raise ValueError(f"shards must be >= 1, got {shards}")
-    if compress not in ("none", "zst"):
-        raise ValueError(f"compress must be 'none' or 'zst', got {compress!r}")
-    if frame_bytes < 1:
-        raise ValueError(f"frame_bytes must be >= 1, got {frame_bytes}")
-    if text_field == "id":
-        raise ValueError("text_field must differ from 'id'")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    enc = msgspec.json.Encoder()
-    lines = [enc.encode({"id": doc_id, text_field: text}) + b"\n" for doc_id, text in docs]
-    suffix = ".jsonl.zst" if compress == "zst" else ".jsonl"
-    paths: list[Path] = []
-    for i, (start, stop) in enumerate(_blocks([len(b) for b in lines], shards)):
-        path = out / f"{name}-{i:05d}{suffix}"
-        block = lines[start:stop]
-        _atomic_write(path, _zst_frames(block, frame_bytes) if compress == "zst" else block)
-        paths.append(path)
-    return paths
-
-
 # ----------------------------------------------------------------------------------------- tokenizer
 
 #: Training reads at most this many UTF-8 bytes of the given documents (sampled evenly): a few seconds.
@@ -663,7 +564,7 @@ def train_tokenizer(
     tok.train_from_iterator((text for _, text in sample), trainer=trainer, length=len(sample))
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out, [tok.to_str(pretty=True).encode("utf-8")])
+    atomic_write(out, [tok.to_str(pretty=True).encode("utf-8")])
     return str(out)
 
 
@@ -740,7 +641,7 @@ def build_demo(
             bytes={k: v[1] for k, v in chosen.items()},
             origin=origin,
         )
-        _atomic_write(
+        atomic_write(
             marker, [msgspec.json.format(msgspec.json.encode({"request": request, "paths": result}))]
         )
         return result
