@@ -21,6 +21,10 @@ Every message says what was wrong, the offending value, and what to do.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class ZephonError(Exception):
     """Base of every error raised by zephon-stream."""
@@ -80,12 +84,37 @@ class BaseVersionMismatch(RefitError):
 
 
 def root_error(exc: BaseException) -> BaseException:
-    """The error that matters in a (nested) task-group failure: the first ZephonError, else the only leaf."""
-    leaves = list(_leaves(exc))
-    ours = [e for e in leaves if isinstance(e, ZephonError)]
-    if ours:
-        return ours[0]
-    return leaves[0] if len(leaves) == 1 else exc
+    """The error that matters in a (nested) task-group failure; any other exception as it is.
+
+    Cancellations are dropped (they are the other tasks being stopped). Of the rest the first
+    `ZephonError` wins, else the first error; every other distinct failure is added to it as a
+    note, so nothing is hidden. A group of cancellations alone stays a group.
+    """
+    if not isinstance(exc, BaseExceptionGroup):
+        return exc
+    leaves = _leaves(exc)
+    real = [e for e in leaves if not isinstance(e, asyncio.CancelledError)]
+    if not real:
+        return exc
+    first = next((e for e in real if isinstance(e, ZephonError)), real[0])
+    for other in real:
+        note = f"another task failed too: {type(other).__name__}: {other}"
+        if other is not first and note not in getattr(first, "__notes__", ()):
+            first.add_note(note)
+    return first
+
+
+@contextmanager
+def unwrap_groups() -> Iterator[None]:
+    """Raise a task group's failure as its `root_error`, not as a group (a KeyboardInterrupt or
+    SystemExit among the leaves keeps the group, so it is never swallowed)."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        err = root_error(group)
+        if err is group or not isinstance(err, Exception):
+            raise
+        raise err from None
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:

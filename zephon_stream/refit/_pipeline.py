@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 import anyio
 import msgspec
 
+from .._exceptions import unwrap_groups
+
 __all__ = ["PipelineStatistics", "run_ordered"]
 
 T = TypeVar("T")
@@ -81,15 +83,13 @@ async def run_ordered(
                     nxt += 1
                     slots.release()
 
-    try:
+    with unwrap_groups():
         async with anyio.create_task_group() as tg:
             tg.start_soon(feed)
             tg.start_soon(sequence)
             async with todo_recv, done_send:
                 for _ in range(max(lanes, 1)):
                     tg.start_soon(lane, todo_recv.clone(), done_send.clone())
-    except BaseExceptionGroup as group:
-        raise _first(group) from None
     return PipelineStatistics(committed=len(items), peak_pending=peak)
 
 
@@ -98,20 +98,3 @@ class _Failed:
 
     def __init__(self, error: Exception) -> None:
         self.error = error
-
-
-def _first(group: BaseExceptionGroup) -> BaseException:
-    """The first error of a failed run, so callers see a RefitError, not a group of lanes."""
-    leaves: list[BaseException] = []
-    stack: list[BaseException] = [group]
-    while stack:
-        exc = stack.pop(0)
-        if isinstance(exc, BaseExceptionGroup):
-            stack[:0] = list(exc.exceptions)
-        else:
-            leaves.append(exc)
-    first = next((e for e in leaves if not isinstance(e, anyio.get_cancelled_exc_class())), leaves[0])
-    for other in leaves:
-        if other is not first and type(other) is not type(first):
-            first.add_note(f"another lane failed too: {type(other).__name__}: {other}")
-    return first

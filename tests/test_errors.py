@@ -1,0 +1,38 @@
+"""The one error-group unwrapper that the loader, refit, the relay and the S3 connector share."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from zephon_stream._exceptions import DataError, root_error, unwrap_groups
+
+
+def test_the_first_zephon_error_wins_and_names_the_others() -> None:
+    other = ValueError("boom")
+    ours = DataError("bad record")
+    group = BaseExceptionGroup("lanes", [asyncio.CancelledError(), other, ExceptionGroup("inner", [ours])])
+    assert root_error(group) is ours
+    root_error(group)  # a second look adds no second note
+    assert ours.__notes__ == ["another task failed too: ValueError: boom"]
+
+
+def test_without_a_zephon_error_the_first_real_error_wins() -> None:
+    first, second = KeyError("k"), ValueError("v")
+    assert root_error(ExceptionGroup("g", [first, second])) is first
+    assert root_error(second) is second  # not a group: as it is
+
+
+def test_cancellations_alone_stay_a_group() -> None:
+    group = BaseExceptionGroup("g", [asyncio.CancelledError(), asyncio.CancelledError()])
+    assert root_error(group) is group
+
+
+def test_unwrap_raises_the_root_and_never_swallows_an_interrupt() -> None:
+    with pytest.raises(DataError, match="bad"):
+        with unwrap_groups():
+            raise ExceptionGroup("g", [DataError("bad")])
+    with pytest.raises(BaseExceptionGroup):
+        with unwrap_groups():
+            raise BaseExceptionGroup("g", [KeyboardInterrupt()])
