@@ -26,6 +26,7 @@ from ._core.state import LaneState
 from ._exceptions import ZephonError
 from ._pipeline import DataPlan, Lanes, TextLane
 from .connectors.base import Store
+from .engine.cpu import CpuPolicy
 from .operators.pack import Sample
 from .operators.tokenize import Tokenize
 
@@ -35,16 +36,8 @@ if TYPE_CHECKING:
 Streams = dict[int, anyio.abc.ObjectReceiveStream[list[Sample]]]
 
 
-def cpu_policy(config: Config) -> Callable[..., Any]:
-    if config.backend == "inline":
-        async def inline(fn: Callable[..., Any], *args: Any) -> Any:
-            return fn(*args)
-        return inline
-    limiter = anyio.CapacityLimiter(config.cpu_threads)
-
-    async def threads(fn: Callable[..., Any], *args: Any) -> Any:
-        return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
-    return threads
+def cpu_policy(config: Config) -> CpuPolicy:
+    return CpuPolicy(config.cpu_threads, inline=config.backend == "inline")
 
 
 @asynccontextmanager

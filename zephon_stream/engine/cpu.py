@@ -1,0 +1,47 @@
+"""The CPU policy: where the CPU steps of a pipeline run, and how many at once.
+
+Both jobs have CPU steps between their I/O: the loader decodes and tokenizes, refit and the relay
+hash, diff, compress and decompress. They run them through one `CpuPolicy`:
+
+- `inline`: on the caller's event loop (the order of work is the same, nothing overlaps);
+- `threads` (the default): in worker threads, at most `threads` at once under one
+  `anyio.CapacityLimiter`, so the event loop stays free for I/O and for the trainer.
+
+A process-level policy (the loader's `processes` backend) runs lanes, each with a threads policy,
+in other processes; it is a backend, not a CPU policy.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import anyio
+
+__all__ = ["CpuPolicy", "default_threads"]
+
+T = TypeVar("T")
+
+
+def default_threads(workers: int) -> int:
+    """Threads for CPU steps when the caller gives none: one per worker, at most one per core."""
+    return max(1, min(workers, os.cpu_count() or 1))
+
+
+class CpuPolicy:
+    """Runs CPU steps inline or in at most `threads` worker threads: `await cpu(fn, *args)`."""
+
+    def __init__(self, threads: int, *, inline: bool = False) -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.threads, self.inline = threads, inline
+        self.limiter = anyio.CapacityLimiter(threads)
+
+    def __repr__(self) -> str:
+        return "CpuPolicy(inline)" if self.inline else f"CpuPolicy(threads={self.threads})"
+
+    async def __call__(self, fn: Callable[..., T], *args: Any) -> T:
+        if self.inline:
+            return fn(*args)
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
