@@ -1,6 +1,7 @@
 """A local directory as an object store: the embedded default.
 
-Keys are paths under `root`. A key that would leave the root (`..`, an absolute path, or a
+Keys are paths under `root`, which need not exist: it lists as empty until the first put
+creates it (and any directory a key needs). A key that would leave the root (`..`, an absolute path, or a
 symlink that points outside) is refused with `AccessDenied`. Blocking file calls run in a
 worker thread so the event loop never waits on the disk.
 """
@@ -42,6 +43,8 @@ class LocalStore:
 
     def _list(self, prefix: str) -> list[ObjectInfo]:
         self._requests += 1
+        if not self.root.exists():
+            return []  # like an S3 prefix that holds nothing yet; the first put creates the directories
         if not self.root.is_dir():
             raise ObjectNotFound(f"store root {self.root} is not a directory: check the file:// URI")
         out = []
