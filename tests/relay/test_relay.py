@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from zephon_stream import DataError, RefitError
+from zephon_stream import ConfigError, DataError, RefitError
 from zephon_stream.connectors import MemoryStore
 from zephon_stream.connectors.base import Store
 from zephon_stream.refit import Publisher, Subscriber
@@ -148,7 +148,7 @@ def test_child_fed_by_another_tree_is_refused() -> None:
 def test_bad_settings_refused() -> None:
     with pytest.raises(RefitError, match="at least one child"):
         Relay("memory://x/p/", [])
-    with pytest.raises(RefitError, match="must differ"):
+    with pytest.raises(ConfigError, match="is its parent"):
         Relay("memory://x/p/", ["memory://x/p/"])
     with pytest.raises(RefitError, match="lanes=0"):
         Relay("memory://x/p/", ["memory://x/c/"], lanes=0)

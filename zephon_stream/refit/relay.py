@@ -20,12 +20,16 @@ them (each checked against the MANIFEST once it exists), so the link works durin
   their digests (`verify_existing`), never read again from the parent.
 - Racing relays on one child both write the same objects under the same keys; the MANIFEST's
   conditional put decides, and the loser finds the same bytes there.
-- A parent object with a wrong size or digest is written nowhere: that version and the ones
-  after it wait, the error is counted, and the next sync retries.
+- A parent object with a wrong size or digest, or a MANIFEST that is malformed or over the size
+  limit (never read whole), is written nowhere: the versions before it commit, that version and
+  the ones after it wait, the error is counted, and the next sync retries.
 - A child whose next version the parent already collected restarts at the parent's newest
   keyframe; when the chain is intact it gets every delta, and its subscribers compose them.
 - Versions the parent has collected are collected at the children too (MANIFEST first), or
-  under `keep_versions` when that is given, never the child's newest keyframe.
+  under `keep_versions` when that is given, never the child's newest keyframe. Only keys a relay
+  writes are deleted: `v{N}/MANIFEST` and the objects a MANIFEST names, right under the child.
+- A relay never writes or deletes under its parent: a child that is, holds or lies inside the
+  parent or another child, however spelled (`Prefix.location`), is refused before anything runs.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import urlparse, urlsplit
 
 import anyio
 import anyio.abc
@@ -47,6 +51,7 @@ import msgspec
 
 from .._exceptions import (
     AlreadyExists,
+    ConfigError,
     ConnectorError,
     DataError,
     DigestMismatch,
@@ -55,16 +60,20 @@ from .._exceptions import (
     ZephonError,
     root_error,
 )
-from ..connectors import open_store, parse_uri
-from ..connectors.base import Store
+from ..connectors import LocalStore, memory_store, open_store, parse_uri
+from ..connectors.base import ObjectInfo, Store
 from ._pipeline import run_ordered
 from ._store import find_latest, write_latest
-from .manifest import Manifest, decode_manifest, object_digest
+from .manifest import Manifest, decode_manifest, object_digest, read_bounded
 
-__all__ = ["ChildStatistics", "Prefix", "Relay", "RelayStatistics", "SyncReport", "prometheus_text"]
+__all__ = ["ChildStatistics", "Location", "Prefix", "Relay", "RelayStatistics", "SyncReport",
+           "check_disjoint", "prometheus_text"]
 
 log = logging.getLogger(__name__)
-_OBJECT = re.compile(r"^(chunk|key|over)-\d+\.[0-9a-f]{8,32}$")  # what a MANIFEST may name
+_BAD_MANIFEST = (DataError, RefitError)  # a MANIFEST that is there but unusable: malformed, oversized
+_NAME = r"(?:chunk|key|over)-[0-9]+\.[0-9a-f]{8,32}"
+_OBJECT = re.compile(_NAME)  # what a MANIFEST may name (fullmatch)
+_RELAYED = re.compile(rf"v([1-9][0-9]*)/(?:MANIFEST|{_NAME})")  # all a relay writes in a version (fullmatch)
 
 
 class Prefix:
@@ -92,6 +101,102 @@ class Prefix:
             return id(self.store)
         scheme, location, _ = parse_uri(self.uri)
         return scheme, location, tuple(sorted((k, repr(v)) for k, v in self.options.items()))
+
+    def location(self) -> Location:
+        """Where the prefix's objects live, whatever the spelling: the resolved directory for
+        file:// (symlinks, `..`, `//` and `localhost` undone), the endpoint, bucket and normalised
+        key for s3://, the store object and normalised key for memory:// and a given `store`.
+        Credentials and region are left out: they change who reads, not what is there."""
+        if self.store is not None:
+            if isinstance(self.store, LocalStore):
+                return _directory(str(self.store.root), self.uri)
+            return Location(("store", id(self.store)), _key(self.uri), f"{self.store!r} key {self.uri!r}")
+        scheme, where, key = parse_uri(self.uri)
+        if scheme == "file":
+            return _directory(where, "")
+        if scheme == "memory":
+            return Location(("store", id(memory_store(where))), _key(key), f"memory://{where}/{_key(key)}")
+        endpoint = _endpoint(self.options.get("endpoint_url"))
+        return Location((scheme, endpoint, where), _key(key), f"{scheme}://{where}/{_key(key)} at {endpoint}")
+
+
+@dataclass(frozen=True)
+class Location:
+    """A canonical place for objects: `path` within `space` (a directory tree, or one bucket of
+    one endpoint). Two locations overlap when they share a space and one path starts the other."""
+
+    space: tuple[object, ...]
+    path: str  # '/'-separated; ends with '/' unless it is a raw key prefix such as "p" (then "p*")
+    text: str = field(compare=False)
+
+    def __str__(self) -> str:
+        return self.text
+
+    def relation(self, other: Location) -> str | None:
+        """How this location stands to `other`: "is", "lies inside", "contains", or None (disjoint)."""
+        if self.space != other.space:
+            return None
+        if self.path == other.path:
+            return "is"
+        if self.path.startswith(other.path):
+            return "lies inside"
+        return "contains" if other.path.startswith(self.path) else None
+
+
+def _key(key: str) -> str:
+    """A key prefix with empty, `.` and `..` segments resolved. S3 itself keeps `a//b` and `a/../b`
+    as literal keys, but some S3-compatible servers and HTTP clients fold them, so two spellings
+    that may reach the same objects are treated as one (a refusal, never a deletion)."""
+    parts: list[str] = []
+    for part in key.split("/"):
+        if part == "..":
+            parts = parts[:-1]
+        elif part not in ("", "."):
+            parts.append(part)
+    tail = "/" if parts and (key.endswith("/") or key.rsplit("/", 1)[-1] in ("", ".", "..")) else ""
+    return "/".join(parts) + tail
+
+
+def _directory(root: str, key: str) -> Location:
+    """The real directory of `key` under local `root` (which need not exist yet)."""
+    head, _, tail = key.rpartition("/")
+    real = os.path.realpath(os.path.join(root, head)).rstrip(os.sep) + "/"
+    return Location(("file",), real + tail, f"file://{real}{tail}")
+
+
+def _endpoint(url: object) -> str:
+    """An endpoint URL as the S3 store resolves it (option, then the AWS environment variables),
+    with case, default port, user info and a trailing '/' dropped; "aws" for AWS itself."""
+    url = url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if not url:
+        return "aws"
+    parts = urlsplit(str(url))
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port or {"http": 80, "https": 443}.get(scheme)
+    except ValueError:
+        port = None
+    host = parts.hostname or parts.netloc.lower()
+    return f"{scheme}://{host}:{port}{parts.path.rstrip('/')}"
+
+
+def check_disjoint(parent: Prefix, children: Sequence[Prefix]) -> None:
+    """Refuse children that overlap the parent or each other, wherever the spellings differ.
+
+    A relay writes under each child and deletes there (retention), so a child that is, holds or
+    sits inside its parent, or another child, would lose data. Raises ConfigError naming both."""
+    seen = [(parent, parent.location())]
+    for child in children:
+        here = child.location()
+        for other, there in seen:
+            relation = here.relation(there)
+            if relation is not None:
+                role = "its parent" if other is parent else "another child"
+                raise ConfigError(
+                    f"relay child {child.name} ({here}) {relation} {role} {other.name} ({there}): a relay "
+                    "writes and deletes under its children, so a child must not overlap the parent or "
+                    "another child; give each child its own prefix outside the others")
+        seen.append((child, here))
 
 
 class ChildStatistics(msgspec.Struct, frozen=True):
@@ -210,9 +315,7 @@ class Relay:
                              f"max_batch={max_batch}, keep_versions={keep_versions}")
         self.parent = parent if isinstance(parent, Prefix) else Prefix(parent)
         self.child_prefixes = [c if isinstance(c, Prefix) else Prefix(c) for c in children]
-        names = [c.name for c in self.child_prefixes]
-        if len(set(names)) != len(names) or self.parent.name in names:
-            raise RefitError(f"child prefixes must differ from each other and from the parent: {names}")
+        check_disjoint(self.parent, self.child_prefixes)
         self.lanes, self.poll_interval, self.keep_versions = lanes, poll_interval, keep_versions
         self.verify_existing, self.stream_ahead, self.max_batch = verify_existing, stream_ahead, max_batch
         self.resync_interval, self.max_backoff = resync_interval, max_backoff
@@ -312,7 +415,7 @@ class Relay:
             return False
         if any(o.key == nxt + "MANIFEST" for o in infos):
             return True
-        todo = [o.key[len(self._pkey):] for o in infos if _OBJECT.match(o.key[len(nxt):])]
+        todo = [o.key[len(self._pkey):] for o in infos if _OBJECT.fullmatch(o.key[len(nxt):])]
         for rel in todo:
             if rel not in self._ahead and rel not in self._inflight and self._ahead_group is not None:
                 if not self._inflight:
@@ -407,8 +510,10 @@ class Relay:
         starts = {i: s for i, s in starts.items() if s is not None}
         if starts:
             first = min(starts.values())
-            plan = await self._plan(first, min(latest, first + self.max_batch - 1), starts)
+            plan, stop = await self._plan(first, min(latest, first + self.max_batch - 1), starts)
             await self._copy(plan, report)
+            if stop is not None:
+                raise stop
         await self._collect_all()
         self._prune()
         return bool(starts) and any(c.failed is None and (c.latest or 0) < latest for c in self._children)
@@ -427,9 +532,12 @@ class Relay:
                     f"{self.parent.name} at {self._parent_latest}: is it fed by another tree?"))
             return
         try:
-            theirs = await c.store.read(f"{c.key}v{latest}/MANIFEST")
+            theirs = await read_bounded(c.store, f"{c.key}v{latest}/MANIFEST")
         except ObjectNotFound:
             return  # collected under us: find_latest again next time
+        except ZephonError as exc:  # unreachable, or oversized: this child's problem alone
+            self._fail(c, exc)
+            return
         ours = await self._manifest(latest)
         if ours is not None and ours[0] != theirs:
             self._fail(c, RefitError(f"version {latest} at child {c.prefix.name} is not the parent's version "
@@ -441,8 +549,11 @@ class Relay:
         have = c.latest or 0
         if c.failed is not None or have >= latest:
             return None
-        if await self._manifest(have + 1) is not None:
-            return have + 1  # the parent's versions are contiguous: the chain have+1..latest is intact
+        try:
+            if await self._manifest(have + 1) is not None:
+                return have + 1  # the parent's versions are contiguous: the chain have+1..latest is intact
+        except _BAD_MANIFEST:
+            return have + 1  # there but bad: `_plan` stops at it and reports it
         key = await self._newest_keyframe(latest)
         log.warning("child behind the parent's garbage collection: restarting it at the newest keyframe",
                     extra={"event": "child_jump", "child": c.prefix.name, "child_latest": have,
@@ -451,9 +562,16 @@ class Relay:
         return key
 
     async def _newest_keyframe(self, latest: int) -> int:
+        """The newest keyframe at or below `latest` whose MANIFEST is good (a bad one above it
+        waits in `_plan`, after the good versions before it)."""
+        bad: ZephonError | None = None
         for v in range(latest, 0, -1):
             if v not in self._is_key:
-                got = await self._manifest(v)
+                try:
+                    got = await self._manifest(v)
+                except _BAD_MANIFEST as exc:
+                    bad = bad or exc
+                    continue
                 if got is None:
                     break
                 self._is_key[v] = got[1].keyframe
@@ -461,6 +579,8 @@ class Relay:
                 for old in [k for k in self._is_key if k < v]:
                     del self._is_key[old]
                 return v
+        if bad is not None:
+            raise bad
         raise RefitError(f"no keyframe at or below version {latest} of {self.parent.name}: the parent "
                          "collected it (or its publisher is mid-collection); retrying later")
 
@@ -471,7 +591,7 @@ class Relay:
         if version not in self._manifests:
             key = f"{self._pkey}v{version}/MANIFEST"
             try:
-                raw = await self._pstore.read(key)
+                raw = await read_bounded(self._pstore, key)
             except ObjectNotFound:
                 return None
             m, _ = decode_manifest(raw, key)
@@ -480,20 +600,29 @@ class Relay:
             self._manifests[version] = (raw, m)
         return self._manifests[version]
 
-    async def _plan(self, first: int, last: int, starts: dict[int, int]) -> list[_Version]:
-        plan = []
+    async def _plan(self, first: int, last: int,
+                    starts: dict[int, int]) -> tuple[list[_Version], ZephonError | None]:
+        """The versions first..last up to the first whose MANIFEST is bad or gone, and that error:
+        like a bad object, a bad MANIFEST stops the copy at its version, after the ones before it."""
+        plan: list[_Version] = []
+        stop: ZephonError | None = None
         for v in range(first, last + 1):
-            got = await self._manifest(v)
+            try:
+                got = await self._manifest(v)
+            except _BAD_MANIFEST as exc:
+                stop = exc
+                break
             if got is None:
-                raise ObjectNotFound(f"version {v} of {self.parent.name} disappeared while relaying it "
-                                     "(collected by its publisher?); retrying")
+                stop = ObjectNotFound(f"version {v} of {self.parent.name} disappeared while relaying it "
+                                      "(collected by its publisher?); retrying")
+                break
             takers = [i for i, s in starts.items() if s <= v]
             plan.append(_Version(v, got[0], got[1], takers, {}))
         async with anyio.create_task_group() as tg:
             for ver in plan:
                 for i in ver.children:
                     tg.start_soon(self._list_present, ver, i)
-        return plan
+        return plan, stop
 
     async def _list_present(self, ver: _Version, i: int) -> None:
         c = self._children[i]
@@ -612,7 +741,7 @@ class Relay:
             try:
                 await c.store.put(key, ver.raw, if_none_match=True)
             except AlreadyExists:
-                if await c.store.read(key) != ver.raw:
+                if await read_bounded(c.store, key) != ver.raw:
                     raise RefitError(f"{c.prefix.name} already has a different version {ver.version}: "
                                      "another tree feeds this child; give each tree its own prefix") from None
                 c.raced += 1
@@ -676,18 +805,14 @@ class Relay:
             await self._sweep(c, floor)
         elif c.oldest < floor:
             for v in range(c.oldest, floor):
-                await self._delete_version(c, v, [o.key for o in await c.store.list(f"{c.key}v{v}/")])
+                await self._delete_version(c, v, _relayed(c, await c.store.list(f"{c.key}v{v}/")).get(v, []))
         c.oldest = max(c.oldest or 1, floor)
 
     async def _sweep(self, c: _Child, floor: int) -> None:
-        """Every object below `floor`, found by listing (after a restart or a jump: versions may
-        have gaps, and a crashed collection may have left objects without a MANIFEST)."""
-        doomed: dict[int, list[str]] = {}
-        for info in await c.store.list(f"{c.key}v"):
-            head = info.key[len(c.key) + 1:].partition("/")[0]
-            if head.isdigit() and int(head) < floor:
-                doomed.setdefault(int(head), []).append(info.key)
-        for v in sorted(doomed):
+        """Every relayed object below `floor`, found by listing (after a restart or a jump: versions
+        may have gaps, and a crashed collection may have left objects without a MANIFEST)."""
+        doomed = _relayed(c, await c.store.list(f"{c.key}v"))
+        for v in sorted(v for v in doomed if v < floor):
             await self._delete_version(c, v, doomed[v])
         c.oldest = floor
 
@@ -747,6 +872,18 @@ class Relay:
         return RelayStatistics(self.parent.name, self._parent_latest, self._healthy, self._polls, self._syncs,
                                self._versions, self._objects, self._bytes, self._ahead_count,
                                dict(self._errors), self._last_error, self._last_success, children)
+
+
+def _relayed(c: _Child, infos: Sequence[ObjectInfo]) -> dict[int, list[str]]:
+    """The listed keys a relay writes at child `c`, by version: `v{N}/MANIFEST` and the objects a
+    MANIFEST may name, directly under the child's prefix. Whatever else a listing finds there
+    (another prefix's files, a user's notes) is not the relay's to delete."""
+    out: dict[int, list[str]] = {}
+    for info in infos:
+        match = _RELAYED.fullmatch(info.key[len(c.key):]) if info.key.startswith(c.key) else None
+        if match:
+            out.setdefault(int(match.group(1)), []).append(info.key)
+    return out
 
 
 def _kind(exc: BaseException) -> str:
