@@ -15,8 +15,8 @@ import msgspec
 from ._collate import collate, padding_sample
 from ._core.config import Config
 from ._core.sequencer import check_world, consumed, rank_lanes, rank_slots
-from ._core.state import FORMAT_VERSION, LaneState, LoaderState, StateHeader
-from ._exceptions import CheckpointError, IncompatibleState, ZephonError, root_error
+from ._core.state import FORMAT_VERSION, LaneState, LoaderState, StateHeader, check_lane_state
+from ._exceptions import CheckpointError, ConfigError, IncompatibleState, ZephonError, root_error
 from ._pipeline import DataPlan
 from .connectors import open_store, parse_uri
 from .connectors.base import Store
@@ -68,7 +68,7 @@ class Loader:
         self.config = config.replace(backend=backend) if backend else config
         self.dp_rank, self.dp_size = dp_rank or 0, dp_size
         check_world(config.lanes, config.global_batch_size, self.dp_size, self.dp_rank)
-        self.tokenizer = Tokenize(config.tokenizer, config.eos_token)
+        self.tokenizer = _tokenizer(config)
         import torch  # noqa: F401  (loaded here, not on the event loop at the first batch)
         self.order_settings = msgspec.msgpack.decode(msgspec.msgpack.encode(config.order_settings(self.tokenizer.sha256)))
         self.order_digest = config.order_digest(self.tokenizer.sha256)
@@ -109,10 +109,12 @@ class Loader:
         """Load one rank's state, or several ranks' states (a list) that together hold our lanes."""
         parts = state_dict if isinstance(state_dict, list) else [state_dict]
         decoded = [LoaderState.from_dict(p) for p in parts]
+        if not decoded:
+            raise CheckpointError("load_state_dict got an empty list: pass every rank's state_dict()")
         first = max(decoded, key=lambda st: st.header.step)
         for st in decoded:
             self._check_compatible(st, first)
-        lanes = {ls.lane: ls for st in decoded for ls in st.lane_states}
+        lanes = self._merge_lanes(decoded)
         missing = [lane for lane in self.lanes if lane not in lanes]
         if missing:
             raise CheckpointError(f"checkpoint holds lanes {sorted(lanes)} but rank {self.dp_rank}/{self.dp_size} "
@@ -122,11 +124,22 @@ class Loader:
         for lane in self.lanes:
             expect = consumed(lane, head.lanes, slots)
             if lanes[lane].samples > expect or (lanes[lane].samples < expect and not lanes[lane].done):
-                raise CheckpointError(f"lane {lane} state has {lanes[lane].samples} samples but step {head.step} "
-                                      f"means {expect}: the checkpoint is inconsistent")
+                raise IncompatibleState(f"lane {lane} state field samples = {lanes[lane].samples}: step "
+                                        f"{head.step} means {expect} (the lane has not ended); the checkpoint is "
+                                        "inconsistent: resume from the files of one checkpoint, as saved")
         self.step = head.step
         self._fingerprint = head.data_fingerprint
         self._lane_states = {lane: lanes[lane] for lane in self.lanes}
+
+    def _merge_lanes(self, decoded: list[LoaderState]) -> dict[int, LaneState]:
+        """The lane states of every part, each checked against the config; a lane given twice must agree."""
+        lanes: dict[int, LaneState] = {}
+        for ls in (ls for st in decoded for ls in st.lane_states):
+            check_lane_state(ls, self.config)
+            if lanes.setdefault(ls.lane, ls) != ls:
+                raise IncompatibleState(f"lane {ls.lane} has two different states in the files given: pass the "
+                                        "files of one checkpoint, each once")
+        return lanes
 
     def _check_compatible(self, st: LoaderState, first: LoaderState) -> None:
         cfg, head = self.config, st.header
@@ -176,6 +189,9 @@ class Loader:
                 f"checkpoint was written for other data (fingerprint {self._fingerprint}, the sources now give "
                 f"{self._plan.fingerprint}): shards were added, removed or rewritten; resume against the same "
                 "data or start fresh")
+        for ls in self._lane_states.values():  # the loaded (or reached) states, now against the data
+            if ls is not None:
+                check_lane_state(ls, self.config, self._plan)
         return self._plan
 
     # ---- streaming ----------------------------------------------------------------------------
@@ -251,7 +267,7 @@ class BatchStream:
         ld, cfg = self.loader, self.loader.config
         slots = rank_slots(ld.step, cfg.global_batch_size, ld.dp_size, ld.dp_rank)
         samples = [await self._sample(i % cfg.lanes, i // cfg.lanes) for i in slots]
-        if all(s.state is None for s in samples):
+        if all(s.state is None for s in samples) and self._ended():
             for lane in self.streams:  # every lane of this rank has ended
                 st = ld._lane_states[lane] or ld._initial(lane)
                 ld._lane_states[lane] = msgspec.structs.replace(st, done=True)
@@ -270,6 +286,11 @@ class BatchStream:
         ld._stats["samples"] += len(samples)
         ld.step += 1
         return batch
+
+    def _ended(self) -> bool:
+        """Every lane of this rank has ended and handed out all its samples. (A step of padding alone
+        does not say so: with global_batch_size < lanes a step reads only some of the lanes.)"""
+        return all(self.done[lane] and not self.pending[lane] for lane in self.streams)
 
     async def _sample(self, lane: int, index: int) -> Any:
         queue = self.pending[lane]
@@ -308,6 +329,22 @@ class _ThreadedAsyncIterator:
 _END: Any = object()
 
 
+def _tokenizer(config: Config) -> Tokenize:
+    """The config's tokenizer, with its vocabulary checked against `pad_token_id`."""
+    try:
+        tok = Tokenize(config.tokenizer, config.eos_token)
+    except ZephonError:
+        raise
+    except Exception as exc:  # the `tokenizers` library raises bare Exceptions for a malformed file
+        raise ConfigError(f"tokenizer {config.tokenizer!r} is not a tokenizer.json file ({exc}): give the path "
+                          "of a Hugging Face `tokenizers` JSON file") from exc
+    if config.pad_token_id is not None and config.pad_token_id >= tok.vocab_size:
+        raise ConfigError(f"config pad_token_id = {config.pad_token_id}: outside the vocabulary of "
+                          f"{config.tokenizer} ({tok.vocab_size} ids); use an id below {tok.vocab_size}, or leave "
+                          "it unset to pad with the EOS id")
+    return tok
+
+
 @contextmanager
 def _unwrap_groups() -> Iterator[None]:
     """Raise the error that matters in a task-group failure as itself, not as a group."""
@@ -332,6 +369,7 @@ async def open_stores(config: Config, stack: AsyncExitStack, wrap: StoreWrapper 
         opts: dict[str, Any] = {k: v for k, v in (("endpoint_url", src.endpoint_url), ("region", src.region),
                                                   ("addressing_style", src.addressing_style)) if v is not None}
         if parse_uri(src.uri)[0] == "s3":
+            opts.update(connect_timeout=src.connect_timeout, read_timeout=src.read_timeout)
             if pool is None:
                 from .connectors.s3 import S3ClientPool
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     except ZephonError as exc:
         print(f"zephon: error: {exc}", file=sys.stderr)
         return 2
+    except MemoryError:
+        print("zephon: error: out of memory: the config asks for more than this machine has; lower seq_len, "
+              "global_batch_size, lanes, or the buffer settings (sample_buffer, sample_batch, doc_buffer)",
+              file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `zephon ... | head`: the reader left; that is not an error
@@ -71,17 +79,49 @@ def _add_optional(sub: Any) -> None:
         mod.add_subparser(sub)
 
 
+@contextmanager
+def _user_path(option: str, path: Path) -> Iterator[None]:
+    """Turn an OSError on a path the user gave into a one-line error naming the option."""
+    try:
+        yield
+    except OSError as exc:
+        hint = {errno.ENOENT: "check the path",
+                errno.EISDIR: "give a file, not a directory",
+                errno.ENOTDIR: "a part of the path is not a directory",
+                errno.EACCES: "check the permissions"}.get(exc.errno or 0, "check the path")
+        raise ZephonError(f"{option} {str(path)!r}: {exc.strerror or exc}; {hint}") from exc
+
+
+def _check_output(option: str, path: Path) -> None:
+    """Refuse an output path before the work that would end in writing it."""
+    if path.is_dir():
+        raise ZephonError(f"{option} {str(path)!r} is a directory: give a file path")
+    if not path.parent.is_dir():
+        raise ZephonError(f"{option} {str(path)!r}: directory {str(path.parent)!r} does not exist; create it first")
+
+
+def _save_state(loader: Any, path: Path) -> None:
+    with _user_path("--save-state", path):
+        path.write_bytes(state_to_bytes(loader.state_dict()))
+
+
 def _stream(args: argparse.Namespace) -> int:
     from ._loader import Loader
 
     if (args.save_state is None) != (args.save_at is None):
         raise ZephonError("--save-state and --save-at go together")
+    if args.save_state is not None:
+        _check_output("--save-state", args.save_state)
     loader = Loader(Config.from_toml(args.config), dp_rank=args.dp_rank, dp_size=args.dp_size, backend=args.backend)
     if args.resume:
-        loader.load_state_dict([state_from_bytes(f.read_bytes()) for f in args.resume])
+        states = []
+        for f in args.resume:
+            with _user_path("--resume", f):
+                states.append(state_from_bytes(f.read_bytes()))
+        loader.load_state_dict(states)
     progress = _Progress(loader) if not args.digests else None
     if args.save_at is not None and loader.step == args.save_at:
-        args.save_state.write_bytes(state_to_bytes(loader.state_dict()))
+        _save_state(loader, args.save_state)
     stop = None if args.steps is None else args.steps
     out = sys.stdout
     for batch in _batches(loader, stop):
@@ -94,7 +134,7 @@ def _stream(args: argparse.Namespace) -> int:
         elif progress:
             progress.update()
         if args.save_at is not None and loader.step == args.save_at:
-            args.save_state.write_bytes(state_to_bytes(loader.state_dict()))
+            _save_state(loader, args.save_state)
     if progress:
         progress.finish()
     return 0

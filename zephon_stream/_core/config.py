@@ -13,6 +13,7 @@ import hashlib
 import math
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -20,9 +21,21 @@ from .._exceptions import ConfigError
 
 Backend = Literal["inline", "threads", "processes"]
 
+# Bounds that keep every allocation a config implies (a lane's sample, a batch) possible.
+MAX_LANES = 4096
+MAX_SEQ_LEN = 1 << 24
+MAX_GLOBAL_BATCH_SIZE = 1 << 20
+MAX_BATCH_TOKENS = 1 << 32  # global_batch_size x seq_len: 32 GiB per int64 tensor
+MAX_TIMEOUT_S = 3600.0
+
 
 class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
-    """A named dataset: every `*.jsonl` and `*.jsonl.zst` object under `uri`, sorted by key."""
+    """A named dataset: every `*.jsonl` and `*.jsonl.zst` object under `uri`, sorted by key.
+
+    `endpoint_url`, `region`, `addressing_style` and the timeouts (seconds, per request: to
+    connect, and between bytes of a response) apply to `s3://` sources only. They are
+    execution settings: they never change the order.
+    """
 
     name: str
     uri: str
@@ -31,6 +44,17 @@ class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
     endpoint_url: str | None = None
     region: str | None = None
     addressing_style: Literal["auto", "path", "virtual"] | None = None
+    connect_timeout: float = 10.0
+    read_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        where = f"sources[{self.name}]"
+        if self.endpoint_url is not None:
+            _check(_is_http_url(self.endpoint_url), f"{where}.endpoint_url", self.endpoint_url,
+                   "is not a URL: use http://host:port or https://host")
+        for field in ("connect_timeout", "read_timeout"):
+            value = getattr(self, field)
+            _check(0 < value <= MAX_TIMEOUT_S, f"{where}.{field}", value, f"must be in (0, {MAX_TIMEOUT_S:g}] seconds")
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True):
@@ -60,9 +84,17 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     read_ahead: int = 4  # ranged reads (1 MiB) of a split in flight per lane; 1 = one at a time
 
     def __post_init__(self) -> None:
-        _check(self.lanes >= 1, "lanes", self.lanes, "must be >= 1")
-        _check(self.seq_len >= 2, "seq_len", self.seq_len, "must be >= 2")
-        _check(self.global_batch_size >= 1, "global_batch_size", self.global_batch_size, "must be >= 1")
+        _check(0 <= self.seed < 1 << 64, "seed", self.seed, "must be in [0, 2**64): seeds are 64-bit")
+        _check(1 <= self.lanes <= MAX_LANES, "lanes", self.lanes, f"must be in [1, {MAX_LANES}]")
+        _check(2 <= self.seq_len <= MAX_SEQ_LEN, "seq_len", self.seq_len, f"must be in [2, {MAX_SEQ_LEN}]")
+        _check(1 <= self.global_batch_size <= MAX_GLOBAL_BATCH_SIZE, "global_batch_size", self.global_batch_size,
+               f"must be in [1, {MAX_GLOBAL_BATCH_SIZE}]")
+        _check(self.global_batch_size * self.seq_len <= MAX_BATCH_TOKENS, "global_batch_size", self.global_batch_size,
+               f"x seq_len = {self.global_batch_size * self.seq_len} tokens per batch, more than {MAX_BATCH_TOKENS}")
+        _check(self.pad_token_id is None or 0 <= self.pad_token_id < 1 << 32, "pad_token_id", self.pad_token_id,
+               "must be a token id in [0, 2**32), or unset for the EOS id")
+        _check(bool(self.eos_token), "eos_token", self.eos_token, "must name the tokenizer's end-of-text token")
+        _check(self.max_record_bytes >= 1, "max_record_bytes", self.max_record_bytes, "must be >= 1")
         _check(self.shuffle_window >= 0, "shuffle_window", self.shuffle_window, "must be >= 0 (0 = off)")
         _check(self.max_epochs >= 0, "max_epochs", self.max_epochs, "must be >= 0 (0 = forever)")
         _check(self.split_bytes >= 1024, "split_bytes", self.split_bytes, "must be >= 1024")
@@ -78,7 +110,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     @classmethod
     def from_toml(cls, path: str | Path) -> Config:
         try:
-            return msgspec.toml.decode(Path(path).read_bytes(), type=cls)
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"config file {str(path)!r} cannot be read: {exc.strerror or exc}; give the path "
+                              "of a TOML file") from exc
+        try:
+            return msgspec.toml.decode(data, type=cls)
         except msgspec.ValidationError as exc:
             raise ConfigError(f"invalid config {path}: {exc}") from exc
         except msgspec.DecodeError as exc:
@@ -119,6 +156,15 @@ def _toml_value(v: object) -> str:
     if isinstance(v, str):
         return msgspec.json.encode(v).decode()  # a JSON string is a valid TOML basic string
     return repr(v)
+
+
+def _is_http_url(url: str) -> bool:
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (raises ValueError for a port that is not a number in range)
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
 
 
 def _check(ok: bool, name: str, value: object, why: str) -> None:

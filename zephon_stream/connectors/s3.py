@@ -27,6 +27,9 @@ jitter. This module adds, on top, what botocore cannot do:
   response's ETag (`If-Match`) so the parts cannot come from two versions;
 - a deadline (`retry_deadline`): no retry or resume starts once an operation has run that long
   (botocore only bounds attempts);
+- a stalled endpoint fails fast: a request that timed out (`connect_timeout`, or `read_timeout`
+  between bytes) `timeout_attempts` times is not retried again, and the error names the
+  operation, the object and the timeout;
 - a conditional put whose response was lost and retried can find its own write in place
   (412, or NoSuchUpload); an id in the object's metadata tells its own write from a rival's;
 - aiohttp's silent one-time resend of an idempotent request on a dropped keep-alive connection
@@ -58,6 +61,7 @@ from aiobotocore.session import AioSession
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
+    ConnectTimeoutError,
     ConnectionError as BotoConnectionError,
     HTTPClientError,
     IncompleteReadError,
@@ -65,6 +69,7 @@ from botocore.exceptions import (
     ReadTimeoutError,
     ResponseStreamingError,
 )
+from botocore.utils import is_valid_endpoint_url, is_valid_ipv6_endpoint_url
 
 from .._exceptions import AccessDenied, AlreadyExists, ConfigError, ConnectorError, ObjectNotFound, Throttled
 from . import register_scheme
@@ -89,8 +94,9 @@ class S3Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_attempts: int = 5  # attempts of one request (botocore standard mode), and body resumes
     retry_deadline: float = 120.0  # no retry or resume starts after an operation ran this long
     resume_backoff: float = 0.05  # base of the jittered exponential backoff between resumes
-    connect_timeout: float = 10.0
-    read_timeout: float = 60.0
+    connect_timeout: float = 10.0  # to open a connection
+    read_timeout: float = 30.0  # between two reads of a response: a stalled endpoint, not a slow one
+    timeout_attempts: int = 2  # attempts of a request that keeps timing out, before it fails
 
     def __post_init__(self) -> None:
         for name in self.__struct_fields__:
@@ -149,11 +155,12 @@ class _Counters:
 class _Operation:
     """One store call: where botocore's event hooks count attempts, and when retrying stops."""
 
-    __slots__ = ("counters", "deadline")
+    __slots__ = ("counters", "deadline", "timeout_attempts")
 
-    def __init__(self, counters: _Counters, deadline: float) -> None:
+    def __init__(self, counters: _Counters, deadline: float, timeout_attempts: int) -> None:
         self.counters = counters
         self.deadline = deadline
+        self.timeout_attempts = timeout_attempts
 
 
 _CURRENT: contextvars.ContextVar[_Operation | None] = contextvars.ContextVar("zephon_s3_op", default=None)
@@ -168,11 +175,20 @@ def _on_request_created(request: Any, **_: Any) -> None:
             op.counters.retries += 1
 
 
-def _on_needs_retry(**_: Any) -> bool | None:
-    """botocore hook, runs before the standard retry handler: veto retries past the deadline."""
+def _on_needs_retry(caught_exception: BaseException | None = None, request_dict: Any = None,
+                    **_: Any) -> bool | None:
+    """botocore hook, runs before the standard retry handler: veto retries past the deadline, and
+    of a request that timed out `timeout_attempts` times (counted in the request's context)."""
     op = _CURRENT.get()
-    if op is not None and time.monotonic() >= op.deadline:
+    if op is None:
+        return None
+    if time.monotonic() >= op.deadline:
         return False
+    if isinstance(caught_exception, _TIMEOUTS) and request_dict is not None:
+        context = request_dict["context"]
+        context["zephon_timeouts"] = context.get("zephon_timeouts", 0) + 1
+        if context["zephon_timeouts"] >= op.timeout_attempts:
+            return False
     return None
 
 
@@ -200,20 +216,27 @@ _TRANSIENT = (
 )
 
 
+_TIMEOUTS = (ConnectTimeoutError, ReadTimeoutError)
+
+
 def _code(exc: ClientError) -> str:
     return str(exc.response.get("Error", {}).get("Code", ""))
 
 
 def translate_error(
-    exc: Exception, *, bucket: str, key: str | None, operation: str, endpoint: str
+    exc: Exception, *, bucket: str, key: str | None, operation: str, endpoint: str,
+    settings: S3Settings | None = None,
 ) -> ConnectorError:
     """The zephon error for a botocore/aiohttp failure, chosen by S3 error code (never message text).
 
     `operation` is the S3 API name (GetObject, PutObject, ...). The message names the object and
     what to check; it never includes credentials or the server's message (which may echo them).
+    A timeout names the setting that ran out (from `settings`, the store's).
     """
     where = f"s3://{bucket}/{key}" if key is not None else f"s3://{bucket}/"
     at = f" at {endpoint}" if endpoint else ""
+    if isinstance(exc, _TIMEOUTS):
+        return _timeout_error(exc, f"{operation} {where}{at}", settings or S3Settings())
     if isinstance(exc, NoCredentialsError):
         return AccessDenied(
             f"{operation} {where}: no AWS credentials found; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
@@ -251,6 +274,16 @@ def translate_error(
         return Throttled(f"{operation} {where}{at} kept throttling after {attempts} attempts {detail}; lower "
                          "max_in_flight or spread keys over more prefixes")
     return ConnectorError(f"{operation} {where}{at} failed after {attempts} attempts {detail}")
+
+
+def _timeout_error(exc: BaseException, what: str, s: S3Settings) -> ConnectorError:
+    if isinstance(exc, ConnectTimeoutError):
+        setting, value, happened = "connect_timeout", s.connect_timeout, "could not connect"
+    else:
+        setting, value, happened = "read_timeout", s.read_timeout, "stalled: no bytes came"
+    return ConnectorError(f"{what} {happened} within {setting} = {value:g} s (timeout_attempts = "
+                          f"{s.timeout_attempts}); check that the endpoint is up and reachable, or raise "
+                          f"{setting} (in the source's table of the config)")
 
 
 # -- client pool -------------------------------------------------------------------------------
@@ -451,6 +484,8 @@ class S3Store:
         env = os.environ
         endpoint_url = endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
         region = region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+        if endpoint_url and not (is_valid_endpoint_url(endpoint_url) or is_valid_ipv6_endpoint_url(endpoint_url)):
+            raise ConfigError(f"endpoint_url {endpoint_url!r} is not a URL: use http://host:port or https://host")
         style = addressing_style or ("path" if endpoint_url else "auto")
         if style not in ("path", "virtual", "auto"):
             raise ConfigError(f"addressing_style must be 'path', 'virtual' or 'auto', got {style!r}")
@@ -486,7 +521,8 @@ class S3Store:
         if current is not None and current.counters is self._counters:
             yield current
             return
-        op = _Operation(self._counters, time.monotonic() + self.settings.retry_deadline)
+        s = self.settings
+        op = _Operation(self._counters, time.monotonic() + s.retry_deadline, s.timeout_attempts)
         token = _CURRENT.set(op)
         try:
             yield op
@@ -512,15 +548,18 @@ class S3Store:
             return await getattr(client, method)(Bucket=self.bucket, **params)
         except (BotoCoreError, ClientError, aiohttp.ClientError) as exc:
             op_name = client.meta.method_to_api_mapping.get(method, method)
-            err = translate_error(exc, bucket=self.bucket, key=key, operation=op_name, endpoint=self.endpoint)
+            err = translate_error(exc, bucket=self.bucket, key=key, operation=op_name, endpoint=self.endpoint,
+                                  settings=self.settings)
             raise err from exc
 
     async def _request(self, method: str, key: str | None, **params: Any) -> Any:
         async with self._operation(), self._slot():
             return await self._call(method, key, **params)
 
-    async def _backoff(self, op: _Operation, attempt: int, what: str, exc: BaseException) -> None:
-        """Count one retry of ours, or raise when attempts or time ran out."""
+    async def _backoff(self, op: _Operation, attempt: int, what: str, exc: BaseException, timeouts: int = 0) -> None:
+        """Count one retry of ours, or raise when attempts, time or `timeout_attempts` ran out."""
+        if isinstance(exc, _TIMEOUTS) and timeouts >= self.settings.timeout_attempts:
+            raise _timeout_error(exc, f"{what} at {self.endpoint}", self.settings) from exc
         if attempt >= self.settings.max_attempts or time.monotonic() >= op.deadline:
             raise ConnectorError(f"{what}: gave up after {attempt} attempts: {type(exc).__name__}; "
                                  f"check the network path to {self.endpoint}") from exc
@@ -560,7 +599,7 @@ class S3Store:
         """GET `[start, end)` and the object's ETag. A body that breaks is resumed from its last
         byte, pinned with If-Match to the ETag of the first response (or to `etag`, if given)."""
         chunks: list[bytes] = []
-        pos, attempt = start, 0
+        pos, attempt, timeouts = start, 0, 0
         while True:
             params: dict[str, Any] = {"Key": key}
             if pos or end is not None:
@@ -586,10 +625,11 @@ class S3Store:
                 except _TRANSIENT as exc:
                     pos = start + sum(map(len, chunks))
                     failure: BaseException = exc
+                    timeouts += isinstance(exc, _TIMEOUTS)
                 finally:
                     body.close()
             attempt += 1
-            await self._backoff(op, attempt, f"GET s3://{self.bucket}/{key} [{pos}, {end})", failure)
+            await self._backoff(op, attempt, f"GetObject s3://{self.bucket}/{key} [{pos}, {end})", failure, timeouts)
 
     async def _drain(self, body: Any, chunks: list[bytes], expected: int) -> None:
         got = 0
