@@ -2,30 +2,56 @@
 
 from __future__ import annotations
 
+import os
 import re
+from typing import Annotated
 
 import msgspec
 
 from .._exceptions import DataError, ObjectNotFound, RefitError
-from ..connectors import open_store
+from ..connectors import open_store, parse_uri
 from ..connectors.base import Store
 from .layout import TensorTable
-from .manifest import Manifest, decode_manifest, encode_manifest
+from .manifest import Manifest, decode_manifest, encode_manifest, read_bounded
 
-__all__ = ["collect_garbage", "commit_manifest", "find_latest", "list_versions", "read_manifest", "write_latest"]
+__all__ = ["collect_garbage", "commit_manifest", "find_latest", "list_versions", "prefix_identity", "read_manifest",
+           "write_latest"]
 
 _VDIR = re.compile(r"^v(\d+)/")
 
 
 class _Latest(msgspec.Struct):
-    version: int
+    version: Annotated[int, msgspec.Meta(ge=1)]
+
+
+_MAX_LATEST_BYTES = 4096
+
+
+def prefix_identity(prefix: str, store: Store | None = None) -> str:
+    """A canonical name for where a prefix's versions live, to bind a local record to it.
+
+    For a URI: the resolved directory of a file:// prefix (symlinks, `..` and `//` resolved),
+    else scheme, bucket and key prefix as the store addresses them. For a `store` object given
+    directly, the object itself (within this process only: a record from another process is
+    then re-verified once).
+    """
+    if store is not None:
+        return f"{type(store).__qualname__}@{id(store):x}/{prefix}"
+    scheme, location, key = parse_uri(prefix)
+    if scheme == "file":
+        return f"file://{os.path.realpath(location)}/"
+    return f"{scheme}://{location}/{key}"
 
 
 async def read_manifest(store: Store, prefix: str, version: int) -> tuple[Manifest, TensorTable] | None:
-    """The checked manifest of `version`, or None when the version does not exist."""
+    """The checked manifest of `version`, or None when the version does not exist.
+
+    A MANIFEST that is over the size limit (RefitError) or malformed (DataError) is refused
+    after reading at most the limit + 1 bytes.
+    """
     key = f"{prefix}v{version}/MANIFEST"
     try:
-        data = await store.read(key)
+        data = await read_bounded(store, key)
     except ObjectNotFound:
         return None
     m, table = decode_manifest(data, key)
@@ -54,18 +80,25 @@ async def list_versions(store: Store, prefix: str) -> list[int]:
 
 
 async def find_latest(store: Store, prefix: str) -> int:
-    """The newest committed version (0 if none): LATEST as a hint, then probing forward."""
-    try:
-        hint = msgspec.json.decode(await store.read(f"{prefix}LATEST"), type=_Latest).version
-    except (ObjectNotFound, msgspec.DecodeError):
-        versions = await list_versions(store, prefix)
-        return versions[-1] if versions else 0
-    if hint > 0 and not await _exists(store, prefix, hint):
+    """The newest committed version (0 if none): LATEST as a hint, then probing forward.
+
+    LATEST is only a hint: one that is unreadable, not a positive int, or names a version
+    with no MANIFEST is ignored, and the versions found by listing are used instead.
+    """
+    hint = await _latest_hint(store, prefix)
+    if hint is None or not await _exists(store, prefix, hint):
         versions = await list_versions(store, prefix)
         return versions[-1] if versions else 0
     while await _exists(store, prefix, hint + 1):
         hint += 1
     return hint
+
+
+async def _latest_hint(store: Store, prefix: str) -> int | None:
+    try:
+        return msgspec.json.decode(await read_bounded(store, f"{prefix}LATEST", _MAX_LATEST_BYTES), type=_Latest).version
+    except (ObjectNotFound, RefitError, msgspec.DecodeError):
+        return None
 
 
 async def write_latest(store: Store, prefix: str, version: int) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import anyio
 
-from .._exceptions import ZephonError
+from .._exceptions import ConfigError, DataError, RefitError, ZephonError
 from ..connectors import open_store
 from . import safetensors
 from ._store import find_latest, list_versions, read_manifest
@@ -47,6 +47,8 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _guard(fn: Any) -> Any:
+    """Run a command: a user's mistake (a bad setting or input file) exits 2, a refused or failed
+    operation exits 1, each with one line (and the error's notes) on stderr."""
     def run(args: argparse.Namespace) -> int:
         try:
             return anyio.run(fn, args)
@@ -54,14 +56,22 @@ def _guard(fn: Any) -> Any:
             print(f"zephon refit {args.refit_command}: error: {exc}", file=sys.stderr)
             for note in getattr(exc, "__notes__", []):
                 print(f"  {note}", file=sys.stderr)
-            return 1
+            return 2 if isinstance(exc, ConfigError) else 1
 
     return run
 
 
+def _weights(path: str, *, writable: bool = False) -> safetensors.Mapped:
+    """The weights file, or ConfigError (exit 2): a missing, unreadable or malformed file is the user's to fix."""
+    try:
+        return safetensors.load(path, writable=writable)
+    except ZephonError as exc:
+        raise ConfigError(f"--weights {path}: {exc}") from exc
+
+
 @_guard
 async def _publish(args: argparse.Namespace) -> int:
-    state = safetensors.load(args.weights)
+    state = _weights(args.weights)
     async with Publisher(args.prefix, keyframe_every=args.keyframe_every, keep_versions=args.keep_versions,
                          chunk_bytes=args.chunk_bytes, overwrite=args.overwrite) as pub:
         info = await pub.publish(state)
@@ -73,9 +83,11 @@ async def _publish(args: argparse.Namespace) -> int:
 
 @_guard
 async def _pull(args: argparse.Namespace) -> int:
-    state = safetensors.load(args.weights, writable=True)
-    async with Subscriber(args.prefix, record=args.record or f"{args.weights}.refit") as sub:
+    state = _weights(args.weights, writable=True)
+    async with Subscriber(args.prefix, record=args.record or f"{args.weights}.refit", weights=args.weights) as sub:
         version = await sub.pull(state, sync=state.flush)
+    if version == 0:
+        raise RefitError(f"no version is published under {args.prefix}: nothing was pulled, {args.weights} is unchanged")
     print(f"version {version} digest {sub.record.model_digest:016x}")
     return 0
 
@@ -89,7 +101,11 @@ async def _status(args: argparse.Namespace) -> int:
         print(f"{'version':>8} {'base':>6} {'keyframe':>8} {'delta_bytes':>12} {'key_bytes':>12} "
               f"{'changes':>10} {'ratio':>8} digest")
         for v in await list_versions(store, prefix):
-            got = await read_manifest(store, prefix, v)
+            try:
+                got = await read_manifest(store, prefix, v)
+            except (DataError, RefitError) as exc:  # one bad version: say so, and show the others
+                print(f"{v:>8} unusable: {exc}")
+                continue
             if got is None:
                 continue
             m = got[0]

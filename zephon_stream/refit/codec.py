@@ -30,10 +30,10 @@ from typing import NamedTuple
 import numpy as np
 import zstandard
 
-from .._exceptions import DataError
+from .._exceptions import ConfigError, DataError
 from .layout import WORD
 
-__all__ = ["DENSE_XOR", "FULL", "SPARSE_SET", "SPARSE_XOR", "Decoded", "compose_set", "compose_xor", "decode",
+__all__ = ["DENSE_XOR", "FULL", "SPARSE_SET", "SPARSE_XOR", "Decoded", "check_level", "compose_set", "compose_xor", "decode",
            "diff", "encode_dense", "encode_sparse", "encode_xor"]
 
 SPARSE_XOR, DENSE_XOR, SPARSE_SET, FULL = 1, 2, 3, 4
@@ -49,6 +49,16 @@ class Decoded(NamedTuple):
     kind: int
     positions: np.ndarray | None
     values: np.ndarray
+
+
+MIN_LEVEL, MAX_LEVEL = -(1 << 17), zstandard.MAX_COMPRESSION_LEVEL
+
+
+def check_level(level: object) -> int:
+    """A zstd compression level, or ConfigError naming it."""
+    if isinstance(level, bool) or not isinstance(level, int) or not MIN_LEVEL <= level <= MAX_LEVEL:
+        raise ConfigError(f"level={level!r} is not a zstd level: use an int from {MIN_LEVEL} to {MAX_LEVEL} (1: fast)")
+    return level
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:

@@ -25,7 +25,10 @@ import torch
 
 from .._exceptions import ConfigError
 
-__all__ = ["Chunk", "RankStream", "Sharding", "TensorSpec", "TensorTable", "dtype_of", "itemsize_of"]
+__all__ = ["MAX_CHUNK_BYTES", "Chunk", "RankStream", "Sharding", "TensorSpec", "TensorTable", "check_chunk_bytes",
+           "check_count", "dtype_of", "itemsize_of"]
+
+MAX_CHUNK_BYTES = 1 << 30  # the largest chunk a manifest may declare (and a subscriber will decode)
 
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -47,6 +50,24 @@ def dtype_of(name: str) -> torch.dtype:
 
 def itemsize_of(name: str) -> int:
     return dtype_of(name).itemsize
+
+
+def check_count(name: str, value: object, lo: int) -> int:
+    """`value` as an int >= lo, or ConfigError naming the parameter and the value."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ConfigError(f"{name}={value!r} must be an int >= {lo}")
+    return value
+
+
+def check_chunk_bytes(chunk_bytes: object) -> int:
+    """`chunk_bytes` as an int, or ConfigError: a multiple of 8 (the widest word) in [8, MAX_CHUNK_BYTES]."""
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int):
+        raise ConfigError(f"chunk_bytes={chunk_bytes!r} must be an int, a multiple of 8 from 8 to {MAX_CHUNK_BYTES}")
+    if not 8 <= chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ConfigError(f"chunk_bytes={chunk_bytes} is out of range: use 8 to {MAX_CHUNK_BYTES} (1 GiB)")
+    if chunk_bytes % 8:
+        raise ConfigError(f"chunk_bytes={chunk_bytes} is not a multiple of 8: use {chunk_bytes - chunk_bytes % 8 or 8}")
+    return chunk_bytes
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -212,8 +233,7 @@ class RankStream:
     """Publisher rank `sharding.rank`'s stream over `table`, and its chunks."""
 
     def __init__(self, table: TensorTable, sharding: Sharding, chunk_bytes: int) -> None:
-        if chunk_bytes < 8 or chunk_bytes % 8:
-            raise ConfigError(f"chunk_bytes={chunk_bytes} must be a positive multiple of 8")
+        check_chunk_bytes(chunk_bytes)
         self.table, self.sharding, self.chunk_bytes = table, sharding, chunk_bytes
         self.segments: list[Segment] = []
         pos = 0

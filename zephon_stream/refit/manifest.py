@@ -19,16 +19,22 @@ from typing import Annotated
 
 import msgspec
 
-from .._exceptions import DataError
-from .layout import RankStream, Sharding, TensorSpec, TensorTable, itemsize_of
+from .._exceptions import ConfigError, ConnectorError, DataError, RefitError
+from ..connectors.base import Store
+from .layout import MAX_CHUNK_BYTES, RankStream, Sharding, TensorSpec, TensorTable, itemsize_of
 
-__all__ = ["ChunkEntry", "Manifest", "decode_manifest", "encode_manifest", "object_digest"]
+__all__ = ["ChunkEntry", "Manifest", "check_publishable", "decode_manifest", "encode_manifest", "object_digest",
+           "read_bounded"]
 
+MAX_SIZE = 1 << 44  # bytes: a model, a chunk window, an object
+MAX_WORLD = 1 << 16
+MAX_DIMS, MAX_DIM = 16, 1 << 40
 U64 = Annotated[int, msgspec.Meta(ge=0)]  # checked < 2**64 below
-Size = Annotated[int, msgspec.Meta(ge=0, le=1 << 44)]
+Size = Annotated[int, msgspec.Meta(ge=0, le=MAX_SIZE)]
 Version = Annotated[int, msgspec.Meta(ge=1, le=1 << 48)]
-MAX_MANIFEST_BYTES = 64 << 20
-_ATTEMPT = re.compile(r"^[0-9a-f]{8,32}$")
+MAX_MANIFEST_BYTES = 64 << 20  # looked up at each call (tests lower it)
+MAX_LAYOUT_SEGMENTS = 1 << 22  # tensor pieces over all ranks a manifest may make a reader lay out
+ATTEMPT = re.compile(r"^[0-9a-f]{8,32}$")
 
 
 class ChunkEntry(msgspec.Struct, frozen=True, array_like=True):
@@ -59,7 +65,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     attempt: str
     table: list[TensorSpec]
     table_digest: str
-    world_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+    world_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_WORLD)]
     split_dims: dict[str, Annotated[int, msgspec.Meta(ge=0, le=64)]]
     chunk_bytes: Annotated[int, msgspec.Meta(ge=8, le=1 << 32)]
     chunks: list[ChunkEntry]
@@ -89,6 +95,60 @@ class Part(msgspec.Struct, frozen=True):
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Manifest)
 _part_dec = msgspec.msgpack.Decoder(Part)
+# The largest a chunk's entry can encode to: bounds a manifest's size from its chunk count.
+_ENTRY_BYTES = len(_enc.encode(ChunkEntry(MAX_WORLD, MAX_SIZE, MAX_SIZE, 8, 2, MAX_SIZE, "0" * 32, (1 << 64) - 1,
+                                          MAX_SIZE, MAX_SIZE, "0" * 32, MAX_SIZE, "0" * 32)))
+
+
+async def read_bounded(store: Store, key: str, limit: int | None = None) -> bytes:
+    """The whole object `key`, read with one ranged read of at most `limit` + 1 bytes.
+
+    `limit` defaults to MAX_MANIFEST_BYTES, looked up at each call. An object over the limit is
+    refused with RefitError naming the key and its size, never read whole into memory.
+    ObjectNotFound (and any other store error) passes through.
+    """
+    limit = MAX_MANIFEST_BYTES if limit is None else limit
+    data = await store.read(key, 0, limit + 1)
+    if len(data) <= limit:
+        return data
+    try:
+        size = f"{(await store.head(key)).size} bytes"
+    except ConnectorError:
+        size = "more than that"  # gone since the read: the size no longer matters
+    raise RefitError(f"{key} is {size}, over the {limit}-byte limit of a refit MANIFEST or record: not written by "
+                     "zephon (corrupt or hostile); delete it, or publish a new version past it")
+
+
+def check_publishable(table: TensorTable, sharding: Sharding, chunks: int) -> None:
+    """Refuse (ConfigError) a layout whose MANIFEST no reader would accept, before anything is written:
+    `chunks` is the chunk count over all ranks."""
+    _check_table(table.specs)
+    if table.nbytes > MAX_SIZE:
+        raise ConfigError(f"the model holds {table.nbytes} bytes, over the {MAX_SIZE}-byte limit of one prefix")
+    if sharding.world_size > MAX_WORLD:
+        raise ConfigError(f"world_size={sharding.world_size} is over the limit of {MAX_WORLD} ranks")
+    _check_segments(len(table.specs), sharding.world_size, len(sharding.dims))
+    size = len(_enc.encode(table.specs)) + chunks * _ENTRY_BYTES + 4096
+    if size > MAX_MANIFEST_BYTES:
+        raise ConfigError(f"{chunks} chunks would make a MANIFEST of up to {size} bytes, over the "
+                          f"{MAX_MANIFEST_BYTES}-byte limit: raise chunk_bytes")
+
+
+def _check_table(specs: list[TensorSpec]) -> None:
+    for spec in specs:
+        itemsize_of(spec.dtype)
+        if len(spec.shape) > MAX_DIMS or any(d < 0 or d > MAX_DIM for d in spec.shape):
+            raise ConfigError(f"tensor {spec.name!r} has shape {spec.shape}: a refit tensor has at most {MAX_DIMS} "
+                              f"dims of at most {MAX_DIM} elements each")
+
+
+def _check_segments(tensors: int, world_size: int, split: int) -> None:
+    """Laying out every rank's stream makes one piece per tensor on rank 0 and per split tensor on
+    the others: bound that work before doing it."""
+    segments = tensors + (world_size - 1) * split
+    if segments > MAX_LAYOUT_SEGMENTS:
+        raise ConfigError(f"{tensors} tensors, {split} split over {world_size} ranks make {segments} tensor pieces, "
+                          f"over the limit of {MAX_LAYOUT_SEGMENTS}")
 
 
 def object_digest(data: bytes) -> str:
@@ -106,7 +166,7 @@ def decode_part(data: bytes, key: str) -> Part:
         raise DataError(f"{key}: not a valid part record ({exc})", key=key) from exc
 
 
-def decode_manifest(data: bytes, key: str, *, max_chunk_bytes: int = 1 << 30) -> tuple[Manifest, TensorTable]:
+def decode_manifest(data: bytes, key: str, *, max_chunk_bytes: int = MAX_CHUNK_BYTES) -> tuple[Manifest, TensorTable]:
     """Decode and check a MANIFEST: strict types, then every size, offset and digest relation.
 
     Refuses with DataError naming the key and the offending field; never trusts a size before
@@ -126,18 +186,18 @@ def decode_manifest(data: bytes, key: str, *, max_chunk_bytes: int = 1 << 30) ->
 
 
 def _check(m: Manifest, max_chunk_bytes: int) -> TensorTable:
-    if not _ATTEMPT.match(m.attempt):
+    if not ATTEMPT.match(m.attempt):
         raise ValueError(f"attempt tag {m.attempt!r} is not 8-32 lowercase hex digits")
     if m.base_version is not None and m.base_version != m.version - 1:
         raise ValueError(f"base_version {m.base_version} is not version-1 = {m.version - 1}")
     if m.base_version is None and not m.keyframe:
         raise ValueError("a version without a base must be a keyframe")
-    if m.chunk_bytes > max_chunk_bytes or m.chunk_bytes % 8:
-        raise ValueError(f"chunk_bytes {m.chunk_bytes} is not a multiple of 8 up to {max_chunk_bytes}")
-    for spec in m.table:
-        itemsize_of(spec.dtype)
-        if any(d < 0 or d > 1 << 40 for d in spec.shape) or len(spec.shape) > 16:
-            raise ValueError(f"tensor {spec.name!r} has an invalid shape {spec.shape}")
+    if m.chunk_bytes > max_chunk_bytes:
+        raise ValueError(f"chunk_bytes {m.chunk_bytes} is over the limit of {max_chunk_bytes}")
+    if m.chunk_bytes % 8:
+        raise ValueError(f"chunk_bytes {m.chunk_bytes} is not a multiple of 8")
+    _check_table(m.table)
+    _check_segments(len(m.table), m.world_size, len(m.split_dims))
     table = TensorTable.from_specs(m.table)
     if table.digest != m.table_digest or [s.offset for s in table.specs] != [s.offset for s in m.table]:
         raise ValueError(f"tensor table digest {m.table_digest!r} does not match its tensors ({table.digest!r})")

@@ -10,10 +10,17 @@ its shadow, so a crash never leaves it publishing against a base nobody has.
 With several ranks, each writes its chunks and a `part-{rank}` record; whichever rank sees all
 parts present commits the MANIFEST (the conditional put settles a tie). All ranks of one publish
 must pass the same `session` tag.
+
+Every setting is checked when the publisher is made, and the layout (tensor shapes, chunk count)
+before the first object is written, against the limits a reader enforces: a publisher never
+commits a version that a subscriber would refuse. A head version that cannot be built on (its
+MANIFEST malformed, or its objects missing or corrupt) is not a dead end either: the next
+publish is a keyframe after it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 from collections.abc import Mapping
@@ -23,18 +30,31 @@ import msgspec
 import numpy as np
 import torch
 
-from .._exceptions import AlreadyExists, ConfigError, DigestMismatch, RefitError
+from .._exceptions import AlreadyExists, ConfigError, DataError, DigestMismatch, ObjectNotFound, RefitError
 from ..connectors.base import Store
 from . import codec
+from . import manifest as _manifest
 from ._local import ChunkPlan, LocalState
 from ._pipeline import run_ordered
 from ._store import StoreOwner, collect_garbage, commit_manifest, find_latest, read_manifest, write_latest
 from .hashing import MASK
-from .layout import RankStream, Sharding, TensorTable
-from .manifest import ChunkEntry, Manifest, Part, decode_part, encode_manifest, object_digest
+from .layout import RankStream, Sharding, TensorTable, check_chunk_bytes, check_count
+from .manifest import (
+    ChunkEntry,
+    Manifest,
+    Part,
+    check_publishable,
+    decode_part,
+    encode_manifest,
+    object_digest,
+)
 from .subscriber import Subscriber, geometry
 
 __all__ = ["Publisher", "VersionConflict", "VersionInfo"]
+
+log = logging.getLogger(__name__)
+# A head that cannot be built on: its MANIFEST malformed or oversized, an object gone or corrupt.
+_UNUSABLE = (DataError, RefitError, ObjectNotFound)
 
 
 class VersionConflict(RefitError):
@@ -76,11 +96,20 @@ class Publisher(StoreOwner):
         threads: int | None = None,
         level: int = 1,
     ) -> None:
-        if keyframe_every < 1 or keep_versions < 1:
-            raise ConfigError(f"keyframe_every={keyframe_every} and keep_versions={keep_versions} must be >= 1")
+        check_count("keyframe_every", keyframe_every, 1)
+        check_count("keep_versions", keep_versions, 1)
+        check_chunk_bytes(chunk_bytes)
+        check_count("lanes", lanes, 1)
+        if threads is not None:
+            check_count("threads", threads, 1)
+        codec.check_level(level)
         self.sharding = sharding or Sharding()
+        if self.sharding.world_size > _manifest.MAX_WORLD:
+            raise ConfigError(f"world_size={self.sharding.world_size} is over the limit of {_manifest.MAX_WORLD} ranks")
         if self.sharding.world_size > 1 and session is None:
-            raise ConfigError("a sharded publisher needs a `session` tag shared by all its ranks (8-24 hex digits)")
+            raise ConfigError("a sharded publisher needs a `session` tag shared by all its ranks (8-32 hex digits)")
+        if session is not None and not (isinstance(session, str) and _manifest.ATTEMPT.match(session)):
+            raise ConfigError(f"session={session!r} must be 8-32 lowercase hex digits, e.g. secrets.token_hex(8)")
         self._uri = prefix
         self._store, self._prefix = (store, prefix) if store is not None else (None, "")
         self.keyframe_every, self.keep_versions, self.chunk_bytes = keyframe_every, keep_versions, chunk_bytes
@@ -97,6 +126,7 @@ class Publisher(StoreOwner):
         table = TensorTable.from_local(state, self.sharding)
         new = LocalState(table, self.sharding, state)
         stream = RankStream(table, self.sharding, self.chunk_bytes)
+        self._check_layout(table)
         latest = await find_latest(self.store, self._prefix)
         base = await self._base(latest, table, state)
         version = latest + 1
@@ -119,10 +149,27 @@ class Publisher(StoreOwner):
             stream.nbytes, total("size"), total("key_size"), total("over_size"), total("changes"), committed,
         )
 
+    def _check_layout(self, table: TensorTable) -> None:
+        """Refuse, before anything is written, a layout whose MANIFEST readers would refuse."""
+        world, dims = self.sharding.world_size, self.sharding.dims
+        chunks = sum(len(RankStream(table, Sharding(r, world, dims), self.chunk_bytes).chunks) for r in range(world))
+        check_publishable(table, self.sharding, chunks)
+
     async def _base(self, latest: int, table: TensorTable, state: Mapping[str, torch.Tensor]) -> Manifest | None:
-        """The manifest to delta against (None: publish a pure keyframe), resyncing the shadow."""
+        """The manifest to delta against (None: publish a pure keyframe), resyncing the shadow.
+
+        A head that cannot be built on gives None, so a corrupt head never blocks publishing."""
         if latest == 0:
             return None
+        try:
+            return await self._resync(latest, table, state)
+        except _UNUSABLE as exc:
+            log.warning("version %d of %r cannot be built on (%s: %s): publishing a keyframe after it",
+                        latest, self._uri, type(exc).__name__, exc)
+            self._shadow_version = None
+            return None
+
+    async def _resync(self, latest: int, table: TensorTable, state: Mapping[str, torch.Tensor]) -> Manifest | None:
         m, _ = await read_manifest(self.store, self._prefix, latest) or (None, None)
         geo = f"{table.digest}/{self.sharding.world_size}/{sorted(self.sharding.dims.items())}/{self.chunk_bytes}"
         if m is None or geometry(m) != geo:
@@ -146,7 +193,7 @@ class Publisher(StoreOwner):
             present = {o.key for o in await self.store.list(f"{self._prefix}v{version}/part-")}
             if not set(keys) <= present:
                 return False
-            parts = [decode_part(await self.store.read(k), k) for k in keys]
+            parts = [decode_part(await _manifest.read_bounded(self.store, k), k) for k in keys]
         chunks = [c for p in parts for c in p.chunks]
         m = Manifest(
             version=version, base_version=base.version if base else None, keyframe=keyframe, attempt=attempt,
@@ -174,7 +221,10 @@ class Publisher(StoreOwner):
         newest_key = version
         while not keyframe and newest_key > 1:
             newest_key -= 1
-            got = await read_manifest(self.store, self._prefix, newest_key)
+            try:
+                got = await read_manifest(self.store, self._prefix, newest_key)
+            except (DataError, RefitError):
+                continue  # an unusable version is no keyframe: look further down, so more is kept
             if got is None:
                 return
             keyframe = got[0].keyframe

@@ -9,11 +9,12 @@ import math
 import os
 import struct
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from .._exceptions import DataError
+from .._exceptions import AccessDenied, ConfigError, DataError, ObjectNotFound, ZephonError
 
 __all__ = ["Mapped", "load", "save"]
 
@@ -24,41 +25,105 @@ _DTYPES = {
     "F8_E5M2": torch.float8_e5m2,
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
-MAX_HEADER = 100 << 20
+MAX_HEADER = 100 << 20  # the safetensors format's own limit on the JSON header
+MAX_DIMS = 64  # torch's limit on a tensor's dims
 
 
-def _header(path: str | os.PathLike[str]) -> tuple[int, dict[str, dict]]:
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise DataError(f"{path}: {size} bytes is too short for a safetensors file", key=str(path), offset=0)
-        (n,) = struct.unpack("<Q", head)
-        if n > min(MAX_HEADER, size - 8):
-            raise DataError(f"{path}: header length {n} exceeds the file or {MAX_HEADER}", key=str(path), offset=0)
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise DataError(f"{path}: header is not JSON ({exc})", key=str(path), offset=8) from exc
-    if not isinstance(header, dict):
-        raise DataError(f"{path}: header is not a JSON object", key=str(path), offset=8)
+class _Entry(NamedTuple):
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    lo: int
+    hi: int
+
+
+def _header(path: str | os.PathLike[str]) -> tuple[int, dict[str, _Entry]]:
+    """(offset of the data, the checked tensor entries): DataError naming the file for anything
+    malformed, before any tensor is read."""
+    where = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) < 8:
+                raise DataError(f"{where}: {size} bytes is too short for a safetensors file", key=where, offset=0)
+            (n,) = struct.unpack("<Q", head)
+            if n > min(MAX_HEADER, size - 8):
+                raise DataError(f"{where}: header length {n} exceeds the file ({size} bytes) or {MAX_HEADER}",
+                                key=where, offset=0)
+            text = f.read(n)
+    except OSError as exc:
+        raise _os_error(where, exc) from exc
+    header = _json(where, text)
     header.pop("__metadata__", None)
-    data = size - 8 - n
-    spans = []
-    for name, info in header.items():
-        try:
-            dtype, shape, (lo, hi) = _DTYPES[info["dtype"]], [int(d) for d in info["shape"]], info["data_offsets"]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise DataError(f"{path}: tensor {name!r} has a bad header entry {info!r}", key=str(path), offset=8) from exc
-        if any(d < 0 for d in shape) or not 0 <= lo <= hi <= data or hi - lo != math.prod(shape) * dtype.itemsize:
-            raise DataError(f"{path}: tensor {name!r} span {lo}..{hi} does not fit shape {shape} and the file",
-                            key=str(path), offset=8 + n + lo)
-        spans.append((lo, hi, name))
-    spans.sort()
+    entries = {name: _entry(where, name, info, size - 8 - n, 8 + n) for name, info in header.items()}
+    spans = sorted((e.lo, e.hi, name) for name, e in entries.items() if e.hi > e.lo)
     for (_, hi, a), (lo, _, b) in zip(spans, spans[1:]):
         if lo < hi:
-            raise DataError(f"{path}: tensors {a!r} and {b!r} overlap", key=str(path), offset=8 + n + lo)
-    return 8 + n, header
+            raise DataError(f"{where}: tensors {a!r} and {b!r} overlap at data byte {lo}", key=where, offset=8 + n + lo)
+    return 8 + n, entries
+
+
+def _json(where: str, text: bytes) -> dict:
+    try:
+        header = json.loads(text, object_pairs_hook=_no_duplicates)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, a 5000-digit int, deep nesting
+        raise DataError(f"{where}: header is not valid JSON ({_short(exc)})", key=where, offset=8) from exc
+    if not isinstance(header, dict):
+        raise DataError(f"{where}: header is a JSON {type(header).__name__}, not an object", key=where, offset=8)
+    return header
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object, refusing a repeated key (json keeps the last one silently)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {_short(key)} appears twice")
+        out[key] = value
+    return out
+
+
+def _entry(where: str, name: str, info: object, data: int, start: int) -> _Entry:
+    """One tensor's entry: a known dtype, a shape of ints, offsets inside the data, sizes that agree."""
+    def bad(what: str, offset: int = 8) -> DataError:
+        return DataError(f"{where}: tensor {_short(name)} {what}", key=where, offset=offset)
+
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        raise bad(f"has a bad header entry {_short(info)}: need exactly dtype, shape and data_offsets")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
+        raise bad(f"has dtype {_short(dtype)}, not one of {sorted(_DTYPES)}")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_count(d) for d in shape):
+        raise bad(f"has shape {_short(shape)}: need a list of at most {MAX_DIMS} ints >= 0")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+        raise bad(f"has data_offsets {_short(offsets)}: need [begin, end], ints >= 0")
+    lo, hi = offsets
+    if not lo <= hi <= data:
+        raise bad(f"has data_offsets [{lo}, {hi}] outside the {data} data bytes of the file (or begin > end)",
+                  start + min(lo, data))
+    nbytes = math.prod(shape) * _DTYPES[dtype].itemsize
+    if hi - lo != nbytes:
+        raise bad(f"spans {hi - lo} bytes [{lo}, {hi}), but shape {shape} of {dtype} needs {nbytes}", start + lo)
+    return _Entry(_DTYPES[dtype], tuple(shape), lo, hi)
+
+
+def _is_count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _short(x: object, limit: int = 120) -> str:
+    text = repr(x) if not isinstance(x, BaseException) else str(x)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _os_error(where: str, exc: OSError) -> ZephonError:
+    if isinstance(exc, FileNotFoundError):
+        return ObjectNotFound(f"{where}: no such file")
+    if isinstance(exc, PermissionError):
+        return AccessDenied(f"{where}: permission denied")
+    if isinstance(exc, IsADirectoryError):
+        return DataError(f"{where} is a directory, not a safetensors file", key=where)
+    return DataError(f"{where}: cannot be read ({exc.strerror or exc})", key=where)
 
 
 class Mapped(dict[str, torch.Tensor]):
@@ -74,22 +139,27 @@ class Mapped(dict[str, torch.Tensor]):
 
 
 def load(path: str | os.PathLike[str], *, writable: bool = False) -> Mapped:
-    """Tensors memory-mapped from `path`. With writable=True, writes to them go to the file."""
-    start, header = _header(path)
-    total = os.path.getsize(path) - start
-    mm = np.memmap(path, dtype=np.uint8, mode="r+" if writable else "c", offset=start, shape=(total,)) if total else None
-    out = Mapped(mm)
-    for name, info in header.items():
-        dtype = _DTYPES[info["dtype"]]
-        lo, hi = info["data_offsets"]
-        if (start + lo) % dtype.itemsize and writable:
-            raise DataError(f"{path}: tensor {name!r} is not aligned to its {dtype.itemsize}-byte elements, so it "
+    """Tensors memory-mapped from `path`. With writable=True, writes to them go to the file.
+
+    A missing file is ObjectNotFound, an unreadable one AccessDenied, a malformed one DataError."""
+    start, entries = _header(path)
+    where = os.fspath(path)
+    for name, e in entries.items():
+        if (start + e.lo) % e.dtype.itemsize and writable:
+            raise DataError(f"{where}: tensor {name!r} is not aligned to its {e.dtype.itemsize}-byte elements, so it "
                             "cannot be updated in place: rewrite the file with zephon's or HF's writer",
-                            key=str(path), offset=start + lo)
-        buf = torch.from_numpy(mm[lo:hi]) if mm is not None and hi > lo else torch.empty(0, dtype=torch.uint8)
-        if (start + lo) % dtype.itemsize:
+                            key=where, offset=start + e.lo)
+    total = max((e.hi for e in entries.values()), default=0)
+    try:
+        mm = np.memmap(path, dtype=np.uint8, mode="r+" if writable else "c", offset=start, shape=(total,)) if total else None
+    except OSError as exc:
+        raise _os_error(where, exc) from exc
+    out = Mapped(mm)
+    for name, e in entries.items():
+        buf = torch.from_numpy(mm[e.lo : e.hi]) if mm is not None and e.hi > e.lo else torch.empty(0, dtype=torch.uint8)
+        if (start + e.lo) % e.dtype.itemsize:
             buf = buf.clone()  # a read-only load may copy a misaligned tensor
-        out[name] = buf.view(dtype).reshape(info["shape"])
+        out[name] = buf.view(e.dtype).reshape(e.shape)
     return out
 
 
@@ -100,6 +170,8 @@ def save(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], meta
     for name in sorted(tensors, key=lambda k: (-tensors[k].element_size(), k)):
         t = tensors[name].detach().contiguous().cpu()
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        if t.dtype not in _NAMES:
+            raise ConfigError(f"tensor {name!r} is {t.dtype}, which safetensors cannot hold: use one of {sorted(_DTYPES)}")
         header[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
         offset += len(raw)
         blobs.append(raw)

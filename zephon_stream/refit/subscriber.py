@@ -18,6 +18,13 @@ does not match (another publish attempt, a corrupt object) takes the normal path
 A subscriber killed in phase 2 finds "applying" in its record on restart. It re-hashes each
 chunk it holds: a chunk that matches the old or the new digest resumes from there; any other
 (torn) chunk is rebuilt from overwrite objects or the newest keyframe.
+
+The record is bound to what it describes: the prefix (a canonical name for it) and, when the
+subscriber is given the `weights` file that holds the state, that file's identity (device,
+inode, size, mtime, ctime). A record whose binding does not hold (a file replaced or rewritten
+behind it, a pull from another prefix, or a record loaded without a weights file to check) is
+re-verified before it is trusted: every held chunk is re-hashed, and a chunk that is at no
+version the record or the target names is rebuilt from a keyframe, exactly as a torn chunk is.
 """
 
 from __future__ import annotations
@@ -25,35 +32,81 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import NamedTuple
+from typing import Annotated, NamedTuple
 
 import anyio
 import msgspec
 import numpy as np
 import torch
 
-from .._exceptions import BaseVersionMismatch, ConnectorError, DataError, DigestMismatch, RefitError
+from .._exceptions import (
+    BaseVersionMismatch,
+    ConfigError,
+    ConnectorError,
+    DataError,
+    DigestMismatch,
+    RefitError,
+)
 from ..connectors.base import Store
 from . import codec
+from . import manifest as _manifest
 from ._local import ChunkPlan, LocalState
 from ._pipeline import run_ordered
-from ._store import StoreOwner, find_latest, read_manifest
-from .layout import WORD, RankStream, Sharding, TensorTable
+from ._store import StoreOwner, find_latest, prefix_identity, read_manifest
+from .layout import WORD, RankStream, Sharding, TensorTable, check_count
 from .manifest import Manifest, object_digest
 
-__all__ = ["LocalRecord", "Subscriber"]
+__all__ = ["FileIdentity", "LocalRecord", "Subscriber"]
 
 _REFUSABLE = (DataError, DigestMismatch, ConnectorError, BaseVersionMismatch)
+_U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack holds no int over 2**64 - 1
+_Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 62)]
+
+
+class FileIdentity(msgspec.Struct, frozen=True, array_like=True):
+    """A file as `stat` sees it: replacing it (a new inode) or writing it (mtime, ctime) changes this."""
+
+    dev: _Count
+    ino: _Count
+    size: _Count
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, path: str | os.PathLike[str]) -> FileIdentity:
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise ConfigError(f"weights file {os.fspath(path)!r} cannot be read ({exc.strerror}): give the file "
+                              "that holds the state being pulled") from exc
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 class LocalRecord(msgspec.Struct):
-    """What a subscriber holds: `version` (0: nothing yet), and `target` while applying."""
+    """What a subscriber holds: `version` (0: nothing yet), and `target` while applying.
 
-    version: int = 0
-    target: int | None = None
+    `prefix` and `file` bind the record to where the version came from and to the weights file
+    it describes (None: no file was named, or an apply is under way)."""
+
+    version: _Count = 0
+    target: Annotated[int, msgspec.Meta(ge=1, le=1 << 62)] | None = None
     geometry: str = ""
-    digests: list[int] = []
-    model_digest: int = 0
+    digests: list[_U64] = []
+    model_digest: _U64 = 0
+    prefix: str = ""
+    file: FileIdentity | None = None
+
+
+_record_dec = msgspec.msgpack.Decoder(LocalRecord)
+
+
+def decode_record(data: bytes, key: str) -> LocalRecord:
+    """A local version record, strictly typed; DataError naming `key` for anything else."""
+    try:
+        return _record_dec.decode(data)
+    except msgspec.DecodeError as exc:
+        raise DataError(f"{key}: unreadable local version record ({exc}): delete it to pull as a new joiner",
+                        key=key) from exc
 
 
 class Route(NamedTuple):
@@ -83,17 +136,25 @@ class Subscriber(StoreOwner):
         store: Store | None = None,
         sharding: Sharding | None = None,
         record: str | os.PathLike[str] | None = None,
+        weights: str | os.PathLike[str] | None = None,
         lanes: int = 4,
         threads: int | None = None,
         staged_bytes: int = 256 << 20,
     ) -> None:
+        check_count("lanes", lanes, 1)
+        check_count("staged_bytes", staged_bytes, 0)
+        if threads is not None:
+            check_count("threads", threads, 1)
         self._uri = prefix
         self._store, self._prefix = (store, prefix) if store is not None else (None, "")
+        self._where = prefix_identity(prefix, store)
         self.sharding = sharding or Sharding()
-        self.record_path = Path(record) if record is not None else None
+        self.record_path = _record_path(record) if record is not None else None
+        self.weights = Path(weights) if weights is not None else None
         self.lanes, self.staged_bytes = lanes, staged_bytes
         self._cpu = anyio.CapacityLimiter(threads or max(1, min(lanes, os.cpu_count() or 1)))
         self.record = self._load_record()
+        self._trusted = False  # whether this object has itself brought the state to `record`
         self._manifests: dict[int, tuple[Manifest, TensorTable] | None] = {}
         self._ahead: dict[str, _Ahead] = {}  # object key -> phase-1 result, from prefetch()
         self._ahead_bytes = 0
@@ -110,12 +171,36 @@ class Subscriber(StoreOwner):
     # -- record ---------------------------------------------------------------------------
 
     def _load_record(self) -> LocalRecord:
-        if self.record_path is None or not self.record_path.exists():
+        path = self.record_path
+        if path is None or not path.exists():
             return LocalRecord()
-        try:
-            return msgspec.msgpack.decode(self.record_path.read_bytes(), type=LocalRecord)
-        except msgspec.DecodeError as exc:
-            raise DataError(f"{self.record_path}: unreadable local version record ({exc})", key=str(self.record_path)) from exc
+        size, limit = path.stat().st_size, _manifest.MAX_MANIFEST_BYTES
+        if size > limit:  # a record holds 9 bytes per chunk: never near a MANIFEST's limit
+            raise DataError(f"{path}: local version record of {size} bytes is over the {limit}-byte limit: not a "
+                            "zephon record; delete it to pull as a new joiner", key=str(path))
+        return decode_record(path.read_bytes(), str(path))
+
+    def _doubt(self) -> bool:
+        """Whether the record's claim about the state must be re-verified before it is trusted."""
+        rec = self.record
+        if rec.version == 0 and rec.target is None:
+            return False  # it claims nothing
+        if rec.prefix != self._where:
+            return True
+        if self.weights is not None:
+            return rec.file is None or rec.file != FileIdentity.of(self.weights)
+        return not self._trusted
+
+    async def _anchored(self) -> LocalRecord:
+        """The record as a claim about this prefix. One made at another prefix claims the version
+        of the same number here (the re-hash then checks each chunk against it), or nothing."""
+        rec = self.record
+        if rec.prefix == self._where or (rec.version == 0 and rec.target is None):
+            return rec
+        m = await self._maybe_manifest(rec.version) if rec.version else None
+        if m is None:
+            return LocalRecord(prefix=self._where)
+        return LocalRecord(rec.version, None, geometry(m), [c.plain for c in m.chunks], m.model_digest, self._where)
 
     async def _save(self, record: LocalRecord) -> None:
         self.record = record
@@ -131,21 +216,25 @@ class Subscriber(StoreOwner):
         version is complete: e.g. flushing a memory-mapped weights file.
         """
         latest = await find_latest(self.store, self._prefix)
-        if latest == 0:
-            return self.record.version
+        if latest == 0:  # nothing here: a record made at another prefix claims nothing here either
+            return self.record.version if self.record.prefix == self._where else 0
         m, table = await self._manifest(latest)
         local = LocalState(table, self.sharding, state)
-        rec = self.record
-        if rec.version == latest and rec.target is None and rec.geometry == geometry(m):
+        doubt = self._doubt()
+        rec = await self._anchored() if doubt else self.record
+        if rec.version == latest and rec.target is None and rec.geometry == geometry(m) and not doubt:
             return latest
-        job = _Pull(self, m, table, local)
+        job = _Pull(self, m, table, local, rec, doubt)
         await job.plan()
         await job.verify()
-        await self._save(msgspec.structs.replace(rec, target=latest))
+        await self._save(msgspec.structs.replace(rec, target=latest, file=None))  # unbound until applied
         await job.apply()
         if sync is not None:
             await anyio.to_thread.run_sync(sync)
-        await self._save(LocalRecord(latest, None, geometry(m), [c.plain for c in m.chunks], m.model_digest))
+        identity = FileIdentity.of(self.weights) if self.weights is not None else None  # after our own writes
+        await self._save(LocalRecord(latest, None, geometry(m), [c.plain for c in m.chunks], m.model_digest,
+                                     self._where, identity))
+        self._trusted = True
         self._drop_ahead()
         return latest
 
@@ -218,10 +307,21 @@ class Subscriber(StoreOwner):
         return got
 
     async def _maybe_manifest(self, version: int) -> Manifest | None:
+        """The manifest of `version`, or None when it is missing or unusable (malformed, oversized):
+        a route through it is then not taken."""
         try:
             return (await self._manifest(version))[0]
-        except RefitError:
+        except (RefitError, DataError):
             return None
+
+
+def _record_path(record: str | os.PathLike[str]) -> Path:
+    path = Path(record)
+    if path.is_dir():
+        raise ConfigError(f"record {os.fspath(record)!r} is a directory: give a file path (default: FILE.refit)")
+    if not path.parent.is_dir():
+        raise ConfigError(f"record {os.fspath(record)!r}: directory {str(path.parent)!r} does not exist")
+    return path
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -257,8 +357,10 @@ class _Ahead(NamedTuple):
 class _Pull:
     """One pull: plan routes, verify them, apply them."""
 
-    def __init__(self, sub: Subscriber, m: Manifest, table: TensorTable, local: LocalState) -> None:
+    def __init__(self, sub: Subscriber, m: Manifest, table: TensorTable, local: LocalState,
+                 rec: LocalRecord | None = None, doubt: bool = False) -> None:
         self.sub, self.m, self.local = sub, m, local
+        self.rec, self.doubt = rec if rec is not None else sub.record, doubt
         self.target = m.version
         streams = [RankStream(table, m.sharding(r), m.chunk_bytes) for r in range(m.world_size)]
         chunks = [c for s in streams for c in s.chunks]
@@ -303,25 +405,39 @@ class _Pull:
         return self.key
 
     async def plan(self) -> None:
-        rec, sub = self.sub.record, self.sub
-        same = rec.geometry == geometry(self.m) and rec.version > 0
+        """Routes per chunk, best first. A chunk is re-hashed when the record may not describe it
+        (torn by a killed apply, or in doubt), and then starts from a version its digest matches."""
+        rec, sub = self.rec, self.sub
+        same = rec.version > 0 and rec.geometry == geometry(self.m) and len(rec.digests) == len(self.m.chunks)
         chain = same and await self._try_chain(rec.version, rec.model_digest)
         torn = same and rec.target is not None
-        target_m = await sub._maybe_manifest(rec.target) if torn and rec.target else None
+        rehash = torn or (same and self.doubt)
+        known = await self._known(chain, torn) if rehash else []
         for i in self.todo:
             routes: list[Route] = []
-            if torn and self.plans[i].owned:
+            owned = self.plans[i].owned
+            if rehash and owned:
                 h = await anyio.to_thread.run_sync(lambda i=i: self.plans[i].digest(self.plans[i].read()), limiter=sub._cpu)
-                if h == rec.digests[i] and chain:
-                    routes.append(Route("xor", rec.version, h))
-                elif target_m is not None and h == target_m.chunks[i].plain and await self._try_chain(rec.target, None):
-                    routes.append(Route("xor", rec.target, h))
-            elif chain and not torn:
-                routes.append(Route("xor", rec.version, rec.digests[i] if self.plans[i].owned else None))
-            if same and chain:
+                routes += [Route("xor", v, h) for v, digests in known if digests[i] == h][:1]
+            elif chain and not rehash:
+                routes.append(Route("xor", rec.version, rec.digests[i] if owned else None))
+            if same and chain and (owned or not self.doubt):  # a held-in-part chunk in doubt: keyframe only
                 routes.append(Route("set", rec.version, None))
             routes.append(Route("key", -1, None))
             self.routes[i] = routes
+
+    async def _known(self, chain: bool, torn: bool) -> list[tuple[int, list[int]]]:
+        """(version, chunk digests) a re-hashed chunk may be at, each with a delta chain to the target."""
+        rec, out = self.rec, []
+        if chain:
+            out.append((rec.version, rec.digests))
+        target_m = await self.sub._maybe_manifest(rec.target) if torn and rec.target else None
+        if (target_m is not None and rec.target <= self.target and geometry(target_m) == geometry(self.m)  # type: ignore[operator]
+                and await self._try_chain(target_m.version, None)):
+            out.append((target_m.version, [c.plain for c in target_m.chunks]))
+        if self.doubt:
+            out.append((self.target, [c.plain for c in self.m.chunks]))
+        return out
 
     async def _try_chain(self, start: int, digest: int | None) -> bool:
         try:
@@ -486,6 +602,9 @@ class _Pull:
             first = errors[0]
             for other in errors[1:]:
                 first.add_note(f"fallback also failed: {type(other).__name__}: {other}")
+            if self.doubt:
+                first.add_note("the local record was re-verified first: it did not match the weights (replaced, "
+                               "rewritten, or pulled from another prefix since the record was written)")
             first.add_note(f"version {self.target} refused: nothing was applied, the state stays at version "
                            f"{self.sub.record.version}")
             raise first
