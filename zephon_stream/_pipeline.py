@@ -11,6 +11,12 @@ it travels with the sample and becomes the checkpoint once the trainer consumes 
 Lane `l` takes the splits of source `s` at positions `l, l+L, l+2L, ...` of the endless
 sequence `perm(s, epoch 0) ++ perm(s, epoch 1) ++ ...`, so every split of an epoch goes to
 exactly one lane, whatever the number of splits.
+
+A lane cannot see a whole epoch of a source (it reads only its own positions), so a source
+that yields no document at all would leave it reading empty splits forever. A lane that reads
+`_EMPTY_RUN` positions in a row without a document therefore checks the whole source once
+(every split, stopping at the first document): a source with none is a DataError. Valid data
+never fails the check, and the check never changes what a lane yields.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import numpy as np
 from ._core.config import Config
 from ._core.rng import permutation
 from ._core.state import DocRef, LaneState
-from ._exceptions import CheckpointError
+from ._exceptions import CheckpointError, DataError
 from .connectors.base import Store
 from .operators.mix import Doc, Mix
 from .operators.pack import Pack, Sample
@@ -36,6 +42,7 @@ from .operators.shuffle import Shuffle
 from .operators.tokenize import Tokenize
 
 RunCpu = Callable[..., Awaitable[Any]]
+_EMPTY_RUN = 8  # split positions in a row without a document before a lane checks the whole source
 
 
 class DataPlan(msgspec.Struct, frozen=True):
@@ -54,6 +61,7 @@ class Lanes:
         self.parsers = [Parser(s.text_field, config.on_bad_record) for s in plan.sources]
         self._perm = lru_cache(maxsize=8)(self._permutation)
         self.spawn: Callable[..., Any] | None = None  # the lanes' task group, for read-ahead requests
+        self._has_documents = [False] * len(plan.sources)  # checked once per process, see `check_source`
 
     def _permutation(self, source: int, epoch: int) -> list[int]:
         return permutation(len(self.plan.sources[source].splits), self.config.seed, source, epoch)
@@ -67,7 +75,30 @@ class Lanes:
             return None
         split = src.splits[self._perm(source, epoch)[index]]
         return SplitReader(self.stores[source], src.shards[split.shard], split, self.config.max_record_bytes,
-                           self.run_cpu, spawn=self.spawn, read_ahead=self.config.read_ahead)
+                           self.run_cpu, spawn=self.spawn, read_ahead=self.config.read_ahead,
+                           bad=self.parsers[source].bad)
+
+    async def check_source(self, source: int) -> None:
+        """Raise DataError if no split of `source` yields a document: every epoch would be empty.
+
+        Reads the splits in order until the first document, with a parser of its own, so the
+        check counts nothing in the loader's statistics.
+        """
+        if self._has_documents[source]:
+            return
+        src, cfg = self.plan.sources[source], self.config
+        parser = Parser(src.text_field, cfg.on_bad_record)
+        for split in src.splits:
+            reader = SplitReader(self.stores[source], src.shards[split.shard], split, cfg.max_record_bytes,
+                                 self.run_cpu, bad=parser.bad)
+            async for pos, block in reader.blocks():
+                if await self.run_cpu(parser.parse, reader, pos, block):
+                    self._has_documents[source] = True
+                    return
+        what = (f"all {parser.skipped} of its records are bad and skipped (on_bad_record = \"skip\"); the first: "
+                f"{parser.bad.first}" if parser.skipped else "it holds only blank lines")
+        raise DataError(f"source {src.name!r} ({src.uri}) yields no document in a whole epoch of its "
+                        f"{len(src.splits)} splits, so no batch could ever be made: {what}")
 
     def skipped(self) -> int:
         return sum(p.skipped for p in self.parsers)
@@ -171,12 +202,18 @@ class TextLane:
     async def _read_source(self, source: int, cursor: tuple[int, int], send: anyio.abc.ObjectSendStream) -> None:
         shared, position, offset = self.shared, *cursor
         batch = shared.config.tokenize_batch
+        empty = 0  # positions in a row that gave no document
         async with send:
             while (reader := shared.reader(source, self.lane, position)) is not None:
+                found = False
                 async for pos, block in reader.blocks(offset):
                     docs = await shared.run_cpu(shared.decode, source, position, reader, pos, block)
+                    found = found or bool(docs)
                     for i in range(0, len(docs), batch):
                         await send.send(await shared.run_cpu(shared.tokenize, docs[i:i + batch]))
+                empty = 0 if found else empty + 1
+                if empty >= min(_EMPTY_RUN, len(shared.plan.sources[source].splits)):
+                    await shared.check_source(source)
                 position, offset = position + 1, 0
 
 

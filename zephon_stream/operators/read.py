@@ -1,11 +1,11 @@
 """Read: list JSONL / JSONL.zst shards, cut them into splits, and stream a split's records.
 
 A *split* owns the records that **start** inside its range. For `.jsonl` the range is bytes
-`[start, end)` of the shard; for `.jsonl.zst` it is zstd frames `[start, end)`, found by
-walking frame and block headers (no decompression). A split peeks one byte (one frame for
-zstd) back to learn whether it begins at a record start, and reads past its end only to
-finish its last record. So a single shard spreads over many lanes and no lane decodes data
-that another lane uses, apart from that bounded peek.
+`[start, end)` of the shard; for `.jsonl.zst` it is zstd frames `[start, end)`, found from the
+shard's seek table or by walking frame and block headers (no decompression). A split peeks one
+byte (one frame for zstd) back to learn whether it begins at a record start, and reads past its
+end only to finish its last record. So a single shard spreads over many lanes and no lane
+decodes data that another lane uses, apart from that bounded peek.
 
 ```
 shard bytes:  |rec0\\n|rec1....\\n|rec2\\n|rec3..\\n|
@@ -16,17 +16,24 @@ split 1:               [---------)                owns rec2, rec3
 Offsets inside a split are relative to its decoded start (byte `start`, or the first byte of
 frame `start`); a document reference `(source, position, offset, length)` is enough to read
 the document again on restore.
+
+Memory is bounded by settings, never by the data: ranged reads of at most 1 MiB
+(`read_ahead` of them per split), zstd decoded one block (<= 128 KiB) at a time into pieces of
+about 1 MiB, whatever size a frame declares, and one record of at most `max_record_bytes`.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import re
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Literal
 
 import anyio
 import msgspec
+import numpy as np
 import zstandard
 
 from .._exceptions import ConfigError, DataError
@@ -36,13 +43,19 @@ SUFFIXES = (".jsonl", ".jsonl.zst")
 _ZSTD_MAGIC = 0xFD2FB528
 _READ_PART = 1 << 20  # the largest ranged read of a split
 _MIN_PART = 1 << 10  # the smallest, when a small split is cut into `read_ahead` parts
+_TAIL_PART = 1 << 16  # reads past a split's end, only to finish its last record
+_WALK_PART = 8 << 20  # reads of a shard whose frames are walked at planning
+_OUT_PIECE = 1 << 20  # decoded bytes per zstd step
+_BLOCK_MAX = 128 << 10  # a zstd block never holds or decodes to more (RFC 8878 Block_Maximum_Size)
+_MAX_WINDOW = 1 << 27  # libzstd's default limit: a frame that asks for a larger window is refused
+_MIN_FRAME = 8  # the smallest frame (an empty skippable frame); a zstd frame takes 9 bytes or more
 
 
 class ShardPlan(msgspec.Struct, frozen=True, array_like=True):
     key: str  # the full key in the store
     size: int
     etag: str
-    frames: list[int] = []  # zstd only: compressed offset of every frame, then the shard size
+    frames: list[int] = []  # zstd only: compressed offset of every frame, then the end of the frames
 
 
 class Split(msgspec.Struct, frozen=True, array_like=True):
@@ -61,53 +74,198 @@ class SourcePlan(msgspec.Struct, frozen=True):
     skipped_shards: list[str] = []
 
 
-def zstd_frames(data: bytes, key: str) -> list[int]:
-    """Compressed offsets of every frame in `data`, then len(data). Raises DataError if truncated."""
-    offsets, pos, n = [], 0, len(data)
-    while pos < n:
-        offsets.append(pos)
-        pos = _frame_end(data, pos, key)
-    return offsets + [n]
+# ---- zstd frames ---------------------------------------------------------------------------------
+
+_FRAME, _BLOCK, _CHECKSUM, _SKIP, _RESYNC = range(5)
 
 
-def _frame_end(data: bytes, pos: int, key: str) -> int:
-    n = len(data)
-    if pos + 4 > n:
-        raise DataError(f"truncated zstd frame header in {key!r} at byte {pos}", key=key, offset=pos)
-    magic = struct.unpack_from("<I", data, pos)[0]
-    if 0x184D2A50 <= magic <= 0x184D2A5F:  # skippable frame
-        if pos + 8 > n:
-            raise DataError(f"truncated skippable frame in {key!r} at byte {pos}", key=key, offset=pos)
-        end = pos + 8 + struct.unpack_from("<I", data, pos + 4)[0]
-    elif magic == _ZSTD_MAGIC:
-        end = _zstd_blocks_end(data, pos, key)
-    else:
-        raise DataError(f"{key!r} is not zstd: bad frame magic {magic:#x} at byte {pos}", key=key, offset=pos)
-    if end > n:
-        raise DataError(
-            f"truncated .zst shard {key!r}: frame at byte {pos} needs {end - n} more bytes "
-            f"(object is {n} bytes)", key=key, offset=pos)
-    return end
+class _Corrupt(Exception):
+    """A frame that does not decode: ZstdStream turns it into a DataError (or skips the frame)."""
 
 
-def _zstd_blocks_end(data: bytes, pos: int, key: str) -> int:
-    if pos + 5 > len(data):
-        raise DataError(f"truncated zstd frame header in {key!r} at byte {pos}", key=key, offset=pos)
-    fhd = data[pos + 4]
-    single = (fhd >> 5) & 1
-    fcs_size = (1 if single else 0, 2, 4, 8)[fhd >> 6]
-    p = pos + 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3] + fcs_size
-    while True:
-        if p + 3 > len(data):
-            raise DataError(f"truncated .zst shard {key!r}: block header at byte {p} is cut off",
-                            key=key, offset=p)
-        header = data[p] | data[p + 1] << 8 | data[p + 2] << 16
-        last, btype, bsize = header & 1, (header >> 1) & 3, header >> 3
-        if btype == 3:
-            raise DataError(f"corrupt .zst shard {key!r}: reserved block type at byte {p}", key=key, offset=p)
-        p += 3 + (1 if btype == 1 else bsize)
+class ZstdStream:
+    """Walks a run of zstd frames fed in pieces of any size, and decodes it one block at a time.
+
+    Memory stays bounded whatever a frame declares: a block holds and decodes to at most 128 KiB,
+    `pull` stops once it has about `limit` bytes, the buffer keeps at most one block beyond the
+    piece fed, and the window is what the frame header asks, refused past `_MAX_WINDOW` (128 MiB).
+    A declared content size is never used to allocate; zstd only checks it at the frame's end.
+
+    `frames` (the plan's frame offsets, from a seek table or a walk) is checked as the walk goes:
+    every frame must end exactly where the plan says the next one begins, so a wrong seek table
+    is an error, never a silent loss. Without `frames` (`decode=False`, planning) the walk
+    records each frame start in `starts`. One block per zstd call also makes the output before a
+    corrupt block independent of how the input was cut, so with `skip_corrupt` a corrupt frame
+    is skipped the same way every time: `pull` returns its error, and the rest of the frame (up
+    to the next planned frame) is dropped.
+    """
+
+    def __init__(self, key: str, start: int, frames: Sequence[int] | None = None, first: int = 0, *,
+                 decode: bool = True, skip_corrupt: bool = False) -> None:
+        self.key, self.frames, self.frame, self.skip_corrupt = key, frames, first, skip_corrupt
+        self.offset = self.frame_start = start  # compressed offset of the next unconsumed byte / of the frame
+        self.starts: list[int] = []
+        self._buf, self._at = bytearray(), 0  # unconsumed bytes: self._buf[self._at:]
+        self._state, self._left, self._check_bytes = _FRAME, 0, 0
+        self._dctx = zstandard.ZstdDecompressor(max_window_size=_MAX_WINDOW) if decode else None
+        self._dobj: Any = None
+
+    def pull(self, limit: int, data: bytes = b"") -> tuple[bytes, DataError | None]:
+        """Feed `data`, then decode whole units until about `limit` bytes are out or none is whole.
+
+        Returns (decoded bytes, None); (b"", None) means: feed more. With `skip_corrupt`, a corrupt
+        frame returns (the bytes decoded before it, its DataError).
+        """
+        self._buf += data
+        out, size = [], 0
+        try:
+            while size < limit and (piece := self._unit()) is not None:
+                if piece:
+                    out.append(piece)
+                    size += len(piece)
+        except (zstandard.ZstdError, _Corrupt) as exc:
+            return b"".join(out), self._corrupt(exc)
+        finally:
+            del self._buf[:self._at]
+            self._at = 0
+        return b"".join(out), None
+
+    def expect_end(self, end: int) -> None:
+        """Check that the bytes fed so far end at compressed byte `end`, exactly between two frames."""
+        left = len(self._buf) - self._at
+        fed = self.offset + left
+        if self._state == _FRAME and not left and fed == end:
+            return
+        if fed < end:
+            raise DataError(f"{self.key!r} ends at byte {fed}, before byte {end} that its plan needs: the object "
+                            "changed while being read; restart the loader", key=self.key, offset=fed)
+        start = self.offset if self._state == _FRAME else self.frame_start
+        if self.frames is None or end == self.frames[-1]:
+            raise DataError(f"truncated .zst shard {self.key!r}: frame at byte {start} is cut off at byte {end}, "
+                            "the end of its data: rewrite the shard", key=self.key, offset=start)
+        raise self._mismatch(f"at byte {start} runs past byte {end}")
+
+    # -- one unit at a time: a frame header, a block, a checksum, or skipped bytes
+
+    def _unit(self) -> bytes | None:
+        """Consume the next unit if the buffer holds all of it; what it decodes to. None: feed more."""
+        avail = len(self._buf) - self._at
+        if self._state in (_SKIP, _RESYNC):
+            n = min(avail, self._left)
+            if not n and self._left:
+                return None
+            self._at, self.offset, self._left = self._at + n, self.offset + n, self._left - n
+            if not self._left:
+                self._end_frame(check=self._state == _SKIP)
+            return b""
+        if self._state == _FRAME:
+            return self._header(avail)
+        if self._state == _BLOCK:
+            return self._block(avail)
+        return self._checksum(avail)
+
+    def _header(self, avail: int) -> bytes | None:
+        if avail < 4:
+            return None
+        buf, at = self._buf, self._at
+        magic = struct.unpack_from("<I", buf, at)[0]
+        self.frame_start = self.offset
+        if 0x184D2A50 <= magic <= 0x184D2A5F:  # skippable frame: its size, then bytes nobody decodes
+            if avail < 8:
+                return None
+            size = struct.unpack_from("<I", buf, at + 4)[0]
+            self._within(8 + size)
+            self._begin()
+            self._take(8)
+            self._state, self._left = _SKIP, size
+            return b""
+        if magic != _ZSTD_MAGIC:
+            raise _Corrupt(f"bad frame magic {magic:#x}: not a zstd frame")
+        if avail < 5:
+            return None
+        fhd = buf[at + 4]
+        single = fhd >> 5 & 1
+        n = 5 + (1 - single) + (0, 1, 2, 4)[fhd & 3] + (single, 2, 4, 8)[fhd >> 6]
+        self._within(n)
+        if avail < n:
+            return None
+        self._begin()
+        header = self._take(n)
+        self._state, self._check_bytes = _BLOCK, 4 if fhd & 4 else 0
+        if self._dctx is None:
+            return b""
+        self._dobj = self._dctx.decompressobj()
+        return self._dobj.decompress(header)
+
+    def _block(self, avail: int) -> bytes | None:
+        if avail < 3:
+            return None
+        buf, at = self._buf, self._at
+        header = buf[at] | buf[at + 1] << 8 | buf[at + 2] << 16
+        last, kind, size = header & 1, header >> 1 & 3, header >> 3
+        if kind == 3:
+            raise _Corrupt(f"reserved block type at byte {self.offset}")
+        if size > _BLOCK_MAX:
+            raise _Corrupt(f"the block at byte {self.offset} declares {size} bytes, more than zstd's 128 KiB")
+        n = 3 + (1 if kind == 1 else size)
+        self._within(n + (self._check_bytes if last else 0))
+        if avail < n:
+            return None
+        data = self._take(n)
         if last:
-            return p + (4 if (fhd >> 2) & 1 else 0)
+            self._state = _CHECKSUM
+        return self._dobj.decompress(data) if self._dobj is not None else b""
+
+    def _checksum(self, avail: int) -> bytes | None:
+        n = self._check_bytes
+        if avail < n:
+            return None
+        data = self._take(n)
+        out = self._dobj.decompress(data) if data and self._dobj is not None else b""
+        if self._dobj is not None and not self._dobj.eof:
+            raise _Corrupt("the frame does not end after its last block")
+        self._end_frame()
+        return out
+
+    # -- bookkeeping
+
+    def _take(self, n: int) -> bytes:
+        data = bytes(self._buf[self._at:self._at + n])
+        self._at, self.offset = self._at + n, self.offset + n
+        return data
+
+    def _begin(self) -> None:
+        if self.frames is None:
+            self.starts.append(self.offset)
+
+    def _within(self, n: int) -> None:
+        """The next `n` bytes belong to the current frame: they must end by the planned next frame."""
+        if self.frames is not None and self.offset + n > self.frames[self.frame + 1]:
+            raise self._mismatch(f"at byte {self.frame_start} runs past byte {self.frames[self.frame + 1]}")
+
+    def _end_frame(self, check: bool = True) -> None:
+        if self.frames is not None:
+            if check and self.offset != self.frames[self.frame + 1]:
+                raise self._mismatch(f"at byte {self.frame_start} ends at byte {self.offset}")
+            self.frame += 1
+        self._state, self._dobj = _FRAME, None
+
+    def _mismatch(self, what: str) -> DataError:
+        f, frames = self.frame, self.frames or []
+        return DataError(
+            f"the frame index of {self.key!r} does not match its frames: the frame {what}, but the index "
+            f"(its seek table) has frame {f} at bytes {frames[f]}..{frames[f + 1]}: rewrite the seek table, or "
+            "remove it and the loader walks the frames (a shard without one changed after planning)",
+            key=self.key, offset=self.frame_start)
+
+    def _corrupt(self, exc: Exception) -> DataError:
+        err = DataError(f"corrupt zstd frame in {self.key!r} at compressed byte {self.frame_start}: {exc}",
+                        key=self.key, offset=self.frame_start)
+        if not self.skip_corrupt or self.frames is None:
+            raise err from exc
+        self._state, self._dobj = _RESYNC, None
+        self._left = self.frames[self.frame + 1] - self.offset
+        return err
 
 
 _SEEK_MAGIC = 0x8F92EAB1
@@ -126,7 +284,11 @@ def seek_table(frames: list[tuple[int, int]]) -> bytes:
 
 
 async def _read_seek_table(store: Store, key: str, size: int) -> list[int] | None:
-    """Frame offsets from a seek table at the end of the shard, or None if it has none."""
+    """Frame offsets from a seek table at the end of the shard, or None if it has none.
+
+    The table is checked for what it can say alone (sizes that fit and add up); that each listed
+    offset starts a frame is checked by `ZstdStream` as the frames are read.
+    """
     if size < 17:
         return None
     tail = await store.read(key, size - 9, size)
@@ -135,21 +297,35 @@ async def _read_seek_table(store: Store, key: str, size: int) -> list[int] | Non
     n, desc = struct.unpack_from("<IB", tail)
     entry = 12 if desc & 0x80 else 8
     total = 8 + n * entry + 9
-    if desc & 0x7C or total > size:
+    if desc & 0x7C or total + n * _MIN_FRAME > size:  # checked before anything is read for the n entries
         raise DataError(f"corrupt seek table in {key!r}: {n} frames do not fit in {size} bytes", key=key,
                         offset=size - 9)
     table = await store.read(key, size - total, size)
-    magic, length = struct.unpack_from("<II", table)
-    if magic != _SEEK_FRAME_MAGIC or length != total - 8:
+    if len(table) != total or struct.unpack_from("<II", table) != (_SEEK_FRAME_MAGIC, total - 8):
         raise DataError(f"corrupt seek table in {key!r} at byte {size - total}", key=key, offset=size - total)
-    offsets = [0]
-    for i in range(n):
-        offsets.append(offsets[-1] + struct.unpack_from("<I", table, 8 + i * entry)[0])
+    sizes = [e[0] for e in struct.iter_unpack("<I" + "x" * (entry - 4), memoryview(table)[8:8 + n * entry])]
+    small = next((i for i, c in enumerate(sizes) if c < _MIN_FRAME), None)
+    if small is not None:
+        raise DataError(f"corrupt seek table in {key!r}: entry {small} lists a frame of {sizes[small]} bytes, "
+                        f"smaller than any zstd frame", key=key, offset=size - total)
+    offsets = list(itertools.accumulate(sizes, initial=0))
     if offsets[-1] != size - total:
         raise DataError(f"corrupt seek table in {key!r}: frames add up to {offsets[-1]} bytes, the data is "
                         f"{size - total}", key=key, offset=size - total)
     return offsets
 
+
+async def _walk_frames(store: Store, key: str, size: int) -> list[int]:
+    """Frame offsets of a shard without a seek table: its frame and block headers, read in parts."""
+    walk = ZstdStream(key, 0, decode=False)
+    for start in range(0, size, _WALK_PART):
+        data = await store.read(key, start, min(size, start + _WALK_PART))
+        await anyio.to_thread.run_sync(walk.pull, _OUT_PIECE, data)
+    walk.expect_end(size)
+    return walk.starts + [size]
+
+
+# ---- planning ------------------------------------------------------------------------------------
 
 async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field: str,
                       lanes: int, split_bytes: int, on_bad: str) -> SourcePlan:
@@ -157,6 +333,8 @@ async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field
     objects = [o for o in await store.list(prefix) if o.key.endswith(SUFFIXES)]
     if not objects:
         raise ConfigError(f"source {name!r}: no *.jsonl or *.jsonl.zst objects under {uri}")
+    for obj in objects:
+        _check_key(name, obj.key)
     shards, skipped = [], []
     for obj in objects:
         try:
@@ -174,6 +352,16 @@ async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field
                       shards=shards, splits=splits, skipped_shards=skipped)
 
 
+def _check_key(source: str, key: str) -> None:
+    """A shard name must be UTF-8: plans, checkpoints and S3 requests carry it as text."""
+    try:
+        key.encode()
+    except UnicodeEncodeError as exc:
+        raw = key.encode("utf-8", "surrogateescape")
+        raise DataError(f"source {source!r}: shard name {raw!r} is not valid UTF-8 (byte {exc.start}): rename "
+                        "the file", key=ascii(key)) from None
+
+
 async def _plan_shard(store: Store, obj: ObjectInfo) -> ShardPlan:
     key = obj.key
     if obj.size == 0:
@@ -182,8 +370,8 @@ async def _plan_shard(store: Store, obj: ObjectInfo) -> ShardPlan:
     if not obj.key.endswith(".zst"):
         return ShardPlan(obj.key, obj.size, obj.etag)
     frames = await _read_seek_table(store, key, obj.size)
-    if frames is None:  # no seek table: walk the frame headers once (reads the whole shard)
-        frames = await anyio.to_thread.run_sync(zstd_frames, await store.read(key), key)
+    if frames is None:  # no seek table: walk the frame headers once (reads the whole shard, in parts)
+        frames = await _walk_frames(store, key, obj.size)
     return ShardPlan(obj.key, obj.size, obj.etag, frames)
 
 
@@ -200,7 +388,25 @@ def _cut(index: int, shard: ShardPlan, target: int) -> list[Split]:
     return out
 
 
+# ---- reading -------------------------------------------------------------------------------------
+
 Spawn = Callable[..., Any]  # a task group's start_soon
+
+
+class BadRecords:
+    """A source's bad-record policy: raise the DataError (`on_bad_record = "error"`) or count it."""
+
+    def __init__(self, on_bad: Literal["error", "skip"] = "error") -> None:
+        self.skipping = on_bad == "skip"
+        self.count = 0
+        self.first: str | None = None  # the first skipped record's error, for a later message
+
+    def __call__(self, err: DataError) -> None:
+        if not self.skipping:
+            raise err
+        self.count += 1
+        if self.first is None:
+            self.first = str(err)
 
 
 class _Part:
@@ -254,20 +460,26 @@ class ReadWindow:
         return part.data
 
 
+Piece = bytes | DataError  # decoded bytes, or a corrupt frame skipped at that point (skip mode)
+
+
 class SplitReader:
     """Streams the records a split owns, as blocks of whole lines, with bounded memory.
 
     With `spawn` (a task group's `start_soon`), the owned range is read through a `ReadWindow`
-    of `read_ahead` requests; without, one request at a time.
+    of `read_ahead` requests; without, one request at a time. `bad` is the source's bad-record
+    policy: with it skipping, a record over `max_record` and a corrupt zstd frame are skipped and
+    counted, the same way whatever the read sizes.
     """
 
     def __init__(self, store: Store, shard: ShardPlan, split: Split, max_record: int,
                  run_cpu: Callable[..., Awaitable[Any]] | None = None, *, spawn: Spawn | None = None,
-                 read_ahead: int = 1) -> None:
+                 read_ahead: int = 1, bad: BadRecords | None = None) -> None:
         self.store, self.key, self.shard, self.split = store, shard.key, shard, split
         self.max_record = max_record
         self.run_cpu = run_cpu or anyio.to_thread.run_sync
         self.spawn, self.read_ahead = spawn, read_ahead
+        self.bad = bad or BadRecords()
         self._byte_before = b""
 
     def _part(self, owned: int) -> int:
@@ -292,7 +504,8 @@ class SplitReader:
     async def blocks(self, offset: int = 0) -> AsyncIterator[tuple[int, bytes]]:
         """Yield (decoded offset, bytes) blocks of whole lines owned by the split, from `offset`.
 
-        `offset` > 0 must be a record start (a checkpoint cursor always is one).
+        `offset` > 0 must be a record start (a checkpoint cursor always is one). In skip mode a
+        record longer than `max_record`, or cut by a corrupt frame, is dropped up to its newline.
         """
         skip_partial: bool | None = None if offset == 0 and self.split.start > 0 else False
         pos, pending, owned_end = 0, b"", None
@@ -301,6 +514,16 @@ class SplitReader:
                 skip_partial = not await self._starts_at_record()
             if not inside and owned_end is None:
                 owned_end = piece_pos
+            if isinstance(piece, DataError):  # a skipped corrupt frame: the record it cuts is lost with it
+                if piece_pos < offset:  # skipped (and counted) by the run that wrote the checkpoint
+                    continue
+                if not inside:  # another split's frame: that split counts it
+                    return
+                self.bad(piece)
+                pos, pending, skip_partial = piece_pos, b"", True
+                continue
+            if skip_partial and not inside:  # a record starting from here on is the next split's
+                return
             if not pending:
                 pos = piece_pos
             pending += piece
@@ -327,12 +550,19 @@ class SplitReader:
                 if cut >= 0:
                     yield pos, pending[:cut + 1]
                     pos, pending = pos + cut + 1, pending[cut + 1:]
-            if len(pending) > self.max_record:
-                raise DataError(
-                    f"record at {self.where(pos)} of {self.key!r} is longer than max_record_bytes="
-                    f"{self.max_record}: raise the limit or fix the shard", key=self.key, offset=pos)
+            if len(pending) > self.max_record:  # bounded memory: a record never grows past the limit
+                self.bad(self.too_long(pos, pending))
+                pos, pending, skip_partial = pos + len(pending), b"", True
         if pending.strip() and not skip_partial and (owned_end is None or pos < owned_end):
             yield pos, pending
+
+    def too_long(self, pos: int, record: bytes) -> DataError:
+        """The error for a record (or the start of one) longer than `max_record`."""
+        crs = record.count(b"\r")
+        why = (f"; it holds {crs} carriage returns (\\r) and no newline (\\n): the shard seems to use CR-only "
+               "line endings, convert them to \\n" if crs else ": raise the limit or fix the shard")
+        return DataError(f"record at {self.where(pos)} of {self.key!r} is longer than max_record_bytes="
+                         f"{self.max_record}{why}", key=self.key, offset=pos)
 
     def where(self, pos: int) -> str:
         """Human location of decoded offset `pos`, for error messages."""
@@ -341,15 +571,36 @@ class SplitReader:
         return f"byte {self.split.start + pos}"
 
     async def _starts_at_record(self) -> bool:
-        """Whether the split begins at a record start: the byte (frame) before it ends a line."""
+        """Whether the split begins at a record start: the byte (frame) before it ends a line.
+
+        For zstd, the last byte of the nearest earlier frame that decodes to something; after a
+        corrupt frame (skip mode), not a record start: the line after it goes with the frame.
+        """
         if not self.shard.frames:
             return self._byte_before == b"\n"
-        f = self.split.start - 1
-        data = await self.store.read(self.key, self.shard.frames[f], self.shard.frames[f + 1])
-        return (await self.run_cpu(self._decompress, data, f)).endswith(b"\n")
+        for f in range(self.split.start - 1, -1, -1):
+            last = await self._last_byte(f)
+            if last is None:
+                return False
+            if last:
+                return last == b"\n"
+        return True
 
-    async def _pieces(self, offset: int) -> AsyncIterator[tuple[int, bytes, bool]]:
-        """(decoded offset, bytes, inside the owned range) pieces from the split's start onwards."""
+    async def _last_byte(self, f: int) -> bytes | None:
+        """The last decoded byte of frame `f`: b"" if it decodes to nothing, None if it is corrupt."""
+        frames, last = self.shard.frames, b""
+        stream = ZstdStream(self.key, frames[f], frames, f, skip_corrupt=self.bad.skipping)
+        for start in range(frames[f], frames[f + 1], _READ_PART):
+            data = await self.store.read(self.key, start, min(frames[f + 1], start + _READ_PART))
+            async for piece in self._decode(stream, data):
+                if isinstance(piece, DataError):
+                    return None
+                last = piece[-1:]
+        stream.expect_end(frames[f + 1])
+        return last
+
+    async def _pieces(self, offset: int) -> AsyncIterator[tuple[int, Piece, bool]]:
+        """(decoded offset, piece, inside the owned range) from the split's start onwards."""
         if self.shard.frames:
             async for piece in self._frame_pieces():
                 yield piece
@@ -365,77 +616,153 @@ class SplitReader:
                 yield pos - start, data, True
                 pos += len(data)
         while pos < size:  # past the end only to finish the last record
-            stop = min(size, pos + (1 << 16))
+            stop = min(size, pos + _TAIL_PART)
             yield pos - start, await self.store.read(self.key, pos, stop), False
             pos = stop
 
-    async def _frame_pieces(self) -> AsyncIterator[tuple[int, bytes, bool]]:
-        """Decompressed frames from the split's first: its own in requests of up to _READ_PART
-        compressed bytes, then (only to finish a record) the following frames one at a time."""
-        frames, f, pos = self.shard.frames, self.split.start, 0
-        part = self._part(frames[self.split.end] - frames[f])
-        groups = []  # the owned frames, in requests of about `part` compressed bytes (whole frames)
-        while f < self.split.end:
-            g = f + 1
-            while g < self.split.end and frames[g + 1] - frames[f] <= part:
-                g += 1
-            groups.append((f, g))
-            f = g
-        ranges = [(frames[a], frames[b]) for a, b in groups]
-        k = 0
-        async for data in self._ranges(ranges):
-            a, b = groups[k]
-            k += 1
-            for piece in await self.run_cpu(self._decompress_range, data, a, b):
+    async def _frame_pieces(self) -> AsyncIterator[tuple[int, Piece, bool]]:
+        """The split's frames decoded as a stream: its own compressed bytes in requests of up to
+        _READ_PART (cut anywhere, a frame may span many), then the following frames, in small
+        requests, only as far as the reader pulls (to finish a record)."""
+        frames, split = self.shard.frames, self.split
+        lo, hi, end = frames[split.start], frames[split.end], frames[-1]
+        stream = ZstdStream(self.key, lo, frames, split.start, skip_corrupt=self.bad.skipping)
+        pos = 0
+        bounds = [*range(lo, hi, self._part(hi - lo)), hi]
+        async for data in self._ranges(list(zip(bounds, bounds[1:]))):
+            async for piece in self._decode(stream, data):
                 yield pos, piece, True
-                pos += len(piece)
-        while f < len(frames) - 1:  # the following frames, one at a time
-            data = await self.store.read(self.key, frames[f], frames[f + 1])
-            for piece in await self.run_cpu(self._decompress_range, data, f, f + 1):
-                yield pos, piece, False
-                pos += len(piece)
-            f += 1
+                pos += len(piece) if isinstance(piece, bytes) else 0
+        stream.expect_end(hi)
+        for f in range(split.end, len(frames) - 1):  # one frame at a time, a large one in parts
+            for start in range(frames[f], frames[f + 1], _TAIL_PART):
+                data = await self.store.read(self.key, start, min(frames[f + 1], start + _TAIL_PART))
+                async for piece in self._decode(stream, data):
+                    yield pos, piece, False
+                    pos += len(piece) if isinstance(piece, bytes) else 0
+        stream.expect_end(end)
 
-    def _decompress_range(self, data: bytes, first: int, last: int) -> list[bytes]:
-        base = self.shard.frames[first]
-        return [self._decompress(data[self.shard.frames[i] - base:self.shard.frames[i + 1] - base], i)
-                for i in range(first, last)]
+    async def _decode(self, stream: ZstdStream, data: bytes) -> AsyncIterator[Piece]:
+        """Feed `data` to `stream`; its output in pieces of about _OUT_PIECE, and any corrupt frame."""
+        while True:
+            out, err = await self.run_cpu(stream.pull, _OUT_PIECE, data)
+            data = b""
+            if out:
+                yield out
+            if err is not None:
+                yield err
+            elif not out:
+                return
 
-    def _decompress(self, data: bytes, frame: int) -> bytes:
-        where = self.shard.frames[frame]
-        try:
-            return zstandard.ZstdDecompressor().decompress(data, max_output_size=self.max_record + (64 << 20))
-        except zstandard.ZstdError as exc:
-            raise DataError(f"corrupt zstd frame in {self.key!r} at compressed byte {where}: {exc}",
-                            key=self.key, offset=where) from exc
+
+# ---- records -------------------------------------------------------------------------------------
+
+_MAX_DEPTH = 512  # JSON nesting a record may have: a fixed limit, not wherever the stack runs out
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_DEPTH_STEP = np.zeros(256, np.int64)
+_DEPTH_STEP[[ord("["), ord("{")]] = 1
+_DEPTH_STEP[[ord("]"), ord("}")]] = -1
+_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])|"  # a high one alone, or
+                        rb"(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")  # a low one
+
+
+class _TooDeep(Exception):
+    pass
+
+
+def _nesting(line: bytes) -> int:
+    """How deep `line` nests JSON arrays and objects (brackets inside strings do not count)."""
+    bare = np.frombuffer(_JSON_STRING.sub(b"", line), np.uint8)
+    depth = peak = 0
+    for i in range(0, len(bare), 1 << 20):  # in pieces: the running sums stay small
+        sums = np.cumsum(_DEPTH_STEP[bare[i:i + (1 << 20)]]) + depth
+        peak, depth = max(peak, int(sums.max())), int(sums[-1])
+    return peak
 
 
 class Parser:
-    """Decodes blocks of JSON lines into (offset, length, text) records, strictly."""
+    """Decodes blocks of JSON lines into (offset, length, text) records, strictly.
+
+    `text_field` may be any JSON key. A record nesting deeper than 512 levels is a bad record
+    (whatever the caller's stack depth, so the same records are skipped on every backend).
+    """
 
     def __init__(self, text_field: str, on_bad: Literal["error", "skip"]) -> None:
         self.text_field, self.on_bad = text_field, on_bad
-        record = msgspec.defstruct("Record", [(text_field, str)])
-        self._decoder = msgspec.json.Decoder(record)
-        self.skipped = 0
+        self.bad = BadRecords(on_bad)
+        self._fields = msgspec.json.Decoder(dict[str, msgspec.Raw])
+        try:
+            record = msgspec.defstruct("Record", [("text", str)], rename={"text": text_field})
+            self._record = msgspec.json.Decoder(record)
+            self._text = self._text_field
+        except ValueError:  # a key msgspec cannot rename to (a quote, backslash or control character)
+            self._text = self._text_any_key
+
+    @property
+    def skipped(self) -> int:
+        return self.bad.count
 
     def __repr__(self) -> str:
         return f"Parser(text_field={self.text_field!r}, on_bad={self.on_bad!r})"
 
+    def _text_field(self, line: bytes) -> str:
+        return self._record.decode(line).text
+
+    def _text_any_key(self, line: bytes) -> str:
+        raw = self._fields.decode(line).get(self.text_field)
+        if raw is None:
+            raise msgspec.ValidationError(f"Object missing required field `{self.text_field}`")
+        return msgspec.json.decode(raw, type=str)
+
     def parse(self, reader: SplitReader, block_pos: int, block: bytes) -> list[tuple[int, int, str]]:
         """Records of `block` as (decoded offset, length incl. newline, text)."""
-        out, pos, decode, field = [], block_pos, self._decoder.decode, self.text_field
+        out, pos = [], block_pos
         for line in block.split(b"\n"):
             n = len(line) + 1
             if line.strip():
-                try:
-                    out.append((pos, n, getattr(decode(line), field)))
-                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    if self.on_bad != "skip":
-                        raise DataError(
-                            f"bad record in {reader.key!r} at {reader.where(pos)}: {exc} "
-                            f"(set on_bad_record = \"skip\" to skip such records)",
-                            key=reader.key, offset=pos) from exc
-                    self.skipped += 1
+                if n > reader.max_record + 1:
+                    self.bad(reader.too_long(pos, line))
+                elif (text := self._decode(reader, pos, line)) is not None:
+                    out.append((pos, n, text))
             pos += n
         return out
+
+    def _decode(self, reader: SplitReader, pos: int, line: bytes) -> str | None:
+        """The text of one record, or None if it is bad and skipped."""
+        try:
+            if line.count(b"[") + line.count(b"{") > _MAX_DEPTH and _nesting(line) > _MAX_DEPTH:
+                raise _TooDeep
+            return self._text(line)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, _TooDeep) as exc:
+            hint = "" if self.bad.skipping else ' (set on_bad_record = "skip" to skip such records)'
+            err = DataError(f"bad record in {reader.key!r} at {reader.where(pos)}: {_why(exc, line)}{hint}",
+                            key=reader.key, offset=pos)
+            err.__cause__ = exc
+            self.bad(err)
+            return None
+
+
+def _why(exc: Exception, line: bytes) -> str:
+    """What is wrong with a record that does not decode, in words that name the likely cause."""
+    if isinstance(exc, (RecursionError, _TooDeep)):
+        return f"it nests JSON arrays or objects more than {_MAX_DEPTH} deep, the most a record may"
+    msg = str(exc)
+    if line.startswith(b"\xef\xbb\xbf"):
+        return f"{msg}: the line starts with a UTF-8 byte order mark (EF BB BF); remove it"
+    if isinstance(exc, msgspec.ValidationError):
+        return msg
+    if "UTF-8" in msg:
+        try:
+            line.decode()
+        except UnicodeDecodeError as bad:
+            what = line[bad.start:bad.end].hex(" ")
+            surrogate = line[bad.start] == 0xED and bad.start + 1 < len(line) and line[bad.start + 1] >= 0xA0
+            return (f"{msg}: bytes {what} at byte {bad.start} of the record"
+                    f"{' encode a UTF-16 surrogate, which UTF-8 forbids' if surrogate else ''}")
+    if m := _SURROGATE.search(line):
+        return (f"{msg}: the record holds a lone UTF-16 surrogate escape {m.group().decode()} at byte {m.start()}, "
+                "which is not a character: fix the writer")
+    if b"\r" in line.rstrip(b"\r"):
+        return (f"{msg}: the line holds carriage returns (\\r) not followed by \\n: the shard seems to use CR-only "
+                "line endings; convert them to \\n")
+    return msg
