@@ -1,0 +1,133 @@
+"""A user mistake on the command line or in the config is one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from zephon_stream import ConfigError
+from zephon_stream._core.config import Config, SourceConfig
+from zephon_stream.cli import main
+
+
+@pytest.fixture()
+def toml(config: Config, tmp_path: Path):
+    """Write the test config with some lines changed (`key = value`, top level or in every source)."""
+    def write(name: str = "c.toml", **changes: str) -> Path:
+        text = config.to_toml()
+        for key, value in changes.items():
+            line = f"{key} = {value}"
+            text, n = re.subn(rf"(?m)^{key} = .*$", line, text)
+            if not n and key in SourceConfig.__struct_fields__:  # unset: add it to every source
+                text = text.replace("[[sources]]\n", f"[[sources]]\n{line}\n")
+            elif not n:  # a setting left at its default: add it at the top level
+                text = line + "\n" + text
+        path = tmp_path / name
+        path.write_text(text)
+        return path
+    return write
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err and err.count("\n") == 1 and err.startswith("zephon: error: "), err
+    return err
+
+
+@pytest.mark.parametrize("command", [["stream"], ["inspect", "--step", "0"], ["config"]])
+def test_missing_or_directory_config(capsys, tmp_path, command) -> None:
+    for path, why in [(tmp_path / "nope.toml", "No such file"), (tmp_path, "Is a directory")]:
+        err = _one_line_error(capsys, [command[0], str(path), *command[1:]])
+        assert str(path) in err and why in err, err
+
+
+def test_resume_from_a_missing_file_or_a_directory(capsys, toml, tmp_path) -> None:
+    cfg = toml()
+    for path, why in [(tmp_path / "nope.state", "No such file"), (tmp_path, "Is a directory")]:
+        err = _one_line_error(capsys, ["stream", str(cfg), "--steps", "1", "--resume", str(path)])
+        assert f"--resume {str(path)!r}" in err and why in err, err
+
+
+def test_save_state_into_a_missing_directory_or_onto_one(capsys, toml, tmp_path) -> None:
+    cfg = toml()
+    err = _one_line_error(capsys, ["stream", str(cfg), "--steps", "1", "--save-at", "1",
+                                   "--save-state", str(tmp_path / "no" / "dir" / "s.state")])
+    assert "does not exist; create it first" in err, err
+    err = _one_line_error(capsys, ["stream", str(cfg), "--steps", "1", "--save-at", "1",
+                                   "--save-state", str(tmp_path)])
+    assert "is a directory" in err, err
+
+
+def test_a_file_that_is_not_a_state(capsys, toml, tmp_path) -> None:
+    bad = tmp_path / "bad.state"
+    bad.write_bytes(b"\x93\x01\x02")
+    err = _one_line_error(capsys, ["stream", str(toml()), "--steps", "1", "--resume", str(bad)])
+    assert "not a zephon-stream state file" in err, err
+
+
+@pytest.mark.parametrize("content", [b"", b"{}", b"not json", b'{"version": "1.0"}'],
+                         ids=["empty", "empty-object", "not-json", "other-json"])
+def test_an_empty_or_foreign_tokenizer_file(capsys, toml, tmp_path, content) -> None:
+    tok = tmp_path / "tok.json"
+    tok.write_bytes(content)
+    err = _one_line_error(capsys, ["stream", str(toml(tokenizer=f'"{tok}"')), "--steps", "1"])
+    assert f"tokenizer {str(tok)!r} is not a tokenizer.json file" in err, err
+
+
+BAD_SETTINGS = [
+    ({"pad_token_id": "300"}, "pad_token_id = 300: outside the vocabulary"),  # the test vocabulary has 300 ids
+    ({"pad_token_id": "-3"}, "pad_token_id = -3"),
+    ({"seed": str(1 << 64)}, "seed = 18446744073709551616: must be in [0, 2**64)"),
+    ({"seed": "-1"}, "seed = -1: must be in [0, 2**64)"),
+    ({"endpoint_url": '"not a url"'}, "endpoint_url = 'not a url': is not a URL"),
+    ({"endpoint_url": '"http://host:port"'}, "is not a URL"),
+    ({"read_timeout": "0"}, "read_timeout = 0.0: must be in (0, 3600]"),
+    ({"connect_timeout": "-1"}, "connect_timeout = -1.0"),
+    ({"lanes": "100000000"}, "lanes = 100000000: must be in [1, 4096]"),
+    ({"seq_len": "100000000000"}, "seq_len = 100000000000: must be in [2, 16777216]"),
+    ({"global_batch_size": "100000000000"}, "global_batch_size = 100000000000"),
+    ({"global_batch_size": "1048560", "seq_len": "16777216"}, "tokens per batch"),
+    ({"max_record_bytes": "0"}, "max_record_bytes = 0: must be >= 1"),
+    ({"max_record_bytes": "-5"}, "max_record_bytes = -5"),
+]
+
+
+@pytest.mark.parametrize("changes, needle", BAD_SETTINGS, ids=[n for n, _ in enumerate(BAD_SETTINGS)])
+def test_a_bad_setting(capsys, toml, changes, needle) -> None:
+    path = toml(**changes)
+    for argv in (["stream", str(path), "--steps", "1"], ["config", str(path)]):
+        if argv[0] == "config" and "vocabulary" in needle:
+            continue  # the vocabulary is known once the tokenizer is loaded, not by `zephon config`
+        err = _one_line_error(capsys, argv)
+        assert needle in err, err
+
+
+def test_source_settings_are_checked_when_built_in_python() -> None:
+    with pytest.raises(ConfigError, match=r"sources\[s\]\.endpoint_url = 'not a url'"):
+        SourceConfig(name="s", uri="s3://b/", endpoint_url="not a url")
+    with pytest.raises(ConfigError, match=r"sources\[s\]\.read_timeout = 0"):
+        SourceConfig(name="s", uri="s3://b/", read_timeout=0)
+
+
+def test_running_out_of_memory_is_one_line(capsys, toml, monkeypatch) -> None:
+    from zephon_stream import _loader
+
+    def no_memory(self):  # what numpy raises when a config asks for more than the machine has
+        raise MemoryError
+        yield
+
+    monkeypatch.setattr(_loader.Loader, "__iter__", no_memory)
+    err = _one_line_error(capsys, ["stream", str(toml()), "--steps", "1"])
+    assert "out of memory" in err and "seq_len" in err, err
+
+
+def test_a_good_run_still_works(capsys, toml, tmp_path) -> None:
+    saved = tmp_path / "s.state"
+    assert main(["stream", str(toml()), "--steps", "2", "--save-at", "1", "--save-state", str(saved),
+                 "--digests"]) == 0
+    assert main(["stream", str(toml()), "--steps", "2", "--resume", str(saved), "--digests"]) == 0
+    capsys.readouterr()
