@@ -46,6 +46,7 @@ _MIN_PART = 1 << 10  # the smallest, when a small split is cut into `read_ahead`
 _TAIL_PART = 1 << 16  # reads past a split's end, only to finish its last record
 _WALK_PART = 8 << 20  # reads of a shard whose frames are walked at planning
 _OUT_PIECE = 1 << 20  # decoded bytes per zstd step
+_HOLD = 1 << 20  # a frame's output held back until its end (its checksum) up to this size
 _BLOCK_MAX = 128 << 10  # a zstd block never holds or decodes to more (RFC 8878 Block_Maximum_Size)
 _MAX_WINDOW = 1 << 27  # libzstd's default limit: a frame that asks for a larger window is refused
 _MIN_FRAME = 8  # the smallest frame (an empty skippable frame); a zstd frame takes 9 bytes or more
@@ -94,10 +95,14 @@ class ZstdStream:
     `frames` (the plan's frame offsets, from a seek table or a walk) is checked as the walk goes:
     every frame must end exactly where the plan says the next one begins, so a wrong seek table
     is an error, never a silent loss. Without `frames` (`decode=False`, planning) the walk
-    records each frame start in `starts`. One block per zstd call also makes the output before a
-    corrupt block independent of how the input was cut, so with `skip_corrupt` a corrupt frame
-    is skipped the same way every time: `pull` returns its error, and the rest of the frame (up
-    to the next planned frame) is dropped.
+    records each frame start in `starts`.
+
+    A frame's output is held back until the frame ends (checksum checked) or `_HOLD` bytes are
+    held, so a frame of up to 1 MiB is all or nothing. With `skip_corrupt`, `pull` returns a
+    corrupt frame's error in place of its held output, and drops the rest of the frame (up to the
+    next planned frame). What comes out before the error depends only on the frame's bytes
+    (one block per zstd call, holds by decoded size), never on how the input was cut, so a
+    corrupt frame is skipped the same way every time.
     """
 
     def __init__(self, key: str, start: int, frames: Sequence[int] | None = None, first: int = 0, *,
@@ -109,6 +114,8 @@ class ZstdStream:
         self._state, self._left, self._check_bytes = _FRAME, 0, 0
         self._dctx = zstandard.ZstdDecompressor(max_window_size=_MAX_WINDOW) if decode else None
         self._dobj: Any = None
+        self._held: list[bytes] = []  # the current frame's output, not yet released
+        self._held_size = 0
 
     def pull(self, limit: int, data: bytes = b"") -> tuple[bytes, DataError | None]:
         """Feed `data`, then decode whole units until about `limit` bytes are out or none is whole.
@@ -117,13 +124,19 @@ class ZstdStream:
         frame returns (the bytes decoded before it, its DataError).
         """
         self._buf += data
-        out, size = [], 0
+        out: list[bytes] = []
+        size = 0
         try:
             while size < limit and (piece := self._unit()) is not None:
                 if piece:
-                    out.append(piece)
-                    size += len(piece)
+                    self._held.append(piece)
+                    self._held_size += len(piece)
+                if self._held and (self._held_size >= _HOLD or self._state == _FRAME):  # big, or the frame ended
+                    out += self._held
+                    size += self._held_size
+                    self._held, self._held_size = [], 0
         except (zstandard.ZstdError, _Corrupt) as exc:
+            self._held, self._held_size = [], 0
             return b"".join(out), self._corrupt(exc)
         finally:
             del self._buf[:self._at]
@@ -259,7 +272,9 @@ class ZstdStream:
             key=self.key, offset=self.frame_start)
 
     def _corrupt(self, exc: Exception) -> DataError:
-        err = DataError(f"corrupt zstd frame in {self.key!r} at compressed byte {self.frame_start}: {exc}",
+        hint = (f" (a frame may ask for a window of at most {_MAX_WINDOW >> 20} MiB)"
+                if "too much memory" in str(exc) else "")
+        err = DataError(f"corrupt zstd frame in {self.key!r} at compressed byte {self.frame_start}: {exc}{hint}",
                         key=self.key, offset=self.frame_start)
         if not self.skip_corrupt or self.frames is None:
             raise err from exc
@@ -505,7 +520,9 @@ class SplitReader:
         """Yield (decoded offset, bytes) blocks of whole lines owned by the split, from `offset`.
 
         `offset` > 0 must be a record start (a checkpoint cursor always is one). In skip mode a
-        record longer than `max_record`, or cut by a corrupt frame, is dropped up to its newline.
+        record longer than `max_record` is dropped up to its newline, and one cut by a corrupt
+        frame is dropped; what follows that frame is read as a record start (a cut-off tail of a
+        record then fails to decode: a bad record of its own).
         """
         skip_partial: bool | None = None if offset == 0 and self.split.start > 0 else False
         pos, pending, owned_end = 0, b"", None
@@ -519,8 +536,8 @@ class SplitReader:
                     continue
                 if not inside:  # another split's frame: that split counts it
                     return
-                self.bad(piece)
-                pos, pending, skip_partial = piece_pos, b"", True
+                self.bad(piece)  # what follows is read as a record start: a cut-off tail is a bad record
+                pos, pending, skip_partial = piece_pos, b"", False
                 continue
             if skip_partial and not inside:  # a record starting from here on is the next split's
                 return
@@ -574,14 +591,14 @@ class SplitReader:
         """Whether the split begins at a record start: the byte (frame) before it ends a line.
 
         For zstd, the last byte of the nearest earlier frame that decodes to something; after a
-        corrupt frame (skip mode), not a record start: the line after it goes with the frame.
+        corrupt frame (skip mode), a record start, as the split that owns that frame reads it.
         """
         if not self.shard.frames:
             return self._byte_before == b"\n"
         for f in range(self.split.start - 1, -1, -1):
             last = await self._last_byte(f)
             if last is None:
-                return False
+                return True
             if last:
                 return last == b"\n"
         return True
@@ -755,8 +772,8 @@ def _why(exc: Exception, line: bytes) -> str:
         try:
             line.decode()
         except UnicodeDecodeError as bad:
-            what = line[bad.start:bad.end].hex(" ")
             surrogate = line[bad.start] == 0xED and bad.start + 1 < len(line) and line[bad.start + 1] >= 0xA0
+            what = line[bad.start:max(bad.end, bad.start + 3 if surrogate else 0)].hex(" ")
             return (f"{msg}: bytes {what} at byte {bad.start} of the record"
                     f"{' encode a UTF-16 surrogate, which UTF-8 forbids' if surrogate else ''}")
     if m := _SURROGATE.search(line):
