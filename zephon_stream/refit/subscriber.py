@@ -443,7 +443,7 @@ class _Pull:
         try:
             return await self._chain_ok(start, digest)
         except BaseVersionMismatch:
-            if self.m.keyframe:
+            if self.m.keyframe or self.doubt:  # a record in doubt may well name the wrong model: rebuild instead
                 return False
             raise
 

@@ -1,0 +1,519 @@
+"""Hostile and mistaken use of refit: a stale local record, settings and LATEST hints that would
+make a prefix unusable, a corrupt head version, oversized MANIFESTs, malformed safetensors files.
+Each ends in the right bytes or a one-line error, never success with other weights."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+import torch
+
+from zephon_stream import ConfigError, DataError, ObjectNotFound, RefitError
+from zephon_stream.connectors import MemoryStore
+from zephon_stream.connectors.base import ObjectInfo, StoreStatistics
+from zephon_stream.refit import Publisher, Subscriber, safetensors
+from zephon_stream.refit import _local as local_mod
+from zephon_stream.refit import manifest as manifest_mod
+from zephon_stream.refit._store import find_latest, prefix_identity
+from zephon_stream.refit.cli import add_subparser
+from zephon_stream.refit.manifest import encode_manifest
+
+from ._helpers import assert_same, model, step, zeros_like
+
+
+def run(fn, *args):  # type: ignore[no-untyped-def]
+    async def main():  # type: ignore[no-untyped-def]
+        with anyio.fail_after(60):
+            return await fn(*args)
+
+    return anyio.run(main)
+
+
+def zephon(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="zephon")
+    add_subparser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+async def publish(prefix: str, states: list[dict[str, torch.Tensor]], store: MemoryStore | None = None,
+                  **options: object) -> list[int]:
+    """Publish each state as the next version; the model digests, in order."""
+    options = {"chunk_bytes": 256, "keyframe_every": 100, **options}
+    async with Publisher(prefix, store=store, **options) as pub:  # type: ignore[arg-type]
+        return [(await pub.publish(s)).model_digest for s in states]
+
+
+def loaded(path: Path) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in safetensors.load(path).items()}
+
+
+# -- bug 4: a local record is bound to its weights file and its prefix ----------------------------
+
+@pytest.fixture
+def two_prefixes(tmp_path: Path) -> dict[str, object]:
+    """Prefixes A and B with two versions each of different weights in the same layout, and a
+    weights file pulled to A's version 2 with its record beside it."""
+    a = [model(1), step(model(1), 2, frac=0.3)]
+    b = [model(7), step(model(7), 8, frac=0.3)]
+    pa, pb = f"file://{tmp_path}/a/", f"file://{tmp_path}/b/"
+    digests = {"a": run(publish, pa, a), "b": run(publish, pb, b)}
+    weights = tmp_path / "w.safetensors"
+    safetensors.save(weights, zeros_like(a[0]))
+    assert zephon("refit", "pull", "--prefix", pa, "--weights", str(weights)) == 0
+    assert_same(a[1], loaded(weights))
+    return {"a": a, "b": b, "pa": pa, "pb": pb, "weights": weights, "digests": digests}
+
+
+async def pull_file(prefix: str, weights: Path, **options: object) -> tuple[int, int]:
+    """Pull `weights` in place through the Python API, its record beside it: (version, digest)."""
+    state = safetensors.load(weights, writable=True)
+    async with Subscriber(prefix, record=f"{weights}.refit", weights=weights, **options) as sub:  # type: ignore[arg-type]
+        version = await sub.pull(state, sync=state.flush)
+    return version, sub.record.model_digest
+
+
+@pytest.mark.parametrize("via", ["api", "cli"])
+def test_older_bytes_swapped_in_are_reverified(two_prefixes, via: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    t = two_prefixes
+    safetensors.save(t["weights"], t["a"][0])  # version 1's bytes, the record still says 2
+    if via == "api":
+        assert run(pull_file, t["pa"], t["weights"]) == (2, t["digests"]["a"][1])
+    else:
+        capsys.readouterr()
+        assert zephon("refit", "pull", "--prefix", t["pa"], "--weights", str(t["weights"])) == 0
+        assert capsys.readouterr().out.split() == ["version", "2", "digest", f"{t['digests']['a'][1]:016x}"]
+    assert_same(t["a"][1], loaded(t["weights"]))
+
+
+def test_file_rewritten_in_place_is_reverified(two_prefixes) -> None:  # type: ignore[no-untyped-def]
+    t = two_prefixes
+    other = t["weights"].with_name("old.safetensors")
+    safetensors.save(other, t["a"][0])
+    before = os.stat(t["weights"])
+    with open(t["weights"], "r+b") as f:  # same inode, same size: only the times tell
+        f.write(other.read_bytes())
+    os.utime(t["weights"], ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
+    assert run(pull_file, t["pa"], t["weights"])[0] == 2
+    assert_same(t["a"][1], loaded(t["weights"]))
+
+
+@pytest.mark.parametrize("via", ["api", "cli"])
+def test_same_version_from_another_prefix_is_pulled(two_prefixes, via: str) -> None:  # type: ignore[no-untyped-def]
+    t = two_prefixes
+    for prefix, want in ((t["pb"], t["b"][1]), (t["pa"], t["a"][1])):  # both at version 2, one record
+        if via == "api":
+            assert run(pull_file, prefix, t["weights"])[0] == 2
+        else:
+            assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(t["weights"])) == 0
+        assert_same(want, loaded(t["weights"]))
+
+
+def test_reverify_that_cannot_complete_refuses_and_leaves_the_file(two_prefixes, capsys) -> None:  # type: ignore[no-untyped-def]
+    t = two_prefixes
+    root = Path(t["pa"].removeprefix("file://"))
+    for key in root.glob("v1/key-*"):  # the only keyframe: a chunk not at version 2 has no route left
+        data = bytearray(key.read_bytes())
+        data[-1] ^= 0xFF
+        key.write_bytes(bytes(data))
+    safetensors.save(t["weights"], t["a"][0])
+    swapped = t["weights"].read_bytes()
+    capsys.readouterr()
+    assert zephon("refit", "pull", "--prefix", t["pa"], "--weights", str(t["weights"])) == 1
+    err = capsys.readouterr().err
+    assert "did not match the weights" in err and "nothing was applied" in err
+    assert t["weights"].read_bytes() == swapped
+
+
+def test_own_writes_keep_the_record_bound(two_prefixes, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """After a pull the record holds the file's identity as our own writes left it: the next
+    process trusts it without re-hashing a single chunk."""
+    t = two_prefixes
+    run(publish, t["pa"], [step(t["a"][1], 3)])
+    assert run(pull_file, t["pa"], t["weights"])[0] == 3  # a delta applied in place
+    hashed = 0
+    real = local_mod.ChunkPlan.digest
+
+    def counting(self, words):  # type: ignore[no-untyped-def]
+        nonlocal hashed
+        hashed += 1
+        return real(self, words)
+
+    monkeypatch.setattr(local_mod.ChunkPlan, "digest", counting)
+    assert run(pull_file, t["pa"], t["weights"])[0] == 3
+    assert hashed == 0
+
+
+def test_record_loaded_without_weights_file_is_verified_once(tmp_path: Path) -> None:
+    store, states = MemoryStore(), [model(3), step(model(3), 4, frac=0.3)]
+
+    async def go() -> None:
+        await publish("p/", states, store)
+        replica = zeros_like(states[0])
+        assert await Subscriber("p/", store=store, record=tmp_path / "rec").pull(replica) == 2
+        other = zeros_like(states[0])  # not what the record describes
+        assert await Subscriber("p/", store=store, record=tmp_path / "rec").pull(other) == 2
+        assert_same(states[1], other)
+
+    run(go)
+
+
+def test_record_with_wrong_chunk_count_is_not_trusted(tmp_path: Path) -> None:
+    store, states = MemoryStore(), [model(3), step(model(3), 4, frac=0.3)]
+
+    async def go() -> None:
+        await publish("p/", states, store)
+        replica = zeros_like(states[0])
+        sub = Subscriber("p/", store=store, record=tmp_path / "rec")
+        assert await sub.pull(replica) == 2
+        rec = msgspec.structs.replace(sub.record, version=1, digests=[5])  # hand-edited: one digest
+        (tmp_path / "rec").write_bytes(msgspec.msgpack.encode(rec))
+        replica = zeros_like(states[0])
+        assert await Subscriber("p/", store=store, record=tmp_path / "rec").pull(replica) == 2
+        assert_same(states[1], replica)
+
+    run(go)
+
+
+def test_record_naming_another_model_is_rebuilt_not_refused(tmp_path: Path) -> None:
+    """A record whose model digest does not chain into the next version is not proof of a forked
+    prefix when the record itself is in doubt: the state is rebuilt from the keyframe."""
+    store, states = MemoryStore(), [model(3), step(model(3), 4, frac=0.3)]
+
+    async def go() -> None:
+        await publish("p/", states[:1], store)
+        sub = Subscriber("p/", store=store, record=tmp_path / "rec")
+        assert await sub.pull(zeros_like(states[0])) == 1
+        (tmp_path / "rec").write_bytes(msgspec.msgpack.encode(msgspec.structs.replace(sub.record, model_digest=5)))
+        await publish("p/", states[1:], store)
+        replica = zeros_like(states[0])
+        assert await Subscriber("p/", store=store, record=tmp_path / "rec").pull(replica) == 2
+        assert_same(states[1], replica)
+
+    run(go)
+
+
+def test_prefix_identity_is_canonical(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "d")
+    same = [f"file://{tmp_path}/d", f"file://{tmp_path}/d/", f"file://{tmp_path}//d/", f"file://{tmp_path}/x/../d/",
+            f"file://localhost{tmp_path}/d/", f"file://{tmp_path}/link/"]
+    assert len({prefix_identity(p) for p in same}) == 1
+    assert prefix_identity(f"file://{tmp_path}/e/") != prefix_identity(same[0])
+    assert prefix_identity("s3://b/p") == prefix_identity("s3://b/p/") != prefix_identity("s3://c/p/")
+    store = MemoryStore()
+    assert prefix_identity("p/", store) == prefix_identity("p/", store) != prefix_identity("p/", MemoryStore())
+
+
+@pytest.mark.parametrize("bad", [b"\x00" * 10, msgspec.msgpack.encode({"version": -1}),
+                                 msgspec.msgpack.encode({"digests": ["x"]}), b"\x81\xa7version\xcb\x00"])
+def test_bad_record_is_one_data_error(tmp_path: Path, bad: bytes) -> None:
+    (tmp_path / "rec").write_bytes(bad)
+    with pytest.raises(DataError, match="unreadable local version record"):
+        Subscriber("memory://x/", record=tmp_path / "rec")
+
+
+def test_record_path_mistakes_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="is a directory"):
+        Subscriber("memory://x/", record=tmp_path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        Subscriber("memory://x/", record=tmp_path / "nope" / "rec")
+
+
+# -- bug 6: nothing makes a prefix unusable -------------------------------------------------------
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("chunk_bytes", 1 << 31), ("chunk_bytes", 0), ("chunk_bytes", 12), ("chunk_bytes", 4.5), ("chunk_bytes", True),
+    ("keyframe_every", 0), ("keep_versions", -1), ("lanes", 0), ("threads", 0), ("level", 23), ("level", "1"),
+    ("session", "xyz"), ("session", "ABCDEF0123"),
+])
+def test_bad_publisher_setting_refused_before_anything_is_written(option: str, value: object) -> None:
+    store = MemoryStore()
+    with pytest.raises(ConfigError) as exc:
+        Publisher("p/", store=store, **{option: value})  # type: ignore[arg-type]
+    assert repr(value) in str(exc.value) or str(value) in str(exc.value)
+    assert store.objects == {}
+
+
+def test_bad_subscriber_setting_refused() -> None:
+    for option, value in (("lanes", 0), ("staged_bytes", -1), ("threads", 0)):
+        with pytest.raises(ConfigError, match=option):
+            Subscriber("memory://x/", **{option: value})  # type: ignore[arg-type]
+
+
+def test_cli_chunk_bytes_over_the_limit_exits_2_and_writes_nothing(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    weights = tmp_path / "w.safetensors"
+    safetensors.save(weights, model(1))
+    (tmp_path / "p").mkdir()
+    assert zephon("refit", "publish", "--prefix", f"file://{tmp_path}/p/", "--weights", str(weights),
+                  "--chunk-bytes", "2147483648") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "chunk_bytes=2147483648" in err[0] and "multiple of 8" not in err[0]
+    assert list((tmp_path / "p").iterdir()) == []
+
+
+def test_layout_no_reader_accepts_is_refused_before_writing(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    store = MemoryStore()
+
+    async def go(state: dict[str, torch.Tensor]) -> None:
+        async with Publisher("p/", store=store, chunk_bytes=8) as pub:
+            await pub.publish(state)
+
+    with pytest.raises(ConfigError, match="at most 16 dims"):
+        run(go, {"w": torch.zeros((1,) * 17)})
+    monkeypatch.setattr(manifest_mod, "MAX_MANIFEST_BYTES", 64 << 10)
+    with pytest.raises(ConfigError, match="raise chunk_bytes"):
+        run(go, {"w": torch.zeros(1 << 16)})  # 32768 chunks of 8 bytes
+    assert store.objects == {}
+
+
+@pytest.mark.parametrize("latest", [b'{"version": -5}', b'{"version": 0}', b'{"version": "2"}', b"\xff\x00",
+                                    b'{"version": 99}', b'{"version": 1e400}', b" " * 10_000 + b'{"version": 1}'])
+def test_latest_is_only_a_hint(latest: bytes) -> None:
+    store, states = MemoryStore(), [model(1), step(model(1), 2), step(model(1), 3)]
+
+    async def go() -> None:
+        await publish("p/", states[:2], store)
+        await store.put("p/LATEST", latest)
+        assert await find_latest(store, "p/") == 2
+        replica = zeros_like(states[0])
+        assert await Subscriber("p/", store=store).pull(replica) == 2
+        assert_same(states[1], replica)
+        await publish("p/", states[2:], store)
+        assert await find_latest(store, "p/") == 3
+        assert not [o.key for o in await store.list("p/") if not o.key.startswith(("p/v1/", "p/v2/", "p/v3/", "p/LATEST"))]
+
+    run(go)
+
+
+async def _corrupt_manifest(store: MemoryStore, key: str) -> None:
+    await store.put(key, b"\x93not a manifest")
+
+
+async def _oversized_chunk_bytes(store: MemoryStore, key: str) -> None:
+    """A head committed by a publisher that did not check chunk_bytes (as before this fix)."""
+    m, _ = manifest_mod.decode_manifest(await store.read(key), key)
+    await store.put(key, encode_manifest(msgspec.structs.replace(m, chunk_bytes=1 << 31)))
+
+
+async def _corrupt_objects(store: MemoryStore, key: str) -> None:
+    for o in await store.list(key.removesuffix("MANIFEST")):
+        if not o.key.endswith("MANIFEST"):
+            await store.put(o.key, b"junk")
+
+
+async def _missing_objects(store: MemoryStore, key: str) -> None:
+    for o in await store.list(key.removesuffix("MANIFEST")):
+        if not o.key.endswith("MANIFEST"):
+            await store.delete(o.key)
+
+
+async def _too_large(store: MemoryStore, key: str) -> None:
+    await store.put(key, b"\x00" * (manifest_mod.MAX_MANIFEST_BYTES + 1))
+
+
+_MANIFEST_DAMAGE = [_corrupt_manifest, _oversized_chunk_bytes, _too_large]
+
+
+@pytest.mark.parametrize("damage", [*_MANIFEST_DAMAGE, _corrupt_objects, _missing_objects])
+def test_publisher_publishes_a_keyframe_past_a_corrupt_head(damage, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A new publisher must rebuild its shadow from the head, so any damage to it is found; one
+    whose shadow is already at the head reads only the head's MANIFEST."""
+    monkeypatch.setattr(manifest_mod, "MAX_MANIFEST_BYTES", 1 << 20)
+    store, states = MemoryStore(), [model(1), step(model(1), 2), step(model(1), 3), step(model(1), 4)]
+
+    async def go() -> None:
+        await publish("p/", states[:2], store)
+        await damage(store, "p/v2/MANIFEST")
+        for publisher in ("fresh", "same") if damage in _MANIFEST_DAMAGE else ("fresh",):
+            async with Publisher("p/", store=store, chunk_bytes=256, keyframe_every=100) as pub:
+                if publisher == "same":
+                    head = await pub.publish(states[1])
+                    await damage(store, f"p/v{head.version}/MANIFEST")
+                info = await pub.publish(states[2])
+                assert info.keyframe and info.base_version is None
+                assert (await pub.publish(states[3])).base_version == info.version  # deltas go on from it
+            replica = zeros_like(states[0])
+            assert await Subscriber("p/", store=store).pull(replica) == info.version + 1
+            assert_same(states[3], replica)
+
+    run(go)
+
+
+def test_status_reports_a_bad_version_and_goes_on(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    prefix = f"file://{tmp_path}/p/"
+    run(publish, prefix, [model(1), step(model(1), 2), step(model(1), 3)])
+    (tmp_path / "p" / "v2" / "MANIFEST").write_bytes(b"garbage")
+    capsys.readouterr()
+    assert zephon("refit", "status", "--prefix", prefix) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "latest 3"
+    assert [ln.split()[:2] for ln in lines[2:]] == [["1", "-"], ["2", "unusable:"], ["3", "2"]]
+    assert "v2/MANIFEST" in lines[3]
+
+
+def test_manifest_chunk_bytes_messages_name_the_real_fault() -> None:
+    store = MemoryStore()
+
+    async def go() -> None:
+        await publish("p/", [model(1)], store)
+        m, _ = manifest_mod.decode_manifest(await store.read("p/v1/MANIFEST"), "k")
+        for cb, want in ((1 << 31, "over the limit of 1073741824"), (1020, "not a multiple of 8")):
+            with pytest.raises(DataError, match=want):
+                manifest_mod.decode_manifest(encode_manifest(msgspec.structs.replace(m, chunk_bytes=cb)), "k")
+
+    run(go)
+
+
+# -- a MANIFEST is read at most to its size limit + 1 byte -----------------------------------------
+
+class RecordingStore:
+    """A MemoryStore that records each read's (key, start, end)."""
+
+    def __init__(self, inner: MemoryStore) -> None:
+        self.inner, self.reads = inner, []  # type: list[tuple[str, int, int | None]]
+
+    async def list(self, prefix: str = "") -> list[ObjectInfo]:
+        return await self.inner.list(prefix)
+
+    async def head(self, key: str) -> ObjectInfo:
+        return await self.inner.head(key)
+
+    async def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        self.reads.append((key, start, end))
+        return await self.inner.read(key, start, end)
+
+    async def put(self, key: str, data: bytes, *, if_none_match: bool = False) -> None:
+        await self.inner.put(key, data, if_none_match=if_none_match)
+
+    async def delete(self, key: str) -> None:
+        await self.inner.delete(key)
+
+    async def copy(self, src_key: str, dst_key: str) -> None:
+        await self.inner.copy(src_key, dst_key)
+
+    def statistics(self) -> StoreStatistics:
+        return self.inner.statistics()
+
+    async def aclose(self) -> None:
+        pass
+
+
+def test_oversized_manifest_is_refused_after_limit_plus_one_bytes(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    limit = 4096
+    inner = MemoryStore()
+    store = RecordingStore(inner)
+
+    async def go() -> None:
+        await publish("p/", [model(1)], inner)
+        monkeypatch.setattr(manifest_mod, "MAX_MANIFEST_BYTES", limit)
+        await inner.put("p/v2/MANIFEST", b"\x00" * (3 * limit))
+        with pytest.raises(RefitError, match=r"p/v2/MANIFEST is 12288 bytes, over the 4096-byte limit"):
+            await Subscriber("p/", store=store).pull(zeros_like(model(1)))  # type: ignore[arg-type]
+        with pytest.raises(RefitError, match="12288 bytes"):
+            await manifest_mod.read_bounded(store, "p/v2/MANIFEST")  # type: ignore[arg-type]
+
+    run(go)
+    manifests = [(s, e) for k, s, e in store.reads if k.endswith("MANIFEST")]
+    assert manifests and all(s == 0 and e is not None and e - s <= limit + 1 for s, e in manifests)
+
+
+def test_read_bounded_passes_small_objects_and_missing_keys() -> None:
+    store = MemoryStore()
+
+    async def go() -> None:
+        await store.put("k", b"x" * 10)
+        assert await manifest_mod.read_bounded(store, "k", 10) == b"x" * 10
+        with pytest.raises(RefitError, match="k is 10 bytes, over the 9-byte limit"):
+            await manifest_mod.read_bounded(store, "k", 9)
+        with pytest.raises(ObjectNotFound):
+            await manifest_mod.read_bounded(store, "missing")
+
+    run(go)
+
+
+# -- safetensors: bad headers are one-line errors ---------------------------------------------------
+
+def _file(header: object, data: bytes = b"\x00" * 16, raw: bytes | None = None) -> bytes:
+    text = raw if raw is not None else json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + data
+
+
+_T = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
+BAD_SAFETENSORS = {
+    "huge header length": struct.pack("<Q", 1 << 62) + b"{}",
+    "header past the file": struct.pack("<Q", 100) + b"{}",
+    "not json": _file(None, raw=b"{nope"),
+    "not utf-8": _file(None, raw=b'{"\xff": 1}'),
+    "deep nesting": _file(None, raw=b"[" * 100_000 + b"]" * 100_000),
+    "5000-digit int": _file(None, raw=b'{"x": {"dtype": "F32", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 16]}}'),
+    "a list": _file([1, 2]),
+    "entry not an object": _file({"x": [1]}),
+    "missing key": _file({"x": {"dtype": "F32", "shape": [4]}}),
+    "extra key": _file({"x": {**_T, "more": 1}}),
+    "unknown dtype": _file({"x": {**_T, "dtype": "F128"}}),
+    "shape a string": _file({"x": {**_T, "shape": "4"}}),
+    "float dim": _file({"x": {**_T, "shape": [4.0]}}),
+    "bool dim": _file({"x": {**_T, "shape": [True, 4]}}),
+    "negative dim": _file({"x": {**_T, "shape": [-4]}}),
+    "too many dims": _file({"x": {**_T, "shape": [1] * 65 + [4]}}),
+    "offsets string": _file({"x": {**_T, "data_offsets": ["0", "16"]}}),
+    "three offsets": _file({"x": {**_T, "data_offsets": [0, 8, 16]}}),
+    "begin after end": _file({"x": {**_T, "shape": [0], "data_offsets": [16, 0]}}),
+    "end past the data": _file({"x": {**_T, "data_offsets": [8, 24]}}),
+    "negative offset": _file({"x": {**_T, "data_offsets": [-16, 0]}}),
+    "shape disagrees": _file({"x": {**_T, "shape": [3]}}),
+    "overlap": _file({"x": {**_T, "shape": [2], "data_offsets": [0, 8]}, "y": {**_T, "shape": [2], "data_offsets": [4, 12]}}),
+    "duplicate name": _file(None, raw=b'{"x": ' + json.dumps(_T).encode() + b', "x": ' + json.dumps(_T).encode() + b"}"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_SAFETENSORS))
+def test_bad_safetensors_is_one_line_data_error(tmp_path: Path, name: str) -> None:
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(BAD_SAFETENSORS[name])
+    for writable in (False, True):
+        with pytest.raises(DataError) as exc:
+            safetensors.load(path, writable=writable)
+        assert "\n" not in str(exc.value) and str(path) in str(exc.value) and len(str(exc.value)) < 400
+
+
+@pytest.mark.parametrize("name", ["overlap", "shape disagrees", "end past the data"])
+def test_cli_bad_safetensors_exits_2_with_one_line(tmp_path: Path, name: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(BAD_SAFETENSORS[name])
+    for command in ("publish", "pull"):
+        assert zephon("refit", command, "--prefix", f"file://{tmp_path}/p/", "--weights", str(path)) == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("what", ["missing", "directory"])
+def test_cli_missing_or_directory_weights_exit_2(tmp_path: Path, what: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "w.safetensors"
+    if what == "directory":
+        path.mkdir()
+    for command in ("publish", "pull"):
+        assert zephon("refit", command, "--prefix", f"file://{tmp_path}/p/", "--weights", str(path)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and str(path) in err[0] and ("no such file" in err[0] or "is a directory" in err[0])
+
+
+def test_cli_record_directory_exits_2(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    weights = tmp_path / "w.safetensors"
+    safetensors.save(weights, model(1))
+    assert zephon("refit", "pull", "--prefix", f"file://{tmp_path}/p/", "--weights", str(weights),
+                  "--record", str(tmp_path)) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+def test_safetensors_save_refuses_a_dtype_it_cannot_hold(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="complex64"):
+        safetensors.save(tmp_path / "w.safetensors", {"z": torch.zeros(2, dtype=torch.complex64)})
+
