@@ -56,12 +56,12 @@ async def stalled_endpoint(reply: bytes = b"") -> AsyncIterator[_Stalled]:
 
 
 async def test_a_stalled_get_fails_after_timeout_attempts_naming_the_request() -> None:
-    async with stalled_endpoint() as server:
-        async with S3Store("bkt", endpoint_url=server.url, **CREDENTIALS, read_timeout=0.5, max_attempts=5) as store:
-            t0 = time.monotonic()
-            with anyio.fail_after(20), pytest.raises(ConnectorError) as err:
-                await store.read("shards/0001.jsonl")
-            elapsed = time.monotonic() - t0
+    async with stalled_endpoint() as server, S3Store("bkt", endpoint_url=server.url, **CREDENTIALS, read_timeout=0.5,
+                                                     max_attempts=5) as store:
+        t0 = time.monotonic()
+        with anyio.fail_after(20), pytest.raises(ConnectorError) as err:
+            await store.read("shards/0001.jsonl")
+        elapsed = time.monotonic() - t0
     text = str(err.value)
     assert f"GetObject s3://bkt/shards/0001.jsonl at {server.url}" in text, text
     assert "read_timeout = 0.5 s" in text and "timeout_attempts = 2" in text, text
@@ -70,20 +70,19 @@ async def test_a_stalled_get_fails_after_timeout_attempts_naming_the_request() -
 
 
 async def test_timeout_attempts_bounds_the_retries_of_a_listing() -> None:
-    async with stalled_endpoint() as server:
-        async with S3Store("bkt", endpoint_url=server.url, **CREDENTIALS, read_timeout=0.3,
-                           timeout_attempts=1) as store:
-            with anyio.fail_after(20), pytest.raises(ConnectorError, match=r"ListObjectsV2 s3://bkt/p/ at .*"
-                                                                            r"stalled.*read_timeout = 0.3 s"):
-                await store.list("p/")
+    async with stalled_endpoint() as server, S3Store("bkt", endpoint_url=server.url, **CREDENTIALS, read_timeout=0.3,
+                                                     timeout_attempts=1) as store:
+        with anyio.fail_after(20), pytest.raises(ConnectorError, match=r"ListObjectsV2 s3://bkt/p/ at .*"
+                                                                        r"stalled.*read_timeout = 0.3 s"):
+            await store.list("p/")
     assert server.connections == 1
 
 
 async def test_a_body_that_stalls_after_the_headers() -> None:
-    async with stalled_endpoint(HEADERS_ONLY) as server:
-        async with S3Store("bkt", endpoint_url=server.url, **CREDENTIALS, read_timeout=0.3) as store:
-            with anyio.fail_after(20), pytest.raises(ConnectorError) as err:
-                await store.read("obj")
+    async with stalled_endpoint(HEADERS_ONLY) as server, S3Store("bkt", endpoint_url=server.url, **CREDENTIALS,
+                                                                 read_timeout=0.3) as store:
+        with anyio.fail_after(20), pytest.raises(ConnectorError) as err:
+            await store.read("obj")
     text = str(err.value)
     assert "GetObject s3://bkt/obj" in text and "read_timeout = 0.3 s" in text, text
     assert server.connections == 2
