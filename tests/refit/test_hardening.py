@@ -5,6 +5,7 @@ Each ends in the right bytes or a one-line error, never success with other weigh
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import struct
@@ -18,7 +19,7 @@ import torch
 from zephon_stream import ConfigError, DataError, ObjectNotFound, RefitError
 from zephon_stream.connectors import MemoryStore
 from zephon_stream.connectors.base import ObjectInfo, StoreStatistics
-from zephon_stream.refit import Publisher, Subscriber, safetensors
+from zephon_stream.refit import Publisher, Sharding, Subscriber, safetensors
 from zephon_stream.refit import _local as local_mod
 from zephon_stream.refit import manifest as manifest_mod
 from zephon_stream.refit._store import find_latest, prefix_identity
@@ -128,7 +129,7 @@ def test_reverify_that_cannot_complete_refuses_and_leaves_the_file(two_prefixes,
     capsys.readouterr()
     assert zephon("refit", "pull", "--prefix", t["pa"], "--weights", str(t["weights"])) == 1
     err = capsys.readouterr().err
-    assert "did not match the weights" in err and "nothing was applied" in err
+    assert "weights file or prefix changed" in err and "nothing was applied" in err
     assert t["weights"].read_bytes() == swapped
 
 
@@ -262,12 +263,14 @@ def test_cli_chunk_bytes_over_the_limit_exits_2_and_writes_nothing(tmp_path: Pat
 def test_layout_no_reader_accepts_is_refused_before_writing(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     store = MemoryStore()
 
-    async def go(state: dict[str, torch.Tensor]) -> None:
-        async with Publisher("p/", store=store, chunk_bytes=8) as pub:
+    async def go(state: dict[str, torch.Tensor], **options: object) -> None:
+        async with Publisher("p/", store=store, **{"chunk_bytes": 8, **options}) as pub:  # type: ignore[arg-type]
             await pub.publish(state)
 
     with pytest.raises(ConfigError, match="at most 16 dims"):
         run(go, {"w": torch.zeros((1,) * 17)})
+    with pytest.raises(ConfigError, match=r"splits tensors \['nope'\]"):
+        run(functools.partial(go, sharding=Sharding(0, 2, {"nope": 0}), session="ab" * 4), {"w": torch.zeros(4)})
     monkeypatch.setattr(manifest_mod, "MAX_MANIFEST_BYTES", 64 << 10)
     with pytest.raises(ConfigError, match="raise chunk_bytes"):
         run(go, {"w": torch.zeros(1 << 16)})  # 32768 chunks of 8 bytes

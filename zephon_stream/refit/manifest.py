@@ -119,15 +119,19 @@ async def read_bounded(store: Store, key: str, limit: int | None = None) -> byte
                      "zephon (corrupt or hostile); delete it, or publish a new version past it")
 
 
-def check_publishable(table: TensorTable, sharding: Sharding, chunks: int) -> None:
-    """Refuse (ConfigError) a layout whose MANIFEST no reader would accept, before anything is written:
-    `chunks` is the chunk count over all ranks."""
+def check_publishable(table: TensorTable, sharding: Sharding, chunk_bytes: int) -> None:
+    """Refuse (ConfigError) a layout whose MANIFEST no reader would accept, before anything is written."""
     _check_table(table.specs)
     if table.nbytes > MAX_SIZE:
         raise ConfigError(f"the model holds {table.nbytes} bytes, over the {MAX_SIZE}-byte limit of one prefix")
-    if sharding.world_size > MAX_WORLD:
-        raise ConfigError(f"world_size={sharding.world_size} is over the limit of {MAX_WORLD} ranks")
-    _check_segments(len(table.specs), sharding.world_size, len(sharding.dims))
+    world = sharding.world_size
+    if world > MAX_WORLD:
+        raise ConfigError(f"world_size={world} is over the limit of {MAX_WORLD} ranks")
+    unknown = sorted(set(sharding.dims) - set(table.index))
+    if unknown:
+        raise ConfigError(f"sharding splits tensors {unknown} that the state_dict does not hold")
+    _check_segments(len(table.specs), world, len(sharding.dims))
+    chunks = sum(len(RankStream(table, Sharding(r, world, sharding.dims), chunk_bytes).chunks) for r in range(world))
     size = len(_enc.encode(table.specs)) + chunks * _ENTRY_BYTES + 4096
     if size > MAX_MANIFEST_BYTES:
         raise ConfigError(f"{chunks} chunks would make a MANIFEST of up to {size} bytes, over the "

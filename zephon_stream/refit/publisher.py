@@ -126,7 +126,7 @@ class Publisher(StoreOwner):
         table = TensorTable.from_local(state, self.sharding)
         new = LocalState(table, self.sharding, state)
         stream = RankStream(table, self.sharding, self.chunk_bytes)
-        self._check_layout(table)
+        check_publishable(table, self.sharding, self.chunk_bytes)
         latest = await find_latest(self.store, self._prefix)
         base = await self._base(latest, table, state)
         version = latest + 1
@@ -148,12 +148,6 @@ class Publisher(StoreOwner):
             version, base.version if base else None, keyframe, sum(e.plain for e in entries) & MASK,
             stream.nbytes, total("size"), total("key_size"), total("over_size"), total("changes"), committed,
         )
-
-    def _check_layout(self, table: TensorTable) -> None:
-        """Refuse, before anything is written, a layout whose MANIFEST readers would refuse."""
-        world, dims = self.sharding.world_size, self.sharding.dims
-        chunks = sum(len(RankStream(table, Sharding(r, world, dims), self.chunk_bytes).chunks) for r in range(world))
-        check_publishable(table, self.sharding, chunks)
 
     async def _base(self, latest: int, table: TensorTable, state: Mapping[str, torch.Tensor]) -> Manifest | None:
         """The manifest to delta against (None: publish a pure keyframe), resyncing the shadow.

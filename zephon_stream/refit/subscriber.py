@@ -66,9 +66,9 @@ _Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 62)]
 class FileIdentity(msgspec.Struct, frozen=True, array_like=True):
     """A file as `stat` sees it: replacing it (a new inode) or writing it (mtime, ctime) changes this."""
 
-    dev: _Count
-    ino: _Count
-    size: _Count
+    dev: _U64
+    ino: _U64
+    size: _U64
     mtime_ns: int
     ctime_ns: int
 
@@ -126,7 +126,11 @@ class Subscriber(StoreOwner):
 
     `sharding` says which piece of each tensor this rank holds (default: everything).
     `record` is a file for the local version record; without it the record lives in memory and
-    a restarted process starts as a joiner (from the newest keyframe).
+    a restarted process starts as a joiner (from the newest keyframe). `weights` is the file
+    that holds the state (a memory-mapped safetensors file): the record is bound to its
+    identity, so a restarted process trusts an unchanged file without re-hashing it. A record
+    loaded without `weights` is re-verified on the first pull. Every `pull` of one subscriber
+    must be given the state the record describes (the same tensors, changed only by pulls).
     """
 
     def __init__(
@@ -603,8 +607,8 @@ class _Pull:
             for other in errors[1:]:
                 first.add_note(f"fallback also failed: {type(other).__name__}: {other}")
             if self.doubt:
-                first.add_note("the local record was re-verified first: it did not match the weights (replaced, "
-                               "rewritten, or pulled from another prefix since the record was written)")
+                first.add_note("the local record was not trusted as it stood (its weights file or prefix changed, or "
+                               "no weights file was named to check it), so each chunk was re-verified first")
             first.add_note(f"version {self.target} refused: nothing was applied, the state stays at version "
                            f"{self.sub.record.version}")
             raise first
