@@ -4,6 +4,7 @@ then the raw little-endian bytes. Loading memory-maps the file, so a pull writes
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -57,7 +58,7 @@ def _header(path: str | os.PathLike[str]) -> tuple[int, dict[str, _Entry]]:
     header.pop("__metadata__", None)
     entries = {name: _entry(where, name, info, size - 8 - n, 8 + n) for name, info in header.items()}
     spans = sorted((e.lo, e.hi, name) for name, e in entries.items() if e.hi > e.lo)
-    for (_, hi, a), (lo, _, b) in zip(spans, spans[1:]):
+    for (_, hi, a), (lo, _, b) in itertools.pairwise(spans):
         if lo < hi:
             raise DataError(f"{where}: tensors {a!r} and {b!r} overlap at data byte {lo}", key=where, offset=8 + n + lo)
     return 8 + n, entries
