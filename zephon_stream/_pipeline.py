@@ -62,6 +62,7 @@ class Lanes:
         self._perm = lru_cache(maxsize=8)(self._permutation)
         self.spawn: Callable[..., Any] | None = None  # the lanes' task group, for read-ahead requests
         self._has_documents = [False] * len(plan.sources)  # checked once per process, see `check_source`
+        self._checking = [anyio.Lock() for _ in plan.sources]  # one check at a time; the others wait for it
 
     def _permutation(self, source: int, epoch: int) -> list[int]:
         return permutation(len(self.plan.sources[source].splits), self.config.seed, source, epoch)
@@ -84,8 +85,11 @@ class Lanes:
         Reads the splits in order until the first document, with a parser of its own, so the
         check counts nothing in the loader's statistics.
         """
-        if self._has_documents[source]:
-            return
+        async with self._checking[source]:
+            if not self._has_documents[source]:
+                await self._check_source(source)
+
+    async def _check_source(self, source: int) -> None:
         src, cfg = self.plan.sources[source], self.config
         parser = Parser(src.text_field, cfg.on_bad_record)
         for split in src.splits:
@@ -96,7 +100,7 @@ class Lanes:
                     self._has_documents[source] = True
                     return
         what = (f"all {parser.skipped} of its records are bad and skipped (on_bad_record = \"skip\"); the first: "
-                f"{parser.bad.first}" if parser.skipped else "it holds only blank lines")
+                f"{parser.bad.first}" if parser.skipped else "its shards hold nothing but blank lines")
         raise DataError(f"source {src.name!r} ({src.uri}) yields no document in a whole epoch of its "
                         f"{len(src.splits)} splits, so no batch could ever be made: {what}")
 

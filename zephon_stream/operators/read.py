@@ -646,7 +646,7 @@ class SplitReader:
         stream = ZstdStream(self.key, lo, frames, split.start, skip_corrupt=self.bad.skipping)
         pos = 0
         bounds = [*range(lo, hi, self._part(hi - lo)), hi]
-        async for data in self._ranges(list(zip(bounds, bounds[1:]))):
+        async for data in self._ranges(list(itertools.pairwise(bounds))):
             async for piece in self._decode(stream, data):
                 yield pos, piece, True
                 pos += len(piece) if isinstance(piece, bytes) else 0
@@ -675,7 +675,7 @@ class SplitReader:
 # ---- records -------------------------------------------------------------------------------------
 
 _MAX_DEPTH = 512  # JSON nesting a record may have: a fixed limit, not wherever the stack runs out
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _DEPTH_STEP = np.zeros(256, np.int64)
 _DEPTH_STEP[[ord("["), ord("{")]] = 1
 _DEPTH_STEP[[ord("]"), ord("}")]] = -1
@@ -707,12 +707,12 @@ class Parser:
     def __init__(self, text_field: str, on_bad: Literal["error", "skip"]) -> None:
         self.text_field, self.on_bad = text_field, on_bad
         self.bad = BadRecords(on_bad)
-        self._fields = msgspec.json.Decoder(dict[str, msgspec.Raw])
         try:
             record = msgspec.defstruct("Record", [("text", str)], rename={"text": text_field})
             self._record = msgspec.json.Decoder(record)
             self._text = self._text_field
         except ValueError:  # a key msgspec cannot rename to (a quote, backslash or control character)
+            self._fields = msgspec.json.Decoder(dict[str, msgspec.Raw])
             self._text = self._text_any_key
 
     @property
