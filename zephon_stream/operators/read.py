@@ -120,8 +120,8 @@ class ZstdStream:
     def pull(self, limit: int, data: bytes = b"") -> tuple[bytes, DataError | None]:
         """Feed `data`, then decode whole units until about `limit` bytes are out or none is whole.
 
-        Returns (decoded bytes, None); (b"", None) means: feed more. With `skip_corrupt`, a corrupt
-        frame returns (the bytes decoded before it, its DataError).
+        Returns (decoded bytes, None); fewer than `limit` bytes means: feed more. With
+        `skip_corrupt`, a corrupt frame returns (the bytes decoded before it, its DataError).
         """
         self._buf += data
         out: list[bytes] = []
@@ -242,8 +242,8 @@ class ZstdStream:
 
     # -- bookkeeping
 
-    def _take(self, n: int) -> bytes:
-        data = bytes(self._buf[self._at:self._at + n])
+    def _take(self, n: int) -> bytearray:
+        data = self._buf[self._at:self._at + n]
         self._at, self.offset = self._at + n, self.offset + n
         return data
 
@@ -668,7 +668,7 @@ class SplitReader:
                 yield out
             if err is not None:
                 yield err
-            elif not out:
+            elif len(out) < _OUT_PIECE:  # the stream needs more input
                 return
 
 
