@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from zephon_stream._exceptions import DataError, root_error, unwrap_groups
+from zephon_stream.errors import DataError, root_error, unwrap_groups
 
 
 def test_the_first_zephon_error_wins_and_names_the_others() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._exceptions import (
+from zephon_stream.errors import (
     AccessDenied,
     AlreadyExists,
     BaseVersionMismatch,
@@ -18,9 +18,9 @@ from ._exceptions import (
     ZephonError,
 )
 
-from ._core.config import Config, SourceConfig
-from ._core.state import LaneState, LoaderState, StateHeader, state_from_bytes, state_to_bytes
-from ._loader import BatchStream, Loader, LoaderStatistics
+from zephon_stream.loader.config import Config, SourceConfig
+from zephon_stream.loader.state import LaneState, LoaderState, StateHeader, state_from_bytes, state_to_bytes
+from zephon_stream.loader.loader import BatchStream, Loader, LoaderStatistics
 
 __version__ = "0.1.0"
 
@@ -30,7 +30,7 @@ _REFIT = ("Publisher", "Sharding", "Subscriber", "VersionConflict")
 def __getattr__(name: str) -> object:
     """The refit API, imported on first use (it loads torch; loader worker processes never do)."""
     if name in _REFIT:
-        from . import refit
+        from zephon_stream import refit
 
         return getattr(refit, name)
     raise AttributeError(f"module 'zephon_stream' has no attribute {name!r}")

@@ -11,7 +11,7 @@ from zephon_stream import AlreadyExists, ConnectorError, Throttled
 from zephon_stream.connectors.s3 import MiB, S3Store
 from zephon_stream.testing.proxy import FAULT_KINDS, Faults, Link
 
-from .test_s3 import text_bytes
+from tests.connectors.test_s3 import text_bytes
 
 pytestmark = [pytest.mark.anyio, pytest.mark.s3, pytest.mark.timeout(60)]
 

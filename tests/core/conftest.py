@@ -10,7 +10,7 @@ import pytest
 import zstandard
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from zephon_stream._core.config import Config, SourceConfig
+from zephon_stream.loader.config import Config, SourceConfig
 
 WORDS = ("the of and to in is that for it as with was on be by this are or from at an which not have "
          "loader lane shard token sample batch epoch seed order state window pack mix read split").split()

@@ -11,7 +11,7 @@ import anyio
 import pytest
 import torch  # noqa: F401  (a trainer has torch loaded before it streams)
 
-from zephon_stream._loader import Loader
+from zephon_stream.loader.loader import Loader
 
 
 @contextmanager

@@ -8,8 +8,8 @@ import pytest
 import zstandard
 
 from zephon_stream import DataError
-from zephon_stream._core.config import SourceConfig
-from zephon_stream._loader import Loader
+from zephon_stream.loader.config import SourceConfig
+from zephon_stream.loader.loader import Loader
 
 GOOD = b"".join(msgspec.json.encode({"text": f"good document number {i} " * 5}) + b"\n" for i in range(40))
 MAX_RECORD = 1 << 18  # above the nested record (200 kB), below the long ones

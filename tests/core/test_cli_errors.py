@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from zephon_stream import ConfigError
-from zephon_stream._core.config import Config, SourceConfig
-from zephon_stream.cli import main
+from zephon_stream.loader.config import Config, SourceConfig
+from zephon_stream.cli.main import main
 
 
 @pytest.fixture()
@@ -114,7 +114,7 @@ def test_source_settings_are_checked_when_built_in_python() -> None:
 
 
 def test_running_out_of_memory_is_one_line(capsys, toml, monkeypatch) -> None:
-    from zephon_stream import _loader
+    from zephon_stream.loader import loader as _loader
 
     def no_memory(self):  # what numpy raises when a config asks for more than the machine has
         raise MemoryError

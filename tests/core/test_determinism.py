@@ -8,7 +8,7 @@ import math
 import pytest
 
 from zephon_stream import ConfigError
-from zephon_stream._loader import Loader
+from zephon_stream.loader.loader import Loader
 from zephon_stream.testing.determinism import batch_records, real, run_world
 from zephon_stream.operators.read import ReadWindow
 from zephon_stream.testing.stores import WithLatency

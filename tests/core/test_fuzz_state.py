@@ -18,14 +18,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from zephon_stream import CheckpointError
-from zephon_stream._core.state import (
+from zephon_stream.loader.state import (
     LaneState,
     LoaderState,
     check_lane_state,
     state_from_bytes,
     state_to_bytes,
 )
-from zephon_stream._loader import Loader
+from zephon_stream.loader.loader import Loader
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 INTS = st.one_of(st.integers(-3, 3000), st.integers(-(1 << 63), (1 << 64) - 1))

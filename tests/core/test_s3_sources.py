@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from zephon_stream import AccessDenied, ObjectNotFound
-from zephon_stream._loader import Loader
+from zephon_stream.loader.loader import Loader
 from zephon_stream.testing.determinism import batch_records, run_world
 from zephon_stream.testing.proxy import FAULT_KINDS, Faults
 from zephon_stream.testing.stores import WithLatency

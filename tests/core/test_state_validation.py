@@ -14,8 +14,8 @@ import msgspec
 import pytest
 
 from zephon_stream import CheckpointError, DataError, IncompatibleState
-from zephon_stream._core.rng import permutation
-from zephon_stream._core.state import (
+from zephon_stream.engine.rng import permutation
+from zephon_stream.loader.state import (
     LaneState,
     LoaderState,
     check_carry_offset,
@@ -23,8 +23,8 @@ from zephon_stream._core.state import (
     lane_key,
     split_at,
 )
-from zephon_stream._loader import Loader
-from zephon_stream._pipeline import Lanes
+from zephon_stream.loader.loader import Loader
+from zephon_stream.loader.lane import Lanes
 
 Edit = Callable[[LaneState], LaneState]
 rep = msgspec.structs.replace

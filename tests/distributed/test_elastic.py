@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import STEPS
+from tests.distributed.conftest import STEPS
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "train_tiny_gpt.py"
 MODEL = ("--d-model", 32, "--layers", 1, "--heads", 2, "--ckpt-every", 2)

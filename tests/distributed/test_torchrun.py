@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import STEPS
+from tests.distributed.conftest import STEPS
 
 WORKER = Path(__file__).parent / "_worker.py"
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from zephon_stream import DataError
-from zephon_stream._exceptions import root_error
+from zephon_stream.errors import root_error
 from zephon_stream.connectors import MemoryStore
 from zephon_stream.operators.read import Parser, SplitReader, ZstdStream, plan_source, seek_table
 

@@ -17,7 +17,7 @@ import pytest
 import zstandard
 
 from zephon_stream import DataError
-from zephon_stream._exceptions import root_error
+from zephon_stream.errors import root_error
 from zephon_stream.connectors import LocalStore, MemoryStore
 from zephon_stream.operators.read import Parser, SplitReader, plan_source, seek_table
 

@@ -10,9 +10,9 @@ import torch
 
 from zephon_stream import DataError
 from zephon_stream.refit import safetensors
-from zephon_stream.refit.cli import add_subparser
+from zephon_stream.cli.refit import add_subparser
 
-from ._helpers import assert_same, model, step
+from tests.refit._helpers import assert_same, model, step
 
 
 def zephon(*argv: str) -> int:

@@ -16,7 +16,7 @@ from zephon_stream.connectors.base import Store
 from zephon_stream.refit import Publisher, Subscriber
 from zephon_stream.refit.manifest import Manifest, encode_manifest
 
-from ._helpers import assert_same, model, step, zeros_like
+from tests.refit._helpers import assert_same, model, step, zeros_like
 
 BACKENDS = ["memory", pytest.param("seaweed", marks=pytest.mark.s3)]
 

@@ -26,7 +26,7 @@ from zephon_stream.refit import LocalRecord, Publisher, Subscriber, safetensors
 from zephon_stream.refit.manifest import decode_manifest
 from zephon_stream.refit.subscriber import decode_record
 
-from ._helpers import assert_same, model, step, zeros_like
+from tests.refit._helpers import assert_same, model, step, zeros_like
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FUZZ_FILES = settings(FUZZ, max_examples=120)  # each example writes and maps a file

@@ -23,10 +23,10 @@ from zephon_stream.refit import Publisher, Sharding, Subscriber, safetensors
 from zephon_stream.refit import _local as local_mod
 from zephon_stream.refit import manifest as manifest_mod
 from zephon_stream.refit._store import find_latest, prefix_identity
-from zephon_stream.refit.cli import add_subparser
+from zephon_stream.cli.refit import add_subparser
 from zephon_stream.refit.manifest import encode_manifest
 
-from ._helpers import assert_same, model, step, zeros_like
+from tests.refit._helpers import assert_same, model, step, zeros_like
 
 
 def run(fn, *args):  # type: ignore[no-untyped-def]

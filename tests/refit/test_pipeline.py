@@ -7,7 +7,7 @@ import anyio.lowlevel
 import pytest
 
 from zephon_stream import DigestMismatch
-from zephon_stream.refit._pipeline import run_ordered
+from zephon_stream.engine.ordered import run_ordered
 
 
 @pytest.mark.parametrize(("lanes", "window"), [(1, 1), (3, 4), (8, 8)])

@@ -9,7 +9,7 @@ import torch
 from zephon_stream.connectors import MemoryStore
 from zephon_stream.refit import Publisher, Subscriber
 
-from ._helpers import assert_same, model, step, zeros_like
+from tests.refit._helpers import assert_same, model, step, zeros_like
 
 
 class CountingStore(MemoryStore):

@@ -15,7 +15,7 @@ from zephon_stream.refit import Publisher, Sharding, Subscriber, VersionConflict
 from zephon_stream.refit import subscriber as subscriber_mod
 from zephon_stream.refit._store import find_latest, list_versions
 
-from ._helpers import DTYPES, assert_same, from_bytes, model, step, zeros_like
+from tests.refit._helpers import DTYPES, assert_same, from_bytes, model, step, zeros_like
 
 
 def run(fn, *args):  # type: ignore[no-untyped-def]

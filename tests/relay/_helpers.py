@@ -10,7 +10,7 @@ from zephon_stream import ObjectNotFound
 from zephon_stream.connectors.base import Store
 from zephon_stream.refit.manifest import decode_manifest
 
-from ..refit._helpers import assert_same, model, raw, step, zeros_like  # noqa: F401  (re-exported)
+from tests.refit._helpers import assert_same, model, raw, step, zeros_like  # noqa: F401  (re-exported)
 
 
 async def committed(store: Store, prefix: str) -> list[int]:

@@ -12,9 +12,9 @@ import pytest
 
 from zephon_stream import ConfigError
 from zephon_stream.refit import Publisher, Subscriber
-from zephon_stream.refit.relay_cli import add_subparser, load_config
+from zephon_stream.cli.relay import add_subparser, load_config
 
-from ._helpers import assert_same, model, snapshot, step, zeros_like
+from tests.relay._helpers import assert_same, model, snapshot, step, zeros_like
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -17,7 +17,7 @@ from zephon_stream import ConnectorError, RefitError
 from zephon_stream.refit import Publisher, Subscriber
 from zephon_stream.testing.proxy import Link
 
-from ._helpers import assert_no_partial_version, assert_same, committed, model, snapshot, step, until, zeros_like
+from tests.relay._helpers import assert_no_partial_version, assert_same, committed, model, snapshot, step, until, zeros_like
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
 

@@ -9,10 +9,10 @@ from zephon_stream import ConfigError, DataError, RefitError
 from zephon_stream.connectors import MemoryStore
 from zephon_stream.connectors.base import Store
 from zephon_stream.refit import Publisher, Subscriber
-from zephon_stream.refit.relay import Prefix, Relay
-from zephon_stream.refit.relay_cli import serve_metrics
+from zephon_stream.relay.node import Prefix, Relay
+from zephon_stream.cli.relay import serve_metrics
 
-from ._helpers import assert_no_partial_version, assert_same, committed, model, snapshot, step, until, zeros_like
+from tests.relay._helpers import assert_no_partial_version, assert_same, committed, model, snapshot, step, until, zeros_like
 
 
 async def _publish(pub: Publisher, w: dict, versions: range, models: dict) -> dict:  # type: ignore[type-arg]

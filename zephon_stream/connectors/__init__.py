@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from urllib.parse import unquote, urlparse
 
-from .._exceptions import ConfigError
-from .base import ObjectInfo, Store, StoreStatistics
-from .local import LocalStore
-from .memory import MemoryStore
+from zephon_stream.errors import ConfigError
+from zephon_stream.connectors.base import ObjectInfo, Store, StoreStatistics
+from zephon_stream.connectors.local import LocalStore
+from zephon_stream.connectors.memory import MemoryStore
 
 __all__ = ["LocalStore", "MemoryStore", "ObjectInfo", "Store", "StoreStatistics", "open_store", "parse_uri",
            "register_scheme"]
@@ -55,5 +55,5 @@ def open_store(uri: str, **options: object) -> tuple[Store, str]:
     if scheme == "memory":
         return memory_store(location), prefix
     if scheme == "s3" and "s3" not in _SCHEMES:
-        from . import s3 as _s3  # noqa: F401  (registers the scheme)
+        from zephon_stream.connectors import s3 as _s3  # noqa: F401  (registers the scheme)
     return _SCHEMES[scheme](location, **options), prefix

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hashlib
 
-from .._exceptions import AlreadyExists, ObjectNotFound
-from .base import ObjectInfo, StoreStatistics
+from zephon_stream.errors import AlreadyExists, ObjectNotFound
+from zephon_stream.connectors.base import ObjectInfo, StoreStatistics
 
 
 class MemoryStore:

@@ -71,9 +71,9 @@ from botocore.exceptions import (
 )
 from botocore.utils import is_valid_endpoint_url, is_valid_ipv6_endpoint_url
 
-from .._exceptions import AccessDenied, AlreadyExists, ConfigError, ConnectorError, ObjectNotFound, Throttled
-from . import register_scheme
-from .base import ObjectInfo, StoreStatistics
+from zephon_stream.errors import AccessDenied, AlreadyExists, ConfigError, ConnectorError, ObjectNotFound, Throttled
+from zephon_stream.connectors import register_scheme
+from zephon_stream.connectors.base import ObjectInfo, StoreStatistics
 
 __all__ = ["PartStream", "S3ClientPool", "S3Settings", "S3Store", "translate_error"]
 

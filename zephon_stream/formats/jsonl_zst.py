@@ -23,7 +23,7 @@ from pathlib import Path
 import msgspec
 import zstandard
 
-from ..operators.read import seek_table
+from zephon_stream.operators.read import seek_table
 
 __all__ = ["write_jsonl_shards"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from .._core.rng import mix64
+from zephon_stream.engine.rng import mix64
 
 Doc = tuple[tuple[int, int, int, int], Any]  # ((source, position, offset, length), tokens)
 

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 
-from .mix import Doc
+from zephon_stream.operators.mix import Doc
 
 IGNORE = -100
 

@@ -36,8 +36,8 @@ import msgspec
 import numpy as np
 import zstandard
 
-from .._exceptions import ConfigError, DataError
-from ..connectors.base import ObjectInfo, Store
+from zephon_stream.errors import ConfigError, DataError
+from zephon_stream.connectors.base import ObjectInfo, Store
 
 SUFFIXES = (".jsonl", ".jsonl.zst")
 _ZSTD_MAGIC = 0xFD2FB528

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from .._core.rng import mix64
-from .mix import Doc
+from zephon_stream.engine.rng import mix64
+from zephon_stream.operators.mix import Doc
 
 
 class Shuffle:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from .._exceptions import ConfigError
+from zephon_stream.errors import ConfigError
 
 
 class Tokenize:

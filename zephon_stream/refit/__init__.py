@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .layout import Sharding, TensorSpec, TensorTable
-from .manifest import ChunkEntry, Manifest
-from .publisher import Publisher, VersionConflict, VersionInfo
-from .subscriber import LocalRecord, Subscriber
+from zephon_stream.refit.layout import Sharding, TensorSpec, TensorTable
+from zephon_stream.refit.manifest import ChunkEntry, Manifest
+from zephon_stream.refit.publisher import Publisher, VersionConflict, VersionInfo
+from zephon_stream.refit.subscriber import LocalRecord, Subscriber
 
 __all__ = sorted([
     "ChunkEntry",

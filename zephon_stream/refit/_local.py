@@ -15,9 +15,9 @@ import msgspec
 import numpy as np
 import torch
 
-from .._exceptions import ConfigError
-from .hashing import MASK, contiguous_sum, element_sum, element_sums
-from .layout import WORD, Chunk, RankStream, Sharding, TensorTable, _Piece
+from zephon_stream.errors import ConfigError
+from zephon_stream.refit.hashing import MASK, contiguous_sum, element_sum, element_sums
+from zephon_stream.refit.layout import WORD, Chunk, RankStream, Sharding, TensorTable, _Piece
 
 __all__ = ["ChunkPlan", "LocalState"]
 

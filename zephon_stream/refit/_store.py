@@ -8,11 +8,11 @@ from typing import Annotated
 
 import msgspec
 
-from .._exceptions import DataError, ObjectNotFound, RefitError
-from ..connectors import open_store, parse_uri
-from ..connectors.base import Store
-from .layout import TensorTable
-from .manifest import Manifest, decode_manifest, encode_manifest, read_bounded
+from zephon_stream.errors import DataError, ObjectNotFound, RefitError
+from zephon_stream.connectors import open_store, parse_uri
+from zephon_stream.connectors.base import Store
+from zephon_stream.refit.layout import TensorTable
+from zephon_stream.refit.manifest import Manifest, decode_manifest, encode_manifest, read_bounded
 
 __all__ = ["collect_garbage", "commit_manifest", "find_latest", "list_versions", "prefix_identity", "read_manifest",
            "write_latest"]

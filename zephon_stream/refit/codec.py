@@ -30,8 +30,8 @@ from typing import NamedTuple
 import numpy as np
 import zstandard
 
-from .._exceptions import ConfigError, DataError
-from .layout import WORD
+from zephon_stream.errors import ConfigError, DataError
+from zephon_stream.refit.layout import WORD
 
 __all__ = ["DENSE_XOR", "FULL", "SPARSE_SET", "SPARSE_XOR", "Decoded", "check_level", "compose_set", "compose_xor", "decode",
            "diff", "encode_dense", "encode_sparse", "encode_xor"]

@@ -23,7 +23,7 @@ import msgspec
 import numpy as np
 import torch
 
-from .._exceptions import ConfigError
+from zephon_stream.errors import ConfigError
 
 __all__ = ["MAX_CHUNK_BYTES", "Chunk", "RankStream", "Sharding", "TensorSpec", "TensorTable", "check_chunk_bytes",
            "check_count", "dtype_of", "itemsize_of"]

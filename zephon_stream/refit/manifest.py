@@ -19,9 +19,9 @@ from typing import Annotated
 
 import msgspec
 
-from .._exceptions import ConfigError, ConnectorError, DataError, RefitError
-from ..connectors.base import Store
-from .layout import MAX_CHUNK_BYTES, RankStream, Sharding, TensorSpec, TensorTable, itemsize_of
+from zephon_stream.errors import ConfigError, ConnectorError, DataError, RefitError
+from zephon_stream.connectors.base import Store
+from zephon_stream.refit.layout import MAX_CHUNK_BYTES, RankStream, Sharding, TensorSpec, TensorTable, itemsize_of
 
 __all__ = ["ChunkEntry", "Manifest", "check_publishable", "decode_manifest", "encode_manifest", "object_digest",
            "read_bounded"]

@@ -30,16 +30,16 @@ import msgspec
 import numpy as np
 import torch
 
-from .._exceptions import AlreadyExists, ConfigError, DataError, DigestMismatch, ObjectNotFound, RefitError
-from ..connectors.base import Store
-from . import codec
-from . import manifest as _manifest
-from ._local import ChunkPlan, LocalState
-from ._pipeline import run_ordered
-from ._store import StoreOwner, collect_garbage, commit_manifest, find_latest, read_manifest, write_latest
-from .hashing import MASK
-from .layout import RankStream, Sharding, TensorTable, check_chunk_bytes, check_count
-from .manifest import (
+from zephon_stream.errors import AlreadyExists, ConfigError, DataError, DigestMismatch, ObjectNotFound, RefitError
+from zephon_stream.connectors.base import Store
+from zephon_stream.refit import codec
+from zephon_stream.refit import manifest as _manifest
+from zephon_stream.refit._local import ChunkPlan, LocalState
+from zephon_stream.engine.ordered import run_ordered
+from zephon_stream.refit._store import StoreOwner, collect_garbage, commit_manifest, find_latest, read_manifest, write_latest
+from zephon_stream.refit.hashing import MASK
+from zephon_stream.refit.layout import RankStream, Sharding, TensorTable, check_chunk_bytes, check_count
+from zephon_stream.refit.manifest import (
     ChunkEntry,
     Manifest,
     Part,
@@ -48,7 +48,7 @@ from .manifest import (
     encode_manifest,
     object_digest,
 )
-from .subscriber import Subscriber, geometry
+from zephon_stream.refit.subscriber import Subscriber, geometry
 
 __all__ = ["Publisher", "VersionConflict", "VersionInfo"]
 

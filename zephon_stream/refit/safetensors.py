@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .._exceptions import AccessDenied, ConfigError, DataError, ObjectNotFound, ZephonError
+from zephon_stream.errors import AccessDenied, ConfigError, DataError, ObjectNotFound, ZephonError
 
 __all__ = ["Mapped", "load", "save"]
 

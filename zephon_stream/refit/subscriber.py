@@ -39,7 +39,7 @@ import msgspec
 import numpy as np
 import torch
 
-from .._exceptions import (
+from zephon_stream.errors import (
     BaseVersionMismatch,
     ConfigError,
     ConnectorError,
@@ -47,14 +47,14 @@ from .._exceptions import (
     DigestMismatch,
     RefitError,
 )
-from ..connectors.base import Store
-from . import codec
-from . import manifest as _manifest
-from ._local import ChunkPlan, LocalState
-from ._pipeline import run_ordered
-from ._store import StoreOwner, find_latest, prefix_identity, read_manifest
-from .layout import WORD, RankStream, Sharding, TensorTable, check_count
-from .manifest import Manifest, object_digest
+from zephon_stream.connectors.base import Store
+from zephon_stream.refit import codec
+from zephon_stream.refit import manifest as _manifest
+from zephon_stream.refit._local import ChunkPlan, LocalState
+from zephon_stream.engine.ordered import run_ordered
+from zephon_stream.refit._store import StoreOwner, find_latest, prefix_identity, read_manifest
+from zephon_stream.refit.layout import WORD, RankStream, Sharding, TensorTable, check_count
+from zephon_stream.refit.manifest import Manifest, object_digest
 
 __all__ = ["FileIdentity", "LocalRecord", "Subscriber"]
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from .._core.config import Config
-from .._loader import Loader
+from zephon_stream.loader.config import Config
+from zephon_stream.loader.loader import Loader
 
 Record = tuple[int, int, int, int, str]
 

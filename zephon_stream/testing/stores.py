@@ -6,7 +6,7 @@ import random
 
 import anyio
 
-from ..connectors.base import ObjectInfo, Store, StoreStatistics
+from zephon_stream.connectors.base import ObjectInfo, Store, StoreStatistics
 
 
 class LatencyStore:

@@ -13,12 +13,12 @@ from typing import Any
 
 import anyio
 
-from .._exceptions import ConfigError, DataError, RefitError, ZephonError
-from ..connectors import open_store
-from . import safetensors
-from ._store import find_latest, list_versions, read_manifest
-from .publisher import Publisher
-from .subscriber import Subscriber
+from zephon_stream.errors import ConfigError, DataError, RefitError, ZephonError
+from zephon_stream.connectors import open_store
+from zephon_stream.refit import safetensors
+from zephon_stream.refit._store import find_latest, list_versions, read_manifest
+from zephon_stream.refit.publisher import Publisher
+from zephon_stream.refit.subscriber import Subscriber
 
 __all__ = ["add_subparser"]
 

@@ -12,16 +12,16 @@ from typing import Any
 import anyio
 import msgspec
 
-from ._collate import collate, padding_sample
-from ._core.config import Config
-from ._core.sequencer import check_world, consumed, rank_lanes, rank_slots
-from ._core.state import FORMAT_VERSION, LaneState, LoaderState, StateHeader, check_lane_state
-from ._exceptions import CheckpointError, ConfigError, IncompatibleState, ZephonError, root_error
-from ._pipeline import DataPlan
-from .connectors import open_store, parse_uri
-from .connectors.base import Store
-from .operators.read import plan_source
-from .operators.tokenize import Tokenize
+from zephon_stream.operators.collate import collate, padding_sample
+from zephon_stream.loader.config import Config
+from zephon_stream.loader.sequencer import check_world, consumed, rank_lanes, rank_slots
+from zephon_stream.loader.state import FORMAT_VERSION, LaneState, LoaderState, StateHeader, check_lane_state
+from zephon_stream.errors import CheckpointError, ConfigError, IncompatibleState, ZephonError, root_error
+from zephon_stream.loader.lane import DataPlan
+from zephon_stream.connectors import open_store, parse_uri
+from zephon_stream.connectors.base import Store
+from zephon_stream.operators.read import plan_source
+from zephon_stream.operators.tokenize import Tokenize
 
 StoreWrapper = Callable[[Store], Store]
 
@@ -205,7 +205,7 @@ class Loader:
 
     @asynccontextmanager
     async def _open(self) -> AsyncIterator[BatchStream]:
-        from ._backends import run_lanes  # _backends imports this module
+        from zephon_stream.loader.backends import run_lanes  # _backends imports this module
 
         async with AsyncExitStack() as stack:
             stores = await open_stores(self.config, stack, self.wrap_store)
@@ -371,7 +371,7 @@ async def open_stores(config: Config, stack: AsyncExitStack, wrap: StoreWrapper 
         if parse_uri(src.uri)[0] == "s3":
             opts.update(connect_timeout=src.connect_timeout, read_timeout=src.read_timeout)
             if pool is None:
-                from .connectors.s3 import S3ClientPool
+                from zephon_stream.connectors.s3 import S3ClientPool
 
                 pool = await stack.enter_async_context(S3ClientPool())
             opts["pool"] = pool

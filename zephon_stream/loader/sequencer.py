@@ -8,7 +8,7 @@ another rank's lanes.
 
 from __future__ import annotations
 
-from .._exceptions import ConfigError
+from zephon_stream.errors import ConfigError
 
 
 def check_world(lanes: int, global_batch: int, dp_size: int, dp_rank: int) -> None:

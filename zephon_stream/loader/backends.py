@@ -20,18 +20,18 @@ import anyio
 import msgspec
 import numpy as np
 
-from . import _exceptions
-from ._core.config import Config
-from ._core.state import LaneState
-from ._exceptions import ZephonError
-from ._pipeline import DataPlan, Lanes, TextLane
-from .connectors.base import Store
-from .engine.cpu import CpuPolicy
-from .operators.pack import Sample
-from .operators.tokenize import Tokenize
+from zephon_stream import errors as _exceptions
+from zephon_stream.loader.config import Config
+from zephon_stream.loader.state import LaneState
+from zephon_stream.errors import ZephonError
+from zephon_stream.loader.lane import DataPlan, Lanes, TextLane
+from zephon_stream.connectors.base import Store
+from zephon_stream.engine.cpu import CpuPolicy
+from zephon_stream.operators.pack import Sample
+from zephon_stream.operators.tokenize import Tokenize
 
 if TYPE_CHECKING:
-    from ._loader import Loader
+    from zephon_stream.loader.loader import Loader
 
 Streams = dict[int, anyio.abc.ObjectReceiveStream[list[Sample]]]
 
@@ -187,7 +187,7 @@ def _worker_main(payload: bytes, data_w: Any, ctrl_r: Any, wrap_store: Callable[
 
 async def _worker(cfg: Config, plan: DataPlan, states: list[LaneState], data_w: Any, ctrl_r: Any,
                   wrap_store: Callable[[Store], Store] | None) -> None:
-    from ._loader import open_stores
+    from zephon_stream.loader.loader import open_stores
 
     tokenizer = Tokenize(cfg.tokenizer, cfg.eos_token)
     credits = {s.lane: anyio.Semaphore(cfg.sample_buffer) for s in states}

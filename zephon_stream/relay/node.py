@@ -49,7 +49,7 @@ import anyio
 import anyio.abc
 import msgspec
 
-from .._exceptions import (
+from zephon_stream.errors import (
     AlreadyExists,
     ConfigError,
     ConnectorError,
@@ -60,11 +60,11 @@ from .._exceptions import (
     ZephonError,
     root_error,
 )
-from ..connectors import LocalStore, memory_store, open_store, parse_uri
-from ..connectors.base import ObjectInfo, Store
-from ._pipeline import run_ordered
-from ._store import find_latest, write_latest
-from .manifest import Manifest, decode_manifest, object_digest, read_bounded
+from zephon_stream.connectors import LocalStore, memory_store, open_store, parse_uri
+from zephon_stream.connectors.base import ObjectInfo, Store
+from zephon_stream.engine.ordered import run_ordered
+from zephon_stream.refit._store import find_latest, write_latest
+from zephon_stream.refit.manifest import Manifest, decode_manifest, object_digest, read_bounded
 
 __all__ = ["ChildStatistics", "Location", "Prefix", "Relay", "RelayStatistics", "SyncReport",
            "check_disjoint", "prometheus_text"]

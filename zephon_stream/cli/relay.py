@@ -41,12 +41,12 @@ import anyio
 import anyio.abc
 import msgspec
 
-from .._exceptions import ConfigError, ZephonError
-from .relay import Prefix, Relay, prometheus_text
+from zephon_stream.errors import ConfigError, ZephonError
+from zephon_stream.relay.node import Prefix, Relay, prometheus_text
 
 __all__ = ["PrefixConfig", "RelayConfig", "add_subparser", "serve_metrics"]
 
-log = logging.getLogger("zephon_stream.refit.relay")
+log = logging.getLogger("zephon_stream.relay.node")
 
 
 class PrefixConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

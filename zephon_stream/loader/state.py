@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import msgspec
 
-from .._exceptions import CheckpointError, IncompatibleState
-from .config import Config
-from .rng import permutation
+from zephon_stream.errors import CheckpointError, IncompatibleState
+from zephon_stream.loader.config import Config
+from zephon_stream.engine.rng import permutation
 
 if TYPE_CHECKING:
-    from .._pipeline import DataPlan
+    from zephon_stream.loader.lane import DataPlan
 
 FORMAT_VERSION = 1
 DocRef = tuple[int, int, int, int]  # (source, split position in the lane, decoded offset, length)

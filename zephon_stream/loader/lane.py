@@ -30,16 +30,16 @@ import anyio
 import msgspec
 import numpy as np
 
-from ._core.config import Config
-from ._core.rng import permutation
-from ._core.state import DocRef, LaneState
-from ._exceptions import CheckpointError, DataError
-from .connectors.base import Store
-from .operators.mix import Doc, Mix
-from .operators.pack import Pack, Sample
-from .operators.read import Parser, SourcePlan, SplitReader
-from .operators.shuffle import Shuffle
-from .operators.tokenize import Tokenize
+from zephon_stream.loader.config import Config
+from zephon_stream.engine.rng import permutation
+from zephon_stream.loader.state import DocRef, LaneState
+from zephon_stream.errors import CheckpointError, DataError
+from zephon_stream.connectors.base import Store
+from zephon_stream.operators.mix import Doc, Mix
+from zephon_stream.operators.pack import Pack, Sample
+from zephon_stream.operators.read import Parser, SourcePlan, SplitReader
+from zephon_stream.operators.shuffle import Shuffle
+from zephon_stream.operators.tokenize import Tokenize
 
 RunCpu = Callable[..., Awaitable[Any]]
 _EMPTY_RUN = 8  # split positions in a row without a document before a lane checks the whole source

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from .._exceptions import ConfigError
+from zephon_stream.errors import ConfigError
 
 Backend = Literal["inline", "threads", "processes"]
 

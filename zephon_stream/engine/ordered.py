@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import anyio
 import msgspec
 
-from .._exceptions import unwrap_groups
+from zephon_stream.errors import unwrap_groups
 
 __all__ = ["PipelineStatistics", "run_ordered"]
 

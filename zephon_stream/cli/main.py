@@ -13,9 +13,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ._core.config import Config
-from ._core.state import state_from_bytes, state_to_bytes
-from ._exceptions import ZephonError
+from zephon_stream.loader.config import Config
+from zephon_stream.loader.state import state_from_bytes, state_to_bytes
+from zephon_stream.errors import ZephonError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +69,7 @@ def _add_optional(sub: Any) -> None:
     """Subcommands that live with their packages (refit, relay), when those are installed."""
     import importlib
 
-    for module in ("zephon_stream.refit.cli", "zephon_stream.refit.relay_cli"):
+    for module in ("zephon_stream.cli.refit", "zephon_stream.cli.relay"):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
@@ -106,7 +106,7 @@ def _save_state(loader: Any, path: Path) -> None:
 
 
 def _stream(args: argparse.Namespace) -> int:
-    from ._loader import Loader
+    from zephon_stream.loader.loader import Loader
 
     if (args.save_state is None) != (args.save_at is None):
         raise ZephonError("--save-state and --save-at go together")
@@ -177,7 +177,7 @@ class _Progress:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from ._loader import Loader
+    from zephon_stream.loader.loader import Loader
 
     loader = Loader(Config.from_toml(args.config), dp_rank=0, dp_size=1, backend=args.backend)
     for batch in loader:
