@@ -10,7 +10,7 @@ import pytest
 from zephon_stream import ConfigError
 from zephon_stream.loader.loader import Loader
 from zephon_stream.testing.determinism import batch_records, real, run_world
-from zephon_stream.operators.read import ReadWindow
+from zephon_stream.engine.window import ReadWindow
 from zephon_stream.testing.stores import WithLatency
 
 STEPS = 24
@@ -112,7 +112,7 @@ def test_read_ahead_window_does_not_change_order(config, baseline, backend, monk
     real_init = ReadWindow.__init__
 
     def counting(self, *args, **kwargs):
-        windows.append(args[2])  # the ranges
+        windows.append(args[1])  # the ranges
         real_init(self, *args, **kwargs)
 
     monkeypatch.setattr(ReadWindow, "__init__", counting)

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from zephon_stream import DataError
 from zephon_stream.errors import root_error
 from zephon_stream.connectors import MemoryStore
-from zephon_stream.operators.read import Parser, SplitReader, ZstdStream, plan_source, seek_table
+from zephon_stream.formats.jsonl_zst import ZstdStream, seek_table
+from zephon_stream.operators.read import Parser, SplitReader, plan_source
 
 DOCS = [f"document {i} " * (i % 7 + 1) for i in range(48)]
 LINES = [msgspec.json.encode({"text": t}) + b"\n" for t in DOCS]

@@ -6,7 +6,8 @@ from hypothesis import given, settings, strategies as st
 
 from zephon_stream import ConfigError, DataError
 from zephon_stream.connectors import MemoryStore
-from zephon_stream.operators.read import Parser, SplitReader, plan_source, seek_table
+from zephon_stream.formats import seek_table
+from zephon_stream.operators.read import Parser, SplitReader, plan_source
 
 
 def _lines(texts):

@@ -19,7 +19,8 @@ import zstandard
 from zephon_stream import DataError
 from zephon_stream.errors import root_error
 from zephon_stream.connectors import LocalStore, MemoryStore
-from zephon_stream.operators.read import Parser, SplitReader, plan_source, seek_table
+from zephon_stream.formats import seek_table
+from zephon_stream.operators.read import Parser, SplitReader, plan_source
 
 
 def _line(i: int, text: str | None = None) -> bytes:

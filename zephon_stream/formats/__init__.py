@@ -1,5 +1,5 @@
-"""Record formats: the seekable JSONL.zst writer (the reader is `zephon_stream.operators.read`)."""
+"""Record formats, readers and writers together: the seekable JSONL.zst format (`jsonl_zst`)."""
 
-from zephon_stream.formats.jsonl_zst import write_jsonl_shards
+from zephon_stream.formats.jsonl_zst import seek_table, write_jsonl_shards
 
-__all__ = ["write_jsonl_shards"]
+__all__ = ["seek_table", "write_jsonl_shards"]
