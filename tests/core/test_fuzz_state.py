@@ -26,6 +26,10 @@ from zephon_stream.loader.state import (
     state_to_bytes,
 )
 from zephon_stream.loader.loader import Loader
+from zephon_stream.operators.feed import FeedState
+from zephon_stream.operators.mix import MixState
+from zephon_stream.operators.pack import PackState
+from zephon_stream.operators.shuffle import ShuffleState
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 INTS = st.one_of(st.integers(-3, 3000), st.integers(-(1 << 63), (1 << 64) - 1))
@@ -100,9 +104,11 @@ def test_byte_mutations_of_a_state_file(run, data: st.DataObject) -> None:
 _LANE_FIELDS = LaneState.__struct_fields__
 _REF = st.tuples(INTS, INTS, INTS, INTS)
 _FIELD_VALUES = {
-    "lane": INTS, "samples": INTS, "done": st.booleans(), "position": INTS, "pulls": INTS, "carry_offset": INTS,
-    "cursors": st.lists(st.tuples(INTS, INTS), max_size=3), "counts": st.lists(INTS, max_size=3),
-    "window": st.lists(_REF, max_size=6), "carry": st.none() | _REF,
+    "lane": INTS, "samples": INTS, "done": st.booleans(),
+    "sources": st.lists(st.builds(FeedState, INTS, INTS), max_size=3),
+    "mix": st.builds(MixState, st.lists(INTS, max_size=3), INTS),
+    "shuffle": st.builds(ShuffleState, st.lists(_REF, max_size=6), INTS),
+    "pack": st.builds(PackState, st.none() | _REF, INTS),
 }
 
 

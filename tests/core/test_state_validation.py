@@ -15,14 +15,8 @@ import pytest
 
 from zephon_stream import CheckpointError, DataError, IncompatibleState
 from zephon_stream.engine.rng import permutation
-from zephon_stream.loader.state import (
-    LaneState,
-    LoaderState,
-    check_carry_offset,
-    check_lane_state,
-    lane_key,
-    split_at,
-)
+from zephon_stream.loader.state import LaneState, LoaderState, check_lane_state, lane_key, split_at
+from zephon_stream.operators.feed import FeedState
 from zephon_stream.loader.loader import Loader
 from zephon_stream.loader.lane import Lanes
 
@@ -48,7 +42,8 @@ def base(dataset) -> Any:
     it.close()
     state = loader.state_dict()
     lane0 = LoaderState.from_dict(state).lane_states[0]
-    assert lane0.window and lane0.carry is not None and lane0.carry[0] == 1 and lane0.cursors[0][1] > 0
+    assert lane0.shuffle.window and lane0.pack.carry is not None and lane0.pack.carry[0] == 1
+    assert lane0.sources[0].offset > 0
     return cfg, state, lane0
 
 
@@ -69,54 +64,79 @@ def _start(cfg: Any, state: dict[str, bytes] | list[dict[str, bytes]]) -> None:
         it.close()
 
 
+def _mix(ls: LaneState, **changes: Any) -> LaneState:
+    return rep(ls, mix=rep(ls.mix, **changes))
+
+
+def _shuffle(ls: LaneState, **changes: Any) -> LaneState:
+    return rep(ls, shuffle=rep(ls.shuffle, **changes))
+
+
+def _pack(ls: LaneState, **changes: Any) -> LaneState:
+    return rep(ls, pack=rep(ls.pack, **changes))
+
+
 def _window(ls: LaneState, i: int, ref: tuple[int, int, int, int]) -> LaneState:
-    window = list(ls.window)
+    window = list(ls.shuffle.window)
     window[i] = ref
-    return rep(ls, window=window)
+    return _shuffle(ls, window=window)
 
 
 def _cursor(ls: LaneState, s: int, cursor: tuple[int, int]) -> LaneState:
-    cursors = list(ls.cursors)
-    cursors[s] = cursor
-    return rep(ls, cursors=cursors)
+    sources = list(ls.sources)
+    sources[s] = FeedState(*cursor)
+    return rep(ls, sources=sources)
 
 
 def _longer_window(ls: LaneState) -> LaneState:
     """Two more (distinct, already read) documents in the window, counters kept consistent."""
     extra = [(0, 0, off, 1) for off in range(2)]
-    return rep(ls, window=list(ls.window) + extra, position=ls.position + 2)
+    return _mix(_shuffle(ls, window=list(ls.shuffle.window) + extra), position=ls.mix.position + 2)
+
+
+def _at(ls: LaneState, s: int) -> int:
+    return ls.sources[s].offset
 
 
 EDITS: list[tuple[str, Edit, str]] = [
     ("negative samples", lambda ls: rep(ls, samples=-1), r"field samples = -1"),
-    ("negative position", lambda ls: rep(ls, position=-1), r"field position = -1"),
-    ("negative pulls", lambda ls: rep(ls, pulls=-1), r"field pulls = -1"),
-    ("pulls that do not add up", lambda ls: rep(ls, pulls=ls.pulls + 1), r"field pulls = .*must equal position"),
-    ("negative carry_offset", lambda ls: rep(ls, carry_offset=-1), r"field carry_offset = -1"),
+    ("negative position", lambda ls: _mix(ls, position=-1), r"field mix.position = -1"),
+    ("negative pulls", lambda ls: _shuffle(ls, pulls=-1), r"field shuffle.pulls = -1"),
+    ("pulls that do not add up", lambda ls: _shuffle(ls, pulls=ls.shuffle.pulls + 1),
+     r"field shuffle.pulls = .*must equal mix.position"),
+    ("negative carry offset", lambda ls: _pack(ls, offset=-1), r"field pack.offset = -1"),
     ("done while data remains", lambda ls: rep(ls, done=True), r"field done = True"),
-    ("a cursor missing", lambda ls: rep(ls, cursors=ls.cursors[:1]), r"field cursors = .*one cursor per source"),
-    ("a negative cursor", lambda ls: _cursor(ls, 0, (-1, ls.cursors[0][1])), r"field cursors\[0\] = \(-1,"),
-    ("a cursor reset", lambda ls: _cursor(ls, 0, (0, 0)), r"field cursors\[0\] = \(0, 0\): counts\[0\]"),
-    ("a count missing", lambda ls: rep(ls, counts=ls.counts[:1]), r"field counts = .*one count >= 0 per source"),
-    ("a negative count", lambda ls: rep(ls, counts=[-5, ls.counts[1]]), r"field counts = \[-5,"),
-    ("counts below the documents taken", lambda ls: rep(ls, counts=[1, 1]), r"field counts = \[1, 1\]: .*position"),
-    ("a window over shuffle_window", _longer_window, r"field window = .*shuffle_window = 8"),
-    ("a duplicate window reference", lambda ls: _window(ls, 1, ls.window[0]), r"field window\[1\] = .*twice"),
-    ("a window reference to no source", lambda ls: _window(ls, 0, (5, 0, 0, 10)), r"field window\[0\] = \(5,"),
-    ("a window reference of length 0", lambda ls: _window(ls, 0, (0, 0, 0, 0)), r"field window\[0\] = \(0, 0, 0, 0"),
-    ("a window reference not read yet", lambda ls: _window(ls, 0, (0, 0, ls.cursors[0][1], 10)),
-     r"field window\[0\] = .*past cursors\[0\]"),
-    ("a carry that is also in the window", lambda ls: rep(ls, carry=ls.window[0]), r"field carry = .*twice"),
-    ("a carry not read yet", lambda ls: rep(ls, carry=(1, 0, ls.cursors[1][1], 5)),
-     r"field carry = .*past cursors\[1\]"),
-    ("a carry_offset with nothing carried", lambda ls: rep(ls, carry=None), r"field carry_offset = \d+: .*no document"),
+    ("a cursor missing", lambda ls: rep(ls, sources=ls.sources[:1]), r"field sources = .*one cursor per source"),
+    ("a negative cursor", lambda ls: _cursor(ls, 0, (-1, _at(ls, 0))), r"field sources\[0\] = \(-1,"),
+    ("a cursor reset", lambda ls: _cursor(ls, 0, (0, 0)), r"field sources\[0\] = \(0, 0\): mix.counts\[0\]"),
+    ("a count missing", lambda ls: _mix(ls, counts=ls.mix.counts[:1]),
+     r"field mix.counts = .*one count >= 0 per source"),
+    ("a negative count", lambda ls: _mix(ls, counts=[-5, ls.mix.counts[1]]), r"field mix.counts = \[-5,"),
+    ("counts below the documents taken", lambda ls: _mix(ls, counts=[1, 1]),
+     r"field mix.counts = \[1, 1\]: .*mix.position"),
+    ("a window over shuffle_window", _longer_window, r"field shuffle.window = .*shuffle_window = 8"),
+    ("a duplicate window reference", lambda ls: _window(ls, 1, ls.shuffle.window[0]),
+     r"field shuffle.window\[1\] = .*twice"),
+    ("a window reference to no source", lambda ls: _window(ls, 0, (5, 0, 0, 10)),
+     r"field shuffle.window\[0\] = \(5,"),
+    ("a window reference of length 0", lambda ls: _window(ls, 0, (0, 0, 0, 0)),
+     r"field shuffle.window\[0\] = \(0, 0, 0, 0"),
+    ("a window reference not read yet", lambda ls: _window(ls, 0, (0, 0, _at(ls, 0), 10)),
+     r"field shuffle.window\[0\] = .*past sources\[0\]"),
+    ("a carry that is also in the window", lambda ls: _pack(ls, carry=ls.shuffle.window[0]),
+     r"field pack.carry = .*twice"),
+    ("a carry not read yet", lambda ls: _pack(ls, carry=(1, 0, _at(ls, 1), 5)),
+     r"field pack.carry = .*past sources\[1\]"),
+    ("a carry offset with nothing carried", lambda ls: _pack(ls, carry=None),
+     r"field pack.offset = \d+: .*no document"),
     # against the data (the plan), once streaming starts
     ("a cursor past the last epoch", lambda ls: _cursor(ls, 0, (10**6, 5)),
-     r"field cursors\[0\] = \(1000000, 5\): split position 1000000 .* past the end of the data"),
+     r"field sources\[0\] = \(1000000, 5\): split position 1000000 .* past the end of the data"),
     ("a cursor past its split's shard", lambda ls: _cursor(ls, 0, (0, 10**9)),
-     r"field cursors\[0\] = \(0, 1000000000\): .*outside"),
+     r"field sources\[0\] = \(0, 1000000000\): .*outside"),
     ("a window reference outside its split",
-     lambda ls: _window(_cursor(ls, 0, (1, 5)), 0, (0, 0, 10**6, 10)), r"field window\[0\] = \(0, 0, 1000000, 10\).*outside"),
+     lambda ls: _window(_cursor(ls, 0, (1, 5)), 0, (0, 0, 10**6, 10)),
+     r"field shuffle.window\[0\] = \(0, 0, 1000000, 10\).*outside"),
 ]
 
 
@@ -148,36 +168,30 @@ def test_a_negative_step_and_disagreeing_files(base) -> None:
         _start(cfg, {**state, "meta": msgspec.msgpack.encode(rep(head, step=-1))})
     with pytest.raises(IncompatibleState, match=r"field samples = 7: step 3 means 6"):
         _start(cfg, _with(state, rep(lane0, samples=lane0.samples + 1)))
-    other = _with(state, rep(lane0, counts=[lane0.counts[0] + 1, lane0.counts[1]]))
+    other = _with(state, _mix(lane0, counts=[lane0.mix.counts[0] + 1, lane0.mix.counts[1]]))
     with pytest.raises(IncompatibleState, match="lane 0 has two different states"):
         _start(cfg, [state, other])
     _start(cfg, [state, state])  # the same files twice agree
 
 
-def test_carry_offset_within_the_carried_document() -> None:
-    ls = LaneState(0, 1, False, [(0, 100)], [40], 1, [], 1, (0, 0, 0, 100), 39)
-    check_carry_offset(ls, 40)
-    with pytest.raises(IncompatibleState, match=r"lane 0 state field carry_offset = 39: .* has 39 tokens"):
-        check_carry_offset(ls, 39)
-
-
-# Needs the owners of _pipeline.py / operators/read.py (see the report of issue 9):
-# SplitReader.blocks(offset > 0) checks that the byte before `offset` ends a line, and
-# TextLane._restore / _read_source name the lane and field; _restore calls check_carry_offset.
-
-@pytest.mark.xfail(strict=True, raises=DataError, reason="read.py does not check that a cursor is a record start")
 def test_a_cursor_inside_a_record_is_refused_naming_the_field(base) -> None:
     cfg, state, lane0 = base
-    p, off = lane0.cursors[0]
-    with pytest.raises(IncompatibleState, match=r"lane 0 state field cursors\[0\]"):
+    p, off = lane0.sources[0].position, lane0.sources[0].offset
+    with pytest.raises(IncompatibleState, match=r"lane 0 state field sources\[0\] = .*is not a record start"):
         _start(cfg, _with(state, _cursor(lane0, 0, (p, off + 3))))
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="_pipeline.py does not call check_carry_offset")
 def test_a_carry_offset_past_the_carried_document_is_refused(base) -> None:
     cfg, state, lane0 = base
-    with pytest.raises(IncompatibleState, match=r"lane 0 state field carry_offset"):
-        _start(cfg, _with(state, rep(lane0, carry_offset=10**6)))
+    with pytest.raises(IncompatibleState, match=r"lane 0 state field pack.offset = 1000000: the carried document"):
+        _start(cfg, _with(state, _pack(lane0, offset=10**6)))
+
+
+def test_a_reference_whose_length_does_not_match_its_record_is_refused(base) -> None:
+    cfg, state, lane0 = base
+    s, p, off, n = lane0.pack.carry
+    with pytest.raises(IncompatibleState, match=r"lane 0 state field window or carry = .*no such documents"):
+        _start(cfg, _with(state, _pack(lane0, carry=(s, p, off, n - 1))))
 
 
 # ---- no false refusals: every state a run writes passes, against its plan ----------------------

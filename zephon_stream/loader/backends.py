@@ -27,7 +27,7 @@ from zephon_stream.errors import ZephonError
 from zephon_stream.loader.lane import DataPlan, Lanes, TextLane
 from zephon_stream.connectors.base import Store
 from zephon_stream.engine.cpu import CpuPolicy
-from zephon_stream.operators.pack import Sample
+from zephon_stream.operators.types import Sample
 from zephon_stream.operators.tokenize import Tokenize
 
 if TYPE_CHECKING:

@@ -1,12 +1,12 @@
-"""The text pipeline of one lane: read -> tokenize -> mix -> shuffle -> pack.
+"""The text pipeline of one lane: a composition of operators (`engine.operator.Operator`).
 
 ```
-source 0: SplitReader -> parse -> tokenize --[doc_buffer]--\\
-source 1: SplitReader -> parse -> tokenize --[doc_buffer]---> Mix -> Shuffle -> Pack --[sample_buffer]--> sequencer
+Feed 0: SplitReader -> parse -> tokenize --[doc_buffer]--\\
+Feed 1: SplitReader -> parse -> tokenize --[doc_buffer]---> Mix -> Shuffle -> Pack --[sample_buffer]--> sequencer
 ```
 
-Each source runs ahead in its own task, bounded by `doc_buffer` batches. Mix, Shuffle and Pack
-are pulled in one task, so the lane state right after each sample is one consistent snapshot;
+Each source's feed runs ahead in its own producer task, bounded by `doc_buffer` batches. Mix,
+Shuffle and Pack are pulled in one task, so the lane state right after each sample is one consistent snapshot;
 it travels with the sample and becomes the checkpoint once the trainer consumes the sample.
 Lane `l` takes the splits of source `s` at positions `l, l+L, l+2L, ...` of the endless
 sequence `perm(s, epoch 0) ++ perm(s, epoch 1) ++ ...`, so every split of an epoch goes to
@@ -22,24 +22,27 @@ never fails the check, and the check never changes what a lane yields.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+import functools
 from contextlib import AsyncExitStack
 from functools import lru_cache
 from typing import Any
 
 import anyio
 import msgspec
-import numpy as np
 
 from zephon_stream.loader.config import Config
 from zephon_stream.engine.rng import permutation
-from zephon_stream.loader.state import DocRef, LaneState
-from zephon_stream.errors import CheckpointError, DataError
 from zephon_stream.connectors.base import Store
-from zephon_stream.operators.mix import Doc, Mix
-from zephon_stream.operators.pack import Pack, Sample
+from zephon_stream.engine.operator import Operator
+from zephon_stream.errors import DataError, IncompatibleState
+from zephon_stream.loader.state import LaneState, split_at
+from zephon_stream.operators.feed import Feed
+from zephon_stream.operators.mix import Mix
+from zephon_stream.operators.pack import Pack
 from zephon_stream.operators.read import Parser, SourcePlan, SplitReader
 from zephon_stream.operators.shuffle import Shuffle
 from zephon_stream.operators.tokenize import Tokenize
+from zephon_stream.operators.types import Doc, DocRef, Sample
 
 RunCpu = Callable[..., Awaitable[Any]]
 _EMPTY_RUN = 8  # split positions in a row without a document before a lane checks the whole source
@@ -69,12 +72,11 @@ class Lanes:
 
     def reader(self, source: int, lane: int, position: int) -> SplitReader | None:
         """The reader of the split at `position` of `lane`'s sequence for `source`, or None at the end."""
-        src = self.plan.sources[source]
-        g = lane + position * self.config.lanes
-        epoch, index = divmod(g, len(src.splits))
-        if self.config.max_epochs and epoch >= self.config.max_epochs:
+        src, cfg = self.plan.sources[source], self.config
+        at = split_at(len(src.splits), cfg.lanes, cfg.max_epochs, lane, position)
+        if at is None:
             return None
-        split = src.splits[self._perm(source, epoch)[index]]
+        split = src.splits[self._perm(source, at[0])[at[1]]]
         return SplitReader(self.stores[source], src.shards[split.shard], split, self.config.max_record_bytes,
                            self.run_cpu, spawn=self.spawn, read_ahead=self.config.read_ahead,
                            bad=self.parsers[source].bad)
@@ -116,41 +118,39 @@ class Lanes:
 
 
 class TextLane:
-    """One lane: its output depends only on (config, seed, lane id, data)."""
+    """One lane, a composition of operators: its output depends only on (config, seed, lane id, data).
+
+    `sources` (one `Feed` per source) -> `Mix` -> `Shuffle` -> `Pack`. The lane state nests their
+    states (`LaneState`), taken together right after each sample.
+    """
 
     def __init__(self, shared: Lanes, lane: int, state: LaneState | None = None) -> None:
         self.shared, self.lane = shared, lane
         cfg = shared.config
         n = len(shared.plan.sources)
-        self.state_in = state or LaneState(lane, 0, False, [(0, 0)] * n, [0] * n, 0, [], 0, None, 0)
-        self._feeds: list[_Feed] = []
-        self.mix = Mix([s.weight for s in cfg.sources], cfg.seed, lane, cfg.mix == "tokens",
-                       [self._pull(s) for s in range(n)])
-        self.shuffle = Shuffle(cfg.shuffle_window, cfg.seed, lane, self.mix.next)
+        self.state_in = state or LaneState.initial(lane, n)
+        self.sources = [Feed(functools.partial(self._read_source, s), cfg.doc_buffer) for s in range(n)]
+        self.mix = Mix([s.weight for s in cfg.sources], cfg.seed, lane, cfg.mix == "tokens", self.sources)
+        self.shuffle = Shuffle(cfg.shuffle_window, cfg.seed, lane, self.mix)
         pad = shared.tokenizer.eos_id if cfg.pad_token_id is None else cfg.pad_token_id
-        self.pack = Pack(cfg.seq_len, pad, cfg.mask_cross_document_labels, self.shuffle.next)
+        self.pack = Pack(cfg.seq_len, pad, cfg.mask_cross_document_labels, self.shuffle)
 
     def __repr__(self) -> str:
         return f"TextLane({self.lane})"
-
-    def _pull(self, source: int) -> Callable[[], Awaitable[Doc | None]]:
-        return lambda: self._feeds[source].next()
 
     async def run(self, out: anyio.abc.ObjectSendStream[list[Sample]]) -> None:
         """Produce samples into `out` (in batches of `sample_batch`) until the data ends."""
         cfg, st = self.shared.config, self.state_in
         async with out, AsyncExitStack() as stack, anyio.create_task_group() as tg:
             await self._restore(st)  # before read-ahead starts, so the two do not compete for CPU
-            for s, cursor in enumerate(st.cursors):
-                send, recv = anyio.create_memory_object_stream[list[Doc]](cfg.doc_buffer)
-                stack.enter_context(recv)
-                self._feeds.append(_Feed(recv))
-                tg.start_soon(self._read_source, s, cursor, send)
+            for feed in self.sources:
+                stack.enter_context(feed.start(tg.start_soon))
             index, batch = st.samples, []
             while not st.done:
-                sample = await self.pack.next(self.lane, index)
+                sample = await self.pack.next()
                 if sample is None:
                     break
+                sample.lane, sample.index = self.lane, index
                 index += 1
                 sample.state = self._snapshot(index)
                 batch.append(sample)
@@ -161,77 +161,81 @@ class TextLane:
                 await out.send(batch)
             tg.cancel_scope.cancel()
 
+    def _operators(self, st: LaneState) -> list[tuple[str, Operator[Any], Any]]:
+        """(field, operator, its state in `st`) for every operator of the lane, upstream first."""
+        feeds = [(f"sources[{s}]", feed, st.sources[s]) for s, feed in enumerate(self.sources)]
+        return feeds + [("mix", self.mix, st.mix), ("shuffle", self.shuffle, st.shuffle), ("pack", self.pack, st.pack)]
+
     def _snapshot(self, samples: int) -> LaneState:
-        m, sh, p = self.mix, self.shuffle, self.pack
-        return LaneState(self.lane, samples, False, list(m.cursors), list(m.counts), m.position,
-                         [d[0] for d in sh.window], sh.pulls, p.carry[0] if p.carry else None, p.offset)
+        return LaneState(self.lane, samples, False, [f.state() for f in self.sources], self.mix.state(),
+                         self.shuffle.state(), self.pack.state())
 
     async def _restore(self, st: LaneState) -> None:
-        refs = list(st.window) + ([st.carry] if st.carry else [])
-        docs = dict(zip(refs, await self._reread(refs))) if refs else {}
-        self.mix.restore(st.counts, st.position, st.cursors)
-        self.shuffle.restore([(tuple(r), docs[tuple(r)]) for r in st.window], st.pulls)
-        self.pack.restore((tuple(st.carry), docs[tuple(st.carry)]) if st.carry else None, st.carry_offset)
+        ops = self._operators(st)
+        refs = list(dict.fromkeys(tuple(r) for _, op, state in ops for r in op.refs(state)))
+        docs = await self._reread(refs) if refs else {}
+        for field, op, state in ops:
+            try:
+                op.restore(state, docs.__getitem__)
+            except IncompatibleState as exc:
+                name = field if field.startswith("sources") else ""
+                raise self._refused(f"{name} {exc}".strip()) from None
 
-    async def _reread(self, refs: list[DocRef]) -> list[np.ndarray]:
+    def _refused(self, detail: str) -> IncompatibleState:
+        return IncompatibleState(f"lane {self.lane} state field {detail}; this state was not written by a run of "
+                                 "this config over this data (edited or damaged?): resume from the checkpoint as "
+                                 "saved, or start fresh")
+
+    async def _reread(self, refs: list[DocRef]) -> dict[DocRef, Doc]:
         """Read and tokenize the documents a checkpoint refers to: one pass over each split involved."""
         by_split: dict[tuple[int, int], set[int]] = {}
         for source, position, offset, _ in refs:
             by_split.setdefault((source, position), set()).add(offset)
-        texts: dict[tuple[int, int, int], str] = {}
+        found: dict[tuple[int, int, int], tuple[int, str]] = {}  # (source, position, offset) -> (length, text)
 
         async def one(source: int, position: int, offsets: set[int]) -> None:
             reader = self.shared.reader(source, self.lane, position)
             if reader is None:
-                raise CheckpointError(f"lane {self.lane} state refers to split position {position} of source "
-                                      f"{source}, past the end of the data: the checkpoint does not match it")
+                raise self._refused(f"sources[{source}] split position {position}: past the end of the data")
             last = max(offsets)
-            async for pos, block in reader.blocks(min(offsets)):
-                for (_, _, off, _), text in await self.shared.run_cpu(self.shared.decode, source, position,
-                                                                       reader, pos, block):
-                    if off in offsets:
-                        texts[source, position, off] = text
-                if pos + len(block) > last:
-                    return
+            try:
+                async for pos, block in reader.blocks(min(offsets)):
+                    for (_, _, off, n), text in await self.shared.run_cpu(self.shared.decode, source, position,
+                                                                           reader, pos, block):
+                        if off in offsets:
+                            found[source, position, off] = (n, text)
+                    if pos + len(block) > last:
+                        return
+            except IncompatibleState as exc:  # a reference in mid-record
+                raise self._refused(f"of a document of source {source}: {exc}") from None
 
         async with anyio.create_task_group() as tg:
             for (source, position), offsets in by_split.items():
                 tg.start_soon(one, source, position, offsets)
-        missing = [r for r in refs if (r[0], r[1], r[2]) not in texts]
+        missing = [r for r in refs if found.get((r[0], r[1], r[2]), (None,))[0] != r[3]]
         if missing:
-            raise CheckpointError(f"lane {self.lane} state refers to documents that are not in the data: "
-                                  f"{missing[:3]}: the checkpoint does not match the data")
-        return await self.shared.run_cpu(self.shared.tokenizer, [texts[r[0], r[1], r[2]] for r in refs])
+            raise self._refused(f"window or carry = {missing[:3]}: no such documents in the data "
+                                "(a reference's offset or length does not match a record)")
+        tokens = await self.shared.run_cpu(self.shared.tokenizer, [found[r[0], r[1], r[2]][1] for r in refs])
+        return {ref: (ref, ids) for ref, ids in zip(refs, tokens)}
 
-    async def _read_source(self, source: int, cursor: tuple[int, int], send: anyio.abc.ObjectSendStream) -> None:
-        shared, position, offset = self.shared, *cursor
+    async def _read_source(self, source: int, position: int, offset: int, send: anyio.abc.ObjectSendStream) -> None:
+        """The producer of `sources[source]`: read, decode and tokenize from the cursor on."""
+        shared = self.shared
         batch = shared.config.tokenize_batch
         empty = 0  # positions in a row that gave no document
         async with send:
             while (reader := shared.reader(source, self.lane, position)) is not None:
                 found = False
-                async for pos, block in reader.blocks(offset):
-                    docs = await shared.run_cpu(shared.decode, source, position, reader, pos, block)
-                    found = found or bool(docs)
-                    for i in range(0, len(docs), batch):
-                        await send.send(await shared.run_cpu(shared.tokenize, docs[i:i + batch]))
+                try:
+                    async for pos, block in reader.blocks(offset):
+                        docs = await shared.run_cpu(shared.decode, source, position, reader, pos, block)
+                        found = found or bool(docs)
+                        for i in range(0, len(docs), batch):
+                            await send.send(await shared.run_cpu(shared.tokenize, docs[i:i + batch]))
+                except IncompatibleState as exc:  # the cursor is not a record start
+                    raise self._refused(f"sources[{source}] = {(position, offset)}: {exc}") from None
                 empty = 0 if found else empty + 1
                 if empty >= min(_EMPTY_RUN, len(shared.plan.sources[source].splits)):
                     await shared.check_source(source)
                 position, offset = position + 1, 0
-
-
-class _Feed:
-    """Hands out a source's documents one at a time from its batches."""
-
-    def __init__(self, recv: anyio.abc.ObjectReceiveStream[list[Doc]]) -> None:
-        self.recv, self.batch, self.i = recv, [], 0
-
-    async def next(self) -> Doc | None:
-        while self.i >= len(self.batch):
-            try:
-                self.batch, self.i = await self.recv.receive(), 0
-            except anyio.EndOfStream:
-                return None
-        self.i += 1
-        return self.batch[self.i - 1]

@@ -164,8 +164,7 @@ class Loader:
                                     "states of one checkpoint")
 
     def _initial(self, lane: int) -> LaneState:
-        n = len(self.config.sources)
-        return LaneState(lane, 0, False, [(0, 0)] * n, [0] * n, 0, [], 0, None, 0)
+        return LaneState.initial(lane, len(self.config.sources))
 
     def _data_fingerprint(self) -> str:
         return self._plan.fingerprint if self._plan else ""

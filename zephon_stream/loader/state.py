@@ -1,8 +1,19 @@
 """Checkpoint state: typed plain data, msgpack-encoded, versioned, one record per lane.
 
-A lane's state holds counters, cursors and document references, never payloads: restore
+A lane's state nests the states of its operators, in pipeline order, plus the lane's own
+counters; it holds counters, cursors and document references, never payloads: restore
 re-reads the (at most `shuffle_window + 1`) referenced documents. Its size is bounded by the
 shuffle window and the number of sources, whatever the dataset size or position.
+
+```
+LaneState(lane=3, samples=120, done=False,
+          sources=[FeedState(position=4, offset=8812), ...],   # one per source: the next unread document
+          mix=MixState(counts=[...], position=517),
+          shuffle=ShuffleState(window=[(0, 4, 1200, 310), ...], pulls=453),
+          pack=PackState(carry=(1, 2, 0, 2048), offset=96))
+```
+
+Format 2 is this nesting; format 1 (one flat record per lane) is still read and converted.
 """
 
 from __future__ import annotations
@@ -13,28 +24,58 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import msgspec
 
+from zephon_stream.engine.rng import permutation
 from zephon_stream.errors import CheckpointError, IncompatibleState
 from zephon_stream.loader.config import Config
-from zephon_stream.engine.rng import permutation
+from zephon_stream.operators.feed import FeedState
+from zephon_stream.operators.mix import MixState
+from zephon_stream.operators.pack import PackState
+from zephon_stream.operators.shuffle import ShuffleState
+from zephon_stream.operators.types import DocRef
 
 if TYPE_CHECKING:
     from zephon_stream.loader.lane import DataPlan
 
-FORMAT_VERSION = 1
-DocRef = tuple[int, int, int, int]  # (source, split position in the lane, decoded offset, length)
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 class LaneState(msgspec.Struct, frozen=True, array_like=True):
+    """One lane's state: its counters, then each operator's state in pipeline order."""
+
     lane: int
     samples: int  # samples this lane has handed out
     done: bool  # the lane's data is exhausted (max_epochs reached)
-    cursors: list[tuple[int, int]]  # per source: (split position, offset) of the next unread document
-    counts: list[int]  # per source: tokens (or documents) taken by the mixer
-    position: int  # documents taken by the mixer
-    window: list[DocRef]  # shuffle window, in window order
-    pulls: int  # documents taken out of the shuffle window
-    carry: DocRef | None  # document being packed
-    carry_offset: int  # tokens of `carry` already packed
+    sources: list[FeedState]  # per source: the cursor of the next unread document
+    mix: MixState
+    shuffle: ShuffleState
+    pack: PackState
+
+    @classmethod
+    def initial(cls, lane: int, n_sources: int) -> LaneState:
+        """The state of a lane that has handed out nothing."""
+        return cls(lane, 0, False, [FeedState(0, 0)] * n_sources, MixState([0] * n_sources, 0),
+                   ShuffleState([], 0), PackState(None, 0))
+
+
+class _LaneStateV1(msgspec.Struct, frozen=True, array_like=True):
+    """Format 1: the same content, flat."""
+
+    lane: int
+    samples: int
+    done: bool
+    cursors: list[tuple[int, int]]
+    counts: list[int]
+    position: int
+    window: list[DocRef]
+    pulls: int
+    carry: DocRef | None
+    carry_offset: int
+
+    def upgrade(self) -> LaneState:
+        return LaneState(self.lane, self.samples, self.done, [FeedState(p, o) for p, o in self.cursors],
+                         MixState(self.counts, self.position), ShuffleState(self.window, self.pulls),
+                         PackState(self.carry, self.carry_offset))
 
 
 class StateHeader(msgspec.Struct, frozen=True):
@@ -72,14 +113,18 @@ class LoaderState(msgspec.Struct, frozen=True):
         if "meta" not in state:
             raise CheckpointError(f"not a zephon-stream loader state: no 'meta' key among {sorted(state)[:5]}")
         header = _decode(_header_decoder, state["meta"], "meta")
-        if header.format_version != FORMAT_VERSION:
-            raise CheckpointError(f"checkpoint format_version {header.format_version} is not supported "
-                                  f"(this version reads {FORMAT_VERSION})")
+        if header.format_version not in READABLE_VERSIONS:
+            raise CheckpointError(f"checkpoint format_version {header.format_version} is not supported: this "
+                                  f"version of zephon-stream reads formats {READABLE_VERSIONS}; resume with the "
+                                  "version that wrote it")
         if header.step < 0:
             raise IncompatibleState(f"checkpoint header field step = {header.step}: must be >= 0; the checkpoint "
                                     "was edited or damaged: use the file as saved or start fresh")
         keys = sorted(k for k in state if k.startswith("lane_"))
-        lanes = [_decode(_lane_decoder, state[k], k) for k in keys]
+        if header.format_version == 1:
+            lanes = [_decode(_lane_v1_decoder, state[k], k).upgrade() for k in keys]
+        else:
+            lanes = [_decode(_lane_decoder, state[k], k) for k in keys]
         for key, ls in zip(keys, lanes):
             if key != lane_key(ls.lane):
                 raise IncompatibleState(f"checkpoint entry {key!r} has lane field {ls.lane}: an entry holds the "
@@ -94,6 +139,7 @@ def lane_key(lane: int) -> str:
 _encoder = msgspec.msgpack.Encoder()
 _header_decoder = msgspec.msgpack.Decoder(StateHeader)
 _lane_decoder = msgspec.msgpack.Decoder(LaneState)
+_lane_v1_decoder = msgspec.msgpack.Decoder(_LaneStateV1)
 _file_decoder = msgspec.msgpack.Decoder(dict[str, bytes])
 
 
@@ -123,24 +169,17 @@ def state_from_bytes(data: bytes) -> dict[str, bytes]:
 # ---- validation against the config and the data ---------------------------------------------
 
 
-def split_at(n_splits: int, lanes: int, max_epochs: int, lane: int, position: int) -> tuple[int, int] | None:
-    """(epoch, index in that epoch's permutation) of the split at `position` of `lane`'s sequence
-    for a source of `n_splits` splits; None past the last epoch (`max_epochs` > 0)."""
-    epoch, index = divmod(lane + position * lanes, n_splits)
-    return None if max_epochs and epoch >= max_epochs else (epoch, index)
-
-
 def check_lane_state(ls: LaneState, config: Config, plan: DataPlan | None = None) -> None:
     """Refuse a lane state that no run of `config` (over `plan`'s data, when given) can write.
 
     Every field is checked against the config and against the others: counters, cursors,
     window and carry references (each a document already read, no two alike). With the plan,
     every split position must exist and, for JSON Lines, every offset lie inside its split.
-    Raises `IncompatibleState` naming the lane and the field. What needs the data itself
-    (a cursor at a record start, `carry_offset` within the carried document's tokens) is
-    checked where the data is read again (`check_carry_offset`).
+    Raises `IncompatibleState` naming the lane and the field. What needs the data itself (a
+    cursor at a record start, `pack.offset` within the carried document's tokens) is checked
+    where the data is read again.
     """
-    bad = _Refusal(ls.lane)
+    bad = Refusal(ls.lane)
     _check_counters(ls, config, bad)
     _check_cursors(ls, len(config.sources), bad)
     _check_refs(ls, config, bad)
@@ -148,14 +187,9 @@ def check_lane_state(ls: LaneState, config: Config, plan: DataPlan | None = None
         _check_positions(ls, config, plan, bad)
 
 
-def check_carry_offset(ls: LaneState, carry_tokens: int) -> None:
-    """Refuse a `carry_offset` outside the carried document, once its `carry_tokens` are known."""
-    if ls.carry is not None and not ls.carry_offset < carry_tokens:
-        _Refusal(ls.lane)("carry_offset", ls.carry_offset, f"the carried document {tuple(ls.carry)} has "
-                          f"{carry_tokens} tokens, so it must be < {carry_tokens}")
+class Refusal:
+    """Raises IncompatibleState for one lane: `bad(field, value, why)`."""
 
-
-class _Refusal:
     def __init__(self, lane: int) -> None:
         self.lane = lane
 
@@ -165,68 +199,82 @@ class _Refusal:
                                 "from the checkpoint as saved, or start fresh")
 
 
-def _check_counters(ls: LaneState, config: Config, bad: _Refusal) -> None:
+def _check_counters(ls: LaneState, config: Config, bad: Refusal) -> None:
+    mix, shuffle, pack = ls.mix, ls.shuffle, ls.pack
     if not 0 <= ls.lane < config.lanes:
         bad("lane", ls.lane, f"the config has lanes = {config.lanes}")
-    for field in ("samples", "position", "pulls", "carry_offset"):
-        if getattr(ls, field) < 0:
-            bad(field, getattr(ls, field), "must be >= 0")
-    if len(ls.counts) != len(config.sources) or min(ls.counts, default=0) < 0:
-        bad("counts", ls.counts, f"needs one count >= 0 per source ({len(config.sources)} sources)")
-    taken = sum(ls.counts)  # every document counts 1 (mix = "documents") or its tokens, at least its EOS
-    if taken < ls.position or (config.mix == "documents" and taken != ls.position):
-        bad("counts", ls.counts, f"they add up to {taken} for {ls.position} documents taken (position)")
-    if config.shuffle_window and ls.pulls + len(ls.window) != ls.position:
-        bad("pulls", ls.pulls, f"pulls + window size ({len(ls.window)}) must equal position ({ls.position})")
-    if not config.shuffle_window and ls.pulls:
-        bad("pulls", ls.pulls, "must be 0 with shuffle_window = 0")
-    if ls.done and (not config.max_epochs or ls.window or ls.carry is not None):
+    for field, value in (("samples", ls.samples), ("mix.position", mix.position), ("shuffle.pulls", shuffle.pulls),
+                         ("pack.offset", pack.offset)):
+        if value < 0:
+            bad(field, value, "must be >= 0")
+    if len(mix.counts) != len(config.sources) or min(mix.counts, default=0) < 0:
+        bad("mix.counts", mix.counts, f"needs one count >= 0 per source ({len(config.sources)} sources)")
+    taken = sum(mix.counts)  # every document counts 1 (mix = "documents") or its tokens, at least its EOS
+    if taken < mix.position or (config.mix == "documents" and taken != mix.position):
+        bad("mix.counts", mix.counts, f"they add up to {taken} for {mix.position} documents taken (mix.position)")
+    if config.shuffle_window and shuffle.pulls + len(shuffle.window) != mix.position:
+        bad("shuffle.pulls", shuffle.pulls, f"shuffle.pulls + window size ({len(shuffle.window)}) must equal "
+            f"mix.position ({mix.position})")
+    if not config.shuffle_window and shuffle.pulls:
+        bad("shuffle.pulls", shuffle.pulls, "must be 0 with shuffle_window = 0")
+    if ls.done and (not config.max_epochs or shuffle.window or pack.carry is not None):
         bad("done", ls.done, "a lane is done only with max_epochs > 0, once its window and carry are empty")
 
 
-def _check_cursors(ls: LaneState, n_sources: int, bad: _Refusal) -> None:
-    if len(ls.cursors) != n_sources:
-        bad("cursors", ls.cursors, f"needs one cursor per source ({n_sources} sources)")
-    for s, (position, offset) in enumerate(ls.cursors):
+def _check_cursors(ls: LaneState, n_sources: int, bad: Refusal) -> None:
+    if len(ls.sources) != n_sources:
+        bad("sources", [(c.position, c.offset) for c in ls.sources], f"needs one cursor per source ({n_sources} sources)")
+    for s, cursor in enumerate(ls.sources):
+        position, offset = cursor.position, cursor.offset
         if position < 0 or offset < 0:
-            bad(f"cursors[{s}]", (position, offset), "a split position and offset must be >= 0")
-        if (ls.counts[s] == 0) != ((position, offset) == (0, 0)):
-            bad(f"cursors[{s}]", (position, offset), f"counts[{s}] = {ls.counts[s]}: a cursor moves exactly "
-                "when documents of its source are taken")
+            bad(f"sources[{s}]", (position, offset), "a split position and offset must be >= 0")
+        if (ls.mix.counts[s] == 0) != ((position, offset) == (0, 0)):
+            bad(f"sources[{s}]", (position, offset), f"mix.counts[{s}] = {ls.mix.counts[s]}: a cursor moves "
+                "exactly when documents of its source are taken")
 
 
-def _check_refs(ls: LaneState, config: Config, bad: _Refusal) -> None:
-    if len(ls.window) > config.shuffle_window:
-        bad("window", f"{len(ls.window)} documents", f"holds at most shuffle_window = {config.shuffle_window}")
-    if ls.carry is None and ls.carry_offset:
-        bad("carry_offset", ls.carry_offset, "must be 0 when no document is carried")
+def _check_refs(ls: LaneState, config: Config, bad: Refusal) -> None:
+    if len(ls.shuffle.window) > config.shuffle_window:
+        bad("shuffle.window", f"{len(ls.shuffle.window)} documents",
+            f"holds at most shuffle_window = {config.shuffle_window}")
+    if ls.pack.carry is None and ls.pack.offset:
+        bad("pack.offset", ls.pack.offset, "must be 0 when no document is carried")
     seen: set[tuple[int, int, int]] = set()
     for field, ref in _refs(ls):
         source, position, offset, length = ref
         if not 0 <= source < len(config.sources) or position < 0 or offset < 0 or length < 1:
             bad(field, tuple(ref), f"needs 0 <= source < {len(config.sources)}, position >= 0, offset >= 0 "
                 "and length >= 1")
-        if (position, offset + length) > tuple(ls.cursors[source]):
-            bad(field, tuple(ref), f"the document lies past cursors[{source}] = {tuple(ls.cursors[source])}: "
-                "only documents already read can be in the window or carried")
+        cursor = ls.sources[source]
+        if (position, offset + length) > (cursor.position, cursor.offset):
+            bad(field, tuple(ref), f"the document lies past sources[{source}] = {(cursor.position, cursor.offset)}: only documents "
+                "already read can be in the window or carried")
         if (source, position, offset) in seen:
             bad(field, tuple(ref), "the same document is referenced twice")
         seen.add((source, position, offset))
 
 
 def _refs(ls: LaneState) -> list[tuple[str, DocRef]]:
-    refs = [(f"window[{i}]", ref) for i, ref in enumerate(ls.window)]
-    return refs + ([("carry", ls.carry)] if ls.carry is not None else [])
+    refs = [(f"shuffle.window[{i}]", ref) for i, ref in enumerate(ls.shuffle.window)]
+    return refs + ([("pack.carry", ls.pack.carry)] if ls.pack.carry is not None else [])
 
 
-def _check_positions(ls: LaneState, config: Config, plan: DataPlan, bad: _Refusal) -> None:
+def split_at(n_splits: int, lanes: int, max_epochs: int, lane: int, position: int) -> tuple[int, int] | None:
+    """(epoch, index in that epoch's permutation) of the split at `position` of `lane`'s sequence
+    for a source of `n_splits` splits; None past the last epoch (`max_epochs` > 0)."""
+    epoch, index = divmod(lane + position * lanes, n_splits)
+    return None if max_epochs and epoch >= max_epochs else (epoch, index)
+
+
+def _check_positions(ls: LaneState, config: Config, plan: DataPlan, bad: Refusal) -> None:
     """Each split position names a split of the data; JSONL offsets lie inside it."""
-    places = [(f"cursors[{s}]", s, p, off, 0) for s, (p, off) in enumerate(ls.cursors) if (p, off) != (0, 0)]
+    places = [(f"sources[{s}]", s, c.position, c.offset, 0) for s, c in enumerate(ls.sources)
+              if (c.position, c.offset) != (0, 0)]
     places += [(field, s, p, off, n) for field, (s, p, off, n) in _refs(ls)]
     for field, source, position, offset, length in places:
         src = plan.sources[source]
         at = split_at(len(src.splits), config.lanes, config.max_epochs, ls.lane, position)
-        value = (position, offset) if field.startswith("cursors") else (source, position, offset, length)
+        value = (position, offset) if field.startswith("sources") else (source, position, offset, length)
         if at is None:
             bad(field, value, f"split position {position} of source {src.name!r} lies past the end of the data "
                 f"(max_epochs = {config.max_epochs})")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from zephon_stream.operators.pack import IGNORE, Sample
+from zephon_stream.operators.types import IGNORE, Sample
 
 
 def padding_sample(seq_len: int, pad_id: int, lane: int, index: int) -> Sample:

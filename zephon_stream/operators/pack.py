@@ -7,39 +7,34 @@ labels:   [a a a E - b]  [E - c c c c]  [c c E - - -]     '-' = -100 (across a d
 position: [0 1 2 3 4 0]  [0 1 0 1 2 3]  [0 1 2 3 0 0]
 ```
 
-Labels are the next token of the stream; with `mask_cross_document_labels` the label of a
-document's last token (its EOS) is -100. `position_ids` restart at every document and at every
-sample start; `segments` are the document pieces inside the sample (for `cu_seqlens`).
-The only state is the document being cut (`carry`) and how many of its tokens were emitted.
+Labels are the next token of the stream; with `mask_cross_document` the label of a document's
+last token (its EOS) is -100. `position_ids` restart at every document and at every sample
+start; `segments` are the document pieces inside the sample (for `cu_seqlens`). The only state
+is the document being cut (`carry`) and how many of its tokens were emitted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-
+import msgspec
 import numpy as np
 
-from zephon_stream.operators.mix import Doc
+from zephon_stream.engine.operator import Operator, Resolve
+from zephon_stream.engine.operator import refuse
+from zephon_stream.operators.types import IGNORE, Doc, DocRef, Sample
 
-IGNORE = -100
+__all__ = ["IGNORE", "Pack", "PackState"]
 
 
-class Sample:
-    """One packed sample, plus where it came from and the lane state right after it."""
-
-    __slots__ = ("input_ids", "labels", "position_ids", "segments", "num_tokens", "lane", "index", "state")
-
-    def __init__(self, input_ids: np.ndarray, labels: np.ndarray, position_ids: np.ndarray,
-                 segments: list[int], num_tokens: int, lane: int, index: int, state: object = None) -> None:
-        self.input_ids, self.labels, self.position_ids = input_ids, labels, position_ids
-        self.segments, self.num_tokens, self.lane, self.index, self.state = (
-            segments, num_tokens, lane, index, state)
+class PackState(msgspec.Struct, frozen=True, array_like=True):
+    carry: DocRef | None  # the document being cut
+    offset: int  # its tokens already packed
 
 
 class Pack:
-    def __init__(self, seq_len: int, pad_id: int, mask_cross_document: bool,
-                 pull: Callable[[], Awaitable[Doc | None]]) -> None:
-        self.seq_len, self.pad_id, self.mask, self._pull = seq_len, pad_id, mask_cross_document, pull
+    def __init__(self, seq_len: int, pad_id: int, mask_cross_document: bool, upstream: Operator[Doc]) -> None:
+        if seq_len < 2:
+            raise ValueError(f"Pack seq_len must be >= 2, got {seq_len}")
+        self.seq_len, self.pad_id, self.mask, self.upstream = seq_len, pad_id, mask_cross_document, upstream
         self.carry: Doc | None = None
         self.offset = 0
         self._arange = np.arange(seq_len, dtype=np.int32)
@@ -47,10 +42,7 @@ class Pack:
     def __repr__(self) -> str:
         return f"Pack(seq_len={self.seq_len}, mask_cross_document={self.mask})"
 
-    def restore(self, carry: Doc | None, offset: int) -> None:
-        self.carry, self.offset = carry, offset
-
-    async def next(self, lane: int, index: int) -> Sample | None:
+    async def next(self) -> Sample | None:
         n = self.seq_len
         ids = np.full(n, self.pad_id, dtype=np.uint32)
         positions = np.zeros(n, dtype=np.int32)
@@ -59,7 +51,7 @@ class Pack:
         filled = 0
         while filled < n:
             if self.carry is None:
-                self.carry, self.offset = await self._pull(), 0
+                self.carry, self.offset = await self.upstream.next(), 0
                 if self.carry is None:
                     break
             tokens = self.carry[1]
@@ -78,10 +70,28 @@ class Pack:
         labels[:filled - 1] = ids[1:filled]
         if filled == n:
             if self.carry is None:
-                self.carry, self.offset = await self._pull(), 0  # the last label is the next token
+                self.carry, self.offset = await self.upstream.next(), 0  # the last label is the next token
             if self.carry is not None:
                 labels[n - 1] = int(self.carry[1][self.offset])
         if self.mask:
             doc_ends = np.cumsum(segments)[np.asarray(ends)] - 1
             labels[doc_ends] = IGNORE
-        return Sample(ids, labels, positions, segments, filled, lane, index)
+        return Sample(ids, labels, positions, segments, filled)
+
+    def state(self) -> PackState:
+        return PackState(self.carry[0] if self.carry else None, self.offset if self.carry else 0)
+
+    def refs(self, state: PackState) -> list[DocRef]:
+        return [tuple(state.carry)] if state.carry is not None else []
+
+    def restore(self, state: PackState, resolve: Resolve) -> None:
+        if state.carry is None:
+            if state.offset != 0:
+                refuse("pack.offset", state.offset, "must be 0 when no document is carried")
+            self.carry, self.offset = None, 0
+            return
+        carry = resolve(tuple(state.carry))
+        if not 0 <= state.offset < len(carry[1]):
+            refuse("pack.offset", state.offset, f"the carried document {tuple(state.carry)} has {len(carry[1])} "
+                   f"tokens, so it must be in [0, {len(carry[1])})")
+        self.carry, self.offset = carry, state.offset

@@ -35,7 +35,7 @@ import anyio
 import msgspec
 import numpy as np
 
-from zephon_stream.errors import ConfigError, DataError
+from zephon_stream.errors import ConfigError, DataError, IncompatibleState
 from zephon_stream.connectors.base import ObjectInfo, Store
 from zephon_stream.engine.window import ReadWindow, Spawn
 from zephon_stream.formats.jsonl_zst import DECODE_PIECE, ZstdStream, read_seek_table, walk_frames
@@ -201,13 +201,17 @@ class SplitReader:
         """
         skip_partial: bool | None = None if offset == 0 and self.split.start > 0 else False
         pos, pending, owned_end = 0, b"", None
+        before = b"\n"  # the byte before `offset` (a corrupt frame skipped before it counts as a line end)
         async for piece_pos, piece, inside in self._pieces(offset):
             if skip_partial is None:  # after the first piece: for JSONL it carries the byte before the split
                 skip_partial = not await self._starts_at_record()
+            elif offset and inside and piece_pos == offset and not self.shard.frames and self._byte_before != b"\n":
+                raise self.not_a_record_start(offset)  # JSONL: the first request carried the byte before
             if not inside and owned_end is None:
                 owned_end = piece_pos
             if isinstance(piece, DataError):  # a skipped corrupt frame: the record it cuts is lost with it
                 if piece_pos < offset:  # skipped (and counted) by the run that wrote the checkpoint
+                    before = b"\n"
                     continue
                 if not inside:  # another split's frame: that split counts it
                     return
@@ -221,7 +225,9 @@ class SplitReader:
             pending += piece
             if pos < offset:
                 drop = min(len(pending), offset - pos)
-                pending, pos = pending[drop:], pos + drop
+                before, pending, pos = pending[drop - 1:drop], pending[drop:], pos + drop
+                if pos == offset and before != b"\n":
+                    raise self.not_a_record_start(offset)
                 if not pending:
                     continue
             if skip_partial:
@@ -255,6 +261,10 @@ class SplitReader:
                "line endings, convert them to \\n" if crs else ": raise the limit or fix the shard")
         return DataError(f"record at {self.where(pos)} of {self.key!r} is longer than max_record_bytes="
                          f"{self.max_record}{why}", key=self.key, offset=pos)
+
+    def not_a_record_start(self, offset: int) -> IncompatibleState:
+        """A resume `offset` that does not follow a line end: it cannot come from a checkpoint of this data."""
+        return IncompatibleState(f"offset {offset} of {self.key!r} ({self.where(offset)}) is not a record start")
 
     def where(self, pos: int) -> str:
         """Human location of decoded offset `pos`, for error messages."""
@@ -299,12 +309,13 @@ class SplitReader:
             return
         start, end, size = self.split.start, self.split.end, self.shard.size
         pos = start + offset
-        if pos < end:  # the owned bytes; the first request also takes the byte before the split
-            lo = start - 1 if pos == start and start > 0 else pos
+        if pos < end:  # the owned bytes; the first request also takes the byte before (the split or `offset`)
+            lo = pos - 1 if pos > 0 else pos
             bounds = [*range(lo, end, self._part(end - lo)), end]
+            peek = lo < pos
             async for data in self._ranges(list(zip(bounds, bounds[1:]))):
-                if lo < start:
-                    self._byte_before, data, lo = data[:1], data[1:], start
+                if peek:
+                    self._byte_before, data, peek = data[:1], data[1:], False
                 yield pos - start, data, True
                 pos += len(data)
         while pos < size:  # past the end only to finish the last record

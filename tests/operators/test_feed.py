@@ -1,0 +1,55 @@
+"""Feed: a producer reads ahead into a bounded buffer; the state is the cursor of the next document."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+
+from zephon_stream import IncompatibleState
+from zephon_stream.operators.feed import Feed, FeedState
+
+# two splits (positions 0 and 1) of three documents each, 10 bytes a document
+DOCS = [((0, p, off, 10), np.full(2, 10 * p + off, dtype=np.uint32)) for p in range(2) for off in range(0, 30, 10)]
+
+
+def _feed(produced: list) -> Feed:
+    async def produce(position: int, offset: int, send) -> None:
+        produced.append((position, offset))
+        async with send:
+            todo = [d for d in DOCS if (d[0][1], d[0][2]) >= (position, offset)]
+            for i in range(0, len(todo), 2):
+                await send.send(todo[i:i + 2])
+
+    return Feed(produce, buffer=1)
+
+
+async def _run(feed: Feed, take: int | None) -> list:
+    out = []
+    async with anyio.create_task_group() as tg:
+        with feed.start(tg.start_soon):
+            while take is None or len(out) < take:
+                doc = await feed.next()
+                if doc is None:
+                    break
+                out.append(doc[0])
+            tg.cancel_scope.cancel()
+    return out
+
+
+@pytest.mark.parametrize("k", range(len(DOCS) + 1))
+def test_resume_from_the_cursor_gives_the_rest(k: int) -> None:
+    produced: list = []
+    first = _feed(produced)
+    head = anyio.run(_run, first, k)
+    state = first.state()
+    again = _feed(produced)
+    again.restore(state, lambda r: None)
+    rest = anyio.run(_run, again, None)
+    assert head + rest == [d[0] for d in DOCS]
+    assert produced[-1] == (state.position, state.offset)  # the producer starts at the cursor
+
+
+def test_restore_refuses_a_negative_cursor() -> None:
+    with pytest.raises(IncompatibleState, match=r"cursor = \(-1, 0\)"):
+        _feed([]).restore(FeedState(-1, 0), lambda r: None)
