@@ -47,7 +47,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from zephon_stream import ObjectNotFound
 from zephon_stream.connectors import MemoryStore, open_store
 from zephon_stream.refit import Publisher, Subscriber
-from zephon_stream.refit._store import find_latest
+from zephon_stream.refit.versions import find_latest, manifest_key, manifest_version, version_prefix
 from zephon_stream.testing.proxy import FaultProxy, Link
 from zephon_stream.testing.seaweed import SeaweedServer
 
@@ -113,7 +113,7 @@ async def subscribe(args: argparse.Namespace) -> None:
         have = 0
         while have < args.versions:
             try:  # one HEAD per poll: the next version exists once its MANIFEST does
-                await store.head(f"{key}v{have + 1}/MANIFEST")
+                await store.head(manifest_key(key, have + 1))
             except ObjectNotFound:
                 if args.prefetch and have:  # verify ahead what the relay already streamed here (a LIST)
                     await sub.prefetch(state)
@@ -144,16 +144,17 @@ def serve_link(args: argparse.Namespace) -> None:
 class TimedStore:
     """The publisher's store, noting when each MANIFEST put returns (the version exists then)."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner, self.manifests = inner, {}
+    def __init__(self, inner: Any, prefix: str) -> None:
+        self.inner, self.prefix, self.manifests = inner, prefix, {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     async def put(self, key: str, data: bytes, *, if_none_match: bool = False) -> None:
         await self.inner.put(key, data, if_none_match=if_none_match)
-        if key.endswith("/MANIFEST"):
-            self.manifests[int(key.rsplit("/v", 1)[1].split("/")[0])] = time.time()
+        version = manifest_version(key[len(self.prefix):])
+        if version is not None:
+            self.manifests[version] = time.time()
 
 
 def prefix_table(name: str, options: dict[str, Any]) -> str:
@@ -238,7 +239,8 @@ async def phase(name: str, pub: Publisher, store: TimedStore, model: dict, subs:
                 for s in subs}
     now = cpu_now()
     ahead = await anyio.to_thread.run_sync(scrape, port, "zephon_relay_objects_ahead_total") - ahead
-    objects = [o for o in await store.list(f"{pub._prefix}v{info.version}/") if "/MANIFEST" not in o.key]
+    objects = [o for o in await store.list(version_prefix(pub.key_prefix, info.version))
+               if manifest_version(o.key[len(pub.key_prefix):]) is None]
     r: dict[str, Any] = {"name": name, "version": info.version, "t0": t0, "publish_end": t_pub,
                          "cpu": {k: now[k] - v for k, v in cpu.items()}, "ahead": (int(ahead), len(objects)),
                          "manifest": store.manifests[info.version], "bytes": info.delta_bytes + info.key_bytes,
@@ -365,7 +367,7 @@ async def tree(args: argparse.Namespace, work: Path, stack: ExitStack) -> None:
                 **{f"weed {r}": w._proc.pid for r, w in servers.items() if w._proc is not None}}
         await wait_for_line(log, '"event": "started"')
         pstore, pkey = open_store(URI, **opts["trainer"])
-        timed = TimedStore(pstore)
+        timed = TimedStore(pstore, pkey)
         async with pstore, Publisher(pkey, store=timed, chunk_bytes=args.chunk_bytes, keyframe_every=1000,  # type: ignore[arg-type]
                                      lanes=4, threads=2) as pub:
             full = await phase("full", pub, timed, model, subs, log, links, pids, port)

@@ -20,9 +20,10 @@ from zephon_stream import ConfigError, DataError, ObjectNotFound, RefitError
 from zephon_stream.connectors import MemoryStore
 from zephon_stream.connectors.base import ObjectInfo, StoreStatistics
 from zephon_stream.refit import Publisher, Sharding, Subscriber, safetensors
-from zephon_stream.refit import _local as local_mod
+from zephon_stream.refit import local as local_mod
 from zephon_stream.refit import manifest as manifest_mod
-from zephon_stream.refit._store import find_latest, prefix_identity
+from zephon_stream.connectors.location import location
+from zephon_stream.refit.versions import find_latest
 from zephon_stream.cli.refit import add_subparser
 from zephon_stream.refit.manifest import encode_manifest
 
@@ -201,7 +202,10 @@ def test_record_naming_another_model_is_rebuilt_not_refused(tmp_path: Path) -> N
     run(go)
 
 
-def test_prefix_identity_is_canonical(tmp_path: Path) -> None:
+def test_record_location_is_canonical(tmp_path: Path) -> None:
+    def prefix_identity(prefix: str, store: MemoryStore | None = None) -> str:  # what a record is bound to
+        return str(location(prefix, store=store))
+
     (tmp_path / "d").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "d")
     same = [f"file://{tmp_path}/d", f"file://{tmp_path}/d/", f"file://{tmp_path}//d/", f"file://{tmp_path}/x/../d/",

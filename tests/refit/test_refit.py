@@ -13,7 +13,7 @@ from zephon_stream import AlreadyExists
 from zephon_stream.connectors import MemoryStore
 from zephon_stream.refit import Publisher, Sharding, Subscriber, VersionConflict
 from zephon_stream.refit import subscriber as subscriber_mod
-from zephon_stream.refit._store import find_latest, list_versions
+from zephon_stream.refit.versions import find_latest, list_versions
 
 from tests.refit._helpers import DTYPES, assert_same, from_bytes, model, step, zeros_like
 

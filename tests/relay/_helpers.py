@@ -9,18 +9,14 @@ import anyio
 from zephon_stream import ObjectNotFound
 from zephon_stream.connectors.base import Store
 from zephon_stream.refit.manifest import decode_manifest
+from zephon_stream.refit.versions import chunk_key, list_versions, manifest_key, version_prefix
 
 from tests.refit._helpers import assert_same, model, raw, step, zeros_like  # noqa: F401  (re-exported)
 
 
 async def committed(store: Store, prefix: str) -> list[int]:
     """Versions with a MANIFEST under `prefix`, ascending."""
-    out = []
-    for info in await store.list(f"{prefix}v"):
-        head, _, rest = info.key[len(prefix) + 1 :].partition("/")
-        if rest == "MANIFEST" and head.isdigit():
-            out.append(int(head))
-    return sorted(out)
+    return await list_versions(store, prefix)
 
 
 async def assert_no_partial_version(store: Store, prefix: str) -> list[int]:
@@ -31,13 +27,13 @@ async def assert_no_partial_version(store: Store, prefix: str) -> list[int]:
     """
     seen = []
     for v in await committed(store, prefix):
-        key = f"{prefix}v{v}/MANIFEST"
+        key = manifest_key(prefix, v)
         try:
             m, _ = decode_manifest(await store.read(key), key)
         except ObjectNotFound:
             continue
-        have = {o.key: o.size for o in await store.list(f"{prefix}v{v}/")}
-        want = {m.chunk_key(prefix, i, what): size for i, c in enumerate(m.chunks)
+        have = {o.key: o.size for o in await store.list(version_prefix(prefix, v))}
+        want = {chunk_key(prefix, m, i, what): size for i, c in enumerate(m.chunks)
                 for what, size in (("chunk", c.size), ("key", c.key_size), ("over", c.over_size)) if size}
         wrong = {k: (s, have.get(k)) for k, s in want.items() if have.get(k) != s}
         if wrong:

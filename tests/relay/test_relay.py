@@ -145,6 +145,24 @@ def test_child_fed_by_another_tree_is_refused() -> None:
     anyio.run(main)
 
 
+def test_child_key_with_leading_zero_is_not_a_version() -> None:
+    """A stray `v01/MANIFEST` at a child (a user's copy, another tool) is not version 1 there: the
+    relay still copies version 1, and leaves the stranger's key alone."""
+    async def main() -> None:
+        parent, child = MemoryStore(), MemoryStore()
+        async with Publisher("p/", store=parent, chunk_bytes=256) as pub:
+            await pub.publish(model(3))
+        await child.put("c/v01/MANIFEST", await parent.read("p/v1/MANIFEST"))
+        async with Relay(Prefix("p/", store=parent), [Prefix("c/", store=child)]) as relay:
+            report = await relay.sync()
+            assert report.ok and report.committed == {"c/": [1]}
+            assert relay.statistics().children[0].latest == 1
+        assert await committed(child, "c/") == [1] and "c/v01/MANIFEST" in child.objects
+        assert await assert_no_partial_version(child, "c/") == [1]
+
+    anyio.run(main)
+
+
 def test_bad_settings_refused() -> None:
     with pytest.raises(RefitError, match="at least one child"):
         Relay("memory://x/p/", [])

@@ -62,7 +62,7 @@ def test_tree_end_to_end_bit_exact(regions) -> None:  # type: ignore[no-untyped-
                 want = await committed(pstore, pkey)
                 assert want == [8, 9, 10]
                 for sub, _ in subs:
-                    assert await committed(sub.store, sub._prefix) == want
+                    assert await committed(sub.store, sub.key_prefix) == want
                     await sub.store.aclose()
         assert checks, "the watcher never saw a version"
         zs = zone.statistics().children[0]

@@ -16,7 +16,7 @@ import anyio
 from zephon_stream.errors import ConfigError, DataError, RefitError, ZephonError
 from zephon_stream.connectors import open_store
 from zephon_stream.refit import safetensors
-from zephon_stream.refit._store import find_latest, list_versions, read_manifest
+from zephon_stream.refit.versions import find_latest, list_versions, read_manifest
 from zephon_stream.refit.publisher import Publisher
 from zephon_stream.refit.subscriber import Subscriber
 

@@ -25,7 +25,7 @@ import torch
 
 from zephon_stream.errors import ConfigError
 
-__all__ = ["MAX_CHUNK_BYTES", "Chunk", "RankStream", "Sharding", "TensorSpec", "TensorTable", "check_chunk_bytes",
+__all__ = ["MAX_CHUNK_BYTES", "Chunk", "Piece", "RankStream", "Sharding", "TensorSpec", "TensorTable", "check_chunk_bytes",
            "check_count", "dtype_of", "itemsize_of"]
 
 MAX_CHUNK_BYTES = 1 << 30  # the largest chunk a manifest may declare (and a subscriber will decode)
@@ -151,10 +151,10 @@ class Sharding(msgspec.Struct, frozen=True):
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ConfigError(f"sharding rank={self.rank} world_size={self.world_size}: need 0 <= rank < world_size")
 
-    def piece(self, spec: TensorSpec) -> _Piece:
+    def piece(self, spec: TensorSpec) -> Piece:
         dim = self.dims.get(spec.name)
         if dim is None or self.world_size == 1:
-            return _Piece(1, 1, spec.numel, 0, 1)
+            return Piece(1, 1, spec.numel, 0, 1)
         if not 0 <= dim < len(spec.shape):
             raise ConfigError(f"sharding splits {spec.name!r} along dim {dim}, but its shape is {spec.shape}")
         size = spec.shape[dim]
@@ -165,7 +165,7 @@ class Sharding(msgspec.Struct, frozen=True):
         a = math.prod(spec.shape[:dim])
         b = math.prod(spec.shape[dim + 1 :])
         step = size // self.world_size
-        return _Piece(a, size, b, self.rank * step, step)
+        return Piece(a, size, b, self.rank * step, step)
 
     def local_shape(self, spec: TensorSpec) -> tuple[int, ...]:
         dim = self.dims.get(spec.name)
@@ -176,7 +176,7 @@ class Sharding(msgspec.Struct, frozen=True):
         return tuple(shape)
 
 
-class _Piece(msgspec.Struct, frozen=True):
+class Piece(msgspec.Struct, frozen=True):
     """A tensor as [A, S, B] around its split dim, of which the rank holds s in [lo, lo+step)."""
 
     a: int
@@ -226,7 +226,7 @@ class Segment(msgspec.Struct, frozen=True):
     tensor: int
     start: int
     nbytes: int
-    piece: _Piece
+    piece: Piece
 
 
 class RankStream:

@@ -1,14 +1,9 @@
-"""Version manifests, object keys under a prefix, and the checks a hostile manifest must pass.
+"""Version manifests, and the checks a hostile manifest must pass.
 
-    {prefix}LATEST                      {"version": N}: a hint; MANIFESTs are the truth
-    {prefix}v{N}/chunk-{i}.{attempt}    XOR delta of chunk i from v{N-1} (absent: chunk unchanged)
-    {prefix}v{N}/key-{i}.{attempt}      full chunk i (keyframes only)
-    {prefix}v{N}/over-{i}.{attempt}     positions + new values of chunk i (when published)
-    {prefix}v{N}/part-{r}.{attempt}     rank r's chunk table, before the MANIFEST exists
-    {prefix}v{N}/MANIFEST               written last, with a conditional put
-
-The attempt tag is per publish session, so a crashed or losing publisher's leftovers are never
-read by anybody: only the objects a committed MANIFEST names exist as far as readers go.
+A MANIFEST lists every chunk of one version: its window, the sizes and blake2b digests of the
+objects that carry it (where they live is `refit.versions`' business), and its plain digest.
+`decode_manifest` trusts nothing it has not checked against the tensor table the manifest
+itself declares; `read_bounded` never reads more than the size limit allows.
 """
 
 from __future__ import annotations
@@ -76,9 +71,6 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     key_bytes: Size = 0
     over_bytes: Size = 0
     changes: Size = 0
-
-    def chunk_key(self, prefix: str, i: int, what: str = "chunk") -> str:
-        return f"{prefix}v{self.version}/{what}-{i}.{self.attempt}"
 
     def sharding(self, rank: int) -> Sharding:
         return Sharding(rank=rank, world_size=self.world_size, dims=dict(self.split_dims))

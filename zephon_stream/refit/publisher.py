@@ -34,9 +34,19 @@ from zephon_stream.errors import AlreadyExists, ConfigError, DataError, DigestMi
 from zephon_stream.connectors.base import Store
 from zephon_stream.refit import codec
 from zephon_stream.refit import manifest as _manifest
-from zephon_stream.refit._local import ChunkPlan, LocalState
+from zephon_stream.refit.local import ChunkPlan, LocalState
 from zephon_stream.engine.ordered import run_ordered
-from zephon_stream.refit._store import StoreOwner, collect_garbage, commit_manifest, find_latest, read_manifest, write_latest
+from zephon_stream.refit.owner import StoreOwner
+from zephon_stream.refit.versions import (
+    collect_garbage,
+    commit_manifest,
+    find_latest,
+    object_key,
+    part_key,
+    parts_prefix,
+    read_manifest,
+    write_latest,
+)
 from zephon_stream.refit.hashing import MASK
 from zephon_stream.refit.layout import RankStream, Sharding, TensorTable, check_chunk_bytes, check_count
 from zephon_stream.refit.manifest import (
@@ -110,8 +120,7 @@ class Publisher(StoreOwner):
             raise ConfigError("a sharded publisher needs a `session` tag shared by all its ranks (8-32 hex digits)")
         if session is not None and not (isinstance(session, str) and _manifest.ATTEMPT.match(session)):
             raise ConfigError(f"session={session!r} must be 8-32 lowercase hex digits, e.g. secrets.token_hex(8)")
-        self._uri = prefix
-        self._store, self._prefix = (store, prefix) if store is not None else (None, "")
+        super().__init__(prefix, store)
         self.keyframe_every, self.keep_versions, self.chunk_bytes = keyframe_every, keep_versions, chunk_bytes
         self.session, self.overwrite, self.lanes, self.level = session, overwrite, lanes, level
         self._cpu = anyio.CapacityLimiter(threads or max(1, min(lanes, os.cpu_count() or 1)))
@@ -119,7 +128,7 @@ class Publisher(StoreOwner):
         self._shadow_version: int | None = None
 
     def __repr__(self) -> str:
-        return f"Publisher({self._uri!r}, sharding={self.sharding}, keyframe_every={self.keyframe_every})"
+        return f"Publisher({self.uri!r}, sharding={self.sharding}, keyframe_every={self.keyframe_every})"
 
     async def publish(self, state: Mapping[str, torch.Tensor]) -> VersionInfo:
         """Publish `state` as the next version; returns what was published."""
@@ -127,7 +136,7 @@ class Publisher(StoreOwner):
         new = LocalState(table, self.sharding, state)
         stream = RankStream(table, self.sharding, self.chunk_bytes)
         check_publishable(table, self.sharding, self.chunk_bytes)
-        latest = await find_latest(self.store, self._prefix)
+        latest = await find_latest(self.store, self.key_prefix)
         base = await self._base(latest, table, state)
         version = latest + 1
         keyframe = base is None or (version - 1) % self.keyframe_every == 0
@@ -159,20 +168,20 @@ class Publisher(StoreOwner):
             return await self._resync(latest, table, state)
         except _UNUSABLE as exc:
             log.warning("version %d of %r cannot be built on (%s: %s): publishing a keyframe after it",
-                        latest, self._uri, type(exc).__name__, exc)
+                        latest, self.uri, type(exc).__name__, exc)
             self._shadow_version = None
             return None
 
     async def _resync(self, latest: int, table: TensorTable, state: Mapping[str, torch.Tensor]) -> Manifest | None:
-        m, _ = await read_manifest(self.store, self._prefix, latest) or (None, None)
+        m, _ = await read_manifest(self.store, self.key_prefix, latest) or (None, None)
         geo = f"{table.digest}/{self.sharding.world_size}/{sorted(self.sharding.dims.items())}/{self.chunk_bytes}"
         if m is None or geometry(m) != geo:
             return None
         if self._shadow_version != latest:
             shadow = {k: torch.empty(t.shape, dtype=t.dtype) for k, t in state.items()}
-            sub = Subscriber(self._prefix, store=self.store, sharding=self.sharding, lanes=self.lanes)
+            sub = Subscriber(self.key_prefix, store=self.store, sharding=self.sharding, lanes=self.lanes)
             if await sub.pull(shadow) != latest:
-                raise RefitError(f"could not bring the publisher's shadow to version {latest} of {self._uri!r}")
+                raise RefitError(f"could not bring the publisher's shadow to version {latest} of {self.uri!r}")
             self._shadow, self._shadow_version = shadow, latest
         return m
 
@@ -181,10 +190,10 @@ class Publisher(StoreOwner):
         world = self.sharding.world_size
         parts = [part]
         if world > 1:
-            await self.store.put(f"{self._prefix}v{version}/part-{part.rank}.{attempt}", encode_manifest(part),
+            await self.store.put(part_key(self.key_prefix, version, part.rank, attempt), encode_manifest(part),
                                  if_none_match=True)
-            keys = [f"{self._prefix}v{version}/part-{r}.{attempt}" for r in range(world)]
-            present = {o.key for o in await self.store.list(f"{self._prefix}v{version}/part-")}
+            keys = [part_key(self.key_prefix, version, r, attempt) for r in range(world)]
+            present = {o.key for o in await self.store.list(parts_prefix(self.key_prefix, version))}
             if not set(keys) <= present:
                 return False
             parts = [decode_part(await _manifest.read_bounded(self.store, k), k) for k in keys]
@@ -198,16 +207,16 @@ class Publisher(StoreOwner):
             over_bytes=sum(c.over_size for c in chunks), changes=sum(p.changes for p in parts),
         )
         try:
-            await commit_manifest(self.store, self._prefix, m)
+            await commit_manifest(self.store, self.key_prefix, m)
         except AlreadyExists as exc:
-            theirs = await read_manifest(self.store, self._prefix, version)
+            theirs = await read_manifest(self.store, self.key_prefix, version)
             if theirs is None or theirs[0].attempt != attempt:
                 raise VersionConflict(
-                    f"version {version} of {self._uri!r} was committed by another publisher first: this publish is "
+                    f"version {version} of {self.uri!r} was committed by another publisher first: this publish is "
                     f"void (its objects are unreferenced); publish again to make version {version + 1}"
                 ) from exc
             return True
-        await write_latest(self.store, self._prefix, version)
+        await write_latest(self.store, self.key_prefix, version)
         await self._gc(version, keyframe)
         return True
 
@@ -216,13 +225,13 @@ class Publisher(StoreOwner):
         while not keyframe and newest_key > 1:
             newest_key -= 1
             try:
-                got = await read_manifest(self.store, self._prefix, newest_key)
+                got = await read_manifest(self.store, self.key_prefix, newest_key)
             except (DataError, RefitError):
                 continue  # an unusable version is no keyframe: look further down, so more is kept
             if got is None:
                 return
             keyframe = got[0].keyframe
-        await collect_garbage(self.store, self._prefix, version, newest_key, self.keep_versions)
+        await collect_garbage(self.store, self.key_prefix, version, newest_key, self.keep_versions)
 
 
 class _Encode:
@@ -251,7 +260,7 @@ class _Encode:
         # before either overwrites the other's chunks.
         shared = self.pub.session is not None
         for what, data in objects.items():
-            key = f"{self.pub._prefix}v{self.version}/{what}-{i}.{self.attempt}"
+            key = object_key(self.pub.key_prefix, self.version, what, i, self.attempt)
             await self.pub.store.put(key, data, if_none_match=shared)
         return entry
 

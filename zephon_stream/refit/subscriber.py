@@ -19,7 +19,9 @@ A subscriber killed in phase 2 finds "applying" in its record on restart. It re-
 chunk it holds: a chunk that matches the old or the new digest resumes from there; any other
 (torn) chunk is rebuilt from overwrite objects or the newest keyframe.
 
-The record is bound to what it describes: the prefix (a canonical name for it) and, when the
+The record is bound to what it describes: the prefix (its canonical `connectors.location`, so
+any spelling of one place matches; a record written before the location was canonical for S3
+names the prefix without its endpoint, and is re-verified once) and, when the
 subscriber is given the `weights` file that holds the state, that file's identity (device,
 inode, size, mtime, ctime). A record whose binding does not hold (a file replaced or rewritten
 behind it, a pull from another prefix, or a record loaded without a weights file to check) is
@@ -50,9 +52,19 @@ from zephon_stream.errors import (
 from zephon_stream.connectors.base import Store
 from zephon_stream.refit import codec
 from zephon_stream.refit import manifest as _manifest
-from zephon_stream.refit._local import ChunkPlan, LocalState
+from zephon_stream.connectors.location import location
+from zephon_stream.refit.local import ChunkPlan, LocalState
 from zephon_stream.engine.ordered import run_ordered
-from zephon_stream.refit._store import StoreOwner, find_latest, prefix_identity, read_manifest
+from zephon_stream.refit.owner import StoreOwner
+from zephon_stream.refit.versions import (
+    chunk_key,
+    find_latest,
+    manifest_key,
+    object_label,
+    parse_object,
+    read_manifest,
+    version_prefix,
+)
 from zephon_stream.refit.layout import WORD, RankStream, Sharding, TensorTable, check_count
 from zephon_stream.refit.manifest import Manifest, object_digest
 
@@ -149,9 +161,8 @@ class Subscriber(StoreOwner):
         check_count("staged_bytes", staged_bytes, 0)
         if threads is not None:
             check_count("threads", threads, 1)
-        self._uri = prefix
-        self._store, self._prefix = (store, prefix) if store is not None else (None, "")
-        self._where = prefix_identity(prefix, store)
+        super().__init__(prefix, store)
+        self._where = str(location(prefix, store=store))  # what the record is bound to
         self.sharding = sharding or Sharding()
         self.record_path = _record_path(record) if record is not None else None
         self.weights = Path(weights) if weights is not None else None
@@ -166,7 +177,7 @@ class Subscriber(StoreOwner):
         self._ahead_job: tuple[int, Mapping[str, torch.Tensor], _Pull] | None = None  # plans per version
 
     def __repr__(self) -> str:
-        return f"Subscriber({self._uri!r}, version={self.record.version}, sharding={self.sharding})"
+        return f"Subscriber({self.uri!r}, version={self.record.version}, sharding={self.sharding})"
 
     @property
     def version(self) -> int:
@@ -219,7 +230,7 @@ class Subscriber(StoreOwner):
         `sync`, when given, runs (in a thread) after the writes and before the record says the
         version is complete: e.g. flushing a memory-mapped weights file.
         """
-        latest = await find_latest(self.store, self._prefix)
+        latest = await find_latest(self.store, self.key_prefix)
         if latest == 0:  # nothing here: a record made at another prefix claims nothing here either
             return self.record.version if self.record.prefix == self._where else 0
         m, table = await self._manifest(latest)
@@ -256,9 +267,9 @@ class Subscriber(StoreOwner):
         rec = self.record
         if rec.version == 0 or rec.target is not None:
             return 0
-        nxt = f"{self._prefix}v{rec.version + 1}/"
+        nxt = version_prefix(self.key_prefix, rec.version + 1)
         objects = await self.store.list(nxt)
-        if any(o.key == nxt + "MANIFEST" for o in objects):
+        if any(o.key == manifest_key(self.key_prefix, rec.version + 1) for o in objects):
             return len(self._ahead)
         m, table = await self._manifest(rec.version)
         if geometry(m) != rec.geometry:
@@ -269,14 +280,11 @@ class Subscriber(StoreOwner):
         job = cached[2]
         todo = []
         for o in objects:
-            name = o.key[len(nxt):]
-            kind, _, rest = name.partition("-")
-            index = rest.partition(".")[0]
-            if kind != "chunk" or not index.isdigit() or o.key in self._ahead or o.key in self._ahead_tried:
+            name = parse_object(o.key[len(nxt):])
+            if name is None or name.kind != "chunk" or o.key in self._ahead or o.key in self._ahead_tried:
                 continue
-            i = int(index)
-            if i < len(job.plans) and job.plans[i].owned:
-                todo.append((i, o.key))
+            if name.index < len(job.plans) and job.plans[name.index].owned:
+                todo.append((name.index, o.key))
 
         async def stage(n: int) -> None:
             i, key = todo[n]
@@ -304,10 +312,10 @@ class Subscriber(StoreOwner):
 
     async def _manifest(self, version: int) -> tuple[Manifest, TensorTable]:
         if version not in self._manifests:
-            self._manifests[version] = await read_manifest(self.store, self._prefix, version)
+            self._manifests[version] = await read_manifest(self.store, self.key_prefix, version)
         got = self._manifests[version]
         if got is None:
-            raise RefitError(f"version {version} has no MANIFEST under {self._uri!r} (garbage-collected?)")
+            raise RefitError(f"version {version} has no MANIFEST under {self.uri!r} (garbage-collected?)")
         return got
 
     async def _maybe_manifest(self, version: int) -> Manifest | None:
@@ -386,7 +394,7 @@ class _Pull:
                 return False
             if prev is not None and m.base_model_digest != prev:
                 raise BaseVersionMismatch(
-                    f"version {v} of {self.sub._uri!r} is a delta from a model with digest "
+                    f"version {v} of {self.sub.uri!r} is a delta from a model with digest "
                     f"{m.base_model_digest:016x}, but version {v - 1} has {prev:016x}: refusing the chain"
                 )
             prev = m.model_digest
@@ -398,7 +406,7 @@ class _Pull:
             while True:
                 m = await self.sub._maybe_manifest(v)
                 if m is None:
-                    raise RefitError(f"no keyframe reachable at or below version {self.target} of {self.sub._uri!r}")
+                    raise RefitError(f"no keyframe reachable at or below version {self.target} of {self.sub.uri!r}")
                 if m.keyframe and geometry(m) == geometry(self.m):
                     break
                 v -= 1
@@ -474,7 +482,7 @@ class _Pull:
             raise RefitError(f"version {version} chunk {i} has no overwrite object")
         if not size:
             return b""
-        key = m.chunk_key(self.sub._prefix, i, what)
+        key = chunk_key(self.sub.key_prefix, m, i, what)
         data = await self.sub.store.read(key)
         if len(data) != size:
             raise DataError(f"{key}: object is {len(data)} bytes, the manifest says {size} (truncated?)", key=key, offset=len(data))
@@ -492,7 +500,7 @@ class _Pull:
         deltas = objects
         first = route.start + 1
         if route.kind == "key":
-            key = f"v{route.start}/key-{i}"
+            key = object_label(route.start, "key", i)
             base = codec.decode(objects[0], kinds=(codec.FULL,), itemsize=c.itemsize, words=c.words, key=key).values.copy()
             deltas = objects[1:]
         kinds = (codec.SPARSE_SET,) if route.kind == "set" else (codec.SPARSE_XOR, codec.DENSE_XOR)
@@ -500,7 +508,7 @@ class _Pull:
         for k, data in enumerate(deltas):
             if not data:
                 continue
-            d = codec.decode(data, kinds=kinds, itemsize=c.itemsize, words=c.words, key=f"v{first + k}/chunk-{i}")
+            d = codec.decode(data, kinds=kinds, itemsize=c.itemsize, words=c.words, key=object_label(first + k, "chunk", i))
             pos = d.positions if d.positions is not None else np.flatnonzero(d.values)
             parts.append((pos, d.values if d.positions is not None else d.values[pos]))
         if not parts:
@@ -514,7 +522,7 @@ class _Pull:
         c = plan.chunk
         try:
             d = codec.decode(data, kinds=(codec.SPARSE_XOR, codec.DENSE_XOR), itemsize=c.itemsize, words=c.words,
-                             key=f"v{version}/chunk-{i}")
+                             key=object_label(version, "chunk", i))
         except DataError:
             return None  # the pull fetches it again and reports it against the MANIFEST
         pos = d.positions if d.positions is not None else np.flatnonzero(d.values)
@@ -528,7 +536,7 @@ class _Pull:
         c, plan = self.m.chunks[i], self.plans[i]
         if route.kind != "xor" or route.start != self.target - 1 or route.digest is None or not plan.owned or not c.size:
             return None
-        got = self.sub._ahead.get(self.m.chunk_key(self.sub._prefix, i, "chunk"))
+        got = self.sub._ahead.get(chunk_key(self.sub.key_prefix, self.m, i))
         if got is None or (got.version, got.base, got.size, got.digest) != (self.target, route.start, c.size, c.digest):
             return None
         if (route.digest + got.change) & ((1 << 64) - 1) != c.plain:

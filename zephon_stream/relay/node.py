@@ -37,13 +37,12 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import time
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlparse, urlsplit
+from urllib.parse import urlparse
 
 import anyio
 import anyio.abc
@@ -60,20 +59,32 @@ from zephon_stream.errors import (
     ZephonError,
     root_error,
 )
-from zephon_stream.connectors import LocalStore, memory_store, open_store, parse_uri
-from zephon_stream.connectors.base import ObjectInfo, Store
+from zephon_stream.connectors import open_store, parse_uri
+from zephon_stream.connectors.base import Store
+from zephon_stream.connectors.location import Location, location
 from zephon_stream.engine.ordered import run_ordered
-from zephon_stream.refit._store import find_latest, write_latest
-from zephon_stream.refit.manifest import Manifest, decode_manifest, object_digest, read_bounded
+from zephon_stream.refit.manifest import Manifest, object_digest
+from zephon_stream.refit.versions import (
+    commit_manifest_bytes,
+    delete_version,
+    find_latest,
+    has_version,
+    manifest_key,
+    object_key,
+    parse_object,
+    read_manifest_bytes,
+    read_manifest_raw,
+    relayed_keys,
+    version_of,
+    version_prefix,
+    versions_prefix,
+    write_latest,
+)
 
-__all__ = ["ChildStatistics", "Location", "Prefix", "Relay", "RelayStatistics", "SyncReport",
-           "check_disjoint", "prometheus_text"]
+__all__ = ["ChildStatistics", "Prefix", "Relay", "RelayStatistics", "SyncReport", "check_disjoint", "prometheus_text"]
 
 log = logging.getLogger(__name__)
 _BAD_MANIFEST = (DataError, RefitError)  # a MANIFEST that is there but unusable: malformed, oversized
-_NAME = r"(?:chunk|key|over)-[0-9]+\.[0-9a-f]{8,32}"
-_OBJECT = re.compile(_NAME)  # what a MANIFEST may name (fullmatch)
-_RELAYED = re.compile(rf"v([1-9][0-9]*)/(?:MANIFEST|{_NAME})")  # all a relay writes in a version (fullmatch)
 
 
 class Prefix:
@@ -103,81 +114,8 @@ class Prefix:
         return scheme, location, tuple(sorted((k, repr(v)) for k, v in self.options.items()))
 
     def location(self) -> Location:
-        """Where the prefix's objects live, whatever the spelling: the resolved directory for
-        file:// (symlinks, `..`, `//` and `localhost` undone), the endpoint, bucket and normalised
-        key for s3://, the store object and normalised key for memory:// and a given `store`.
-        Credentials and region are left out: they change who reads, not what is there."""
-        if self.store is not None:
-            if isinstance(self.store, LocalStore):
-                return _directory(str(self.store.root), self.uri)
-            return Location(("store", id(self.store)), _key(self.uri), f"{self.store!r} key {self.uri!r}")
-        scheme, where, key = parse_uri(self.uri)
-        if scheme == "file":
-            return _directory(where, "")
-        if scheme == "memory":
-            return Location(("store", id(memory_store(where))), _key(key), f"memory://{where}/{_key(key)}")
-        endpoint = _endpoint(self.options.get("endpoint_url"))
-        return Location((scheme, endpoint, where), _key(key), f"{scheme}://{where}/{_key(key)} at {endpoint}")
-
-
-@dataclass(frozen=True)
-class Location:
-    """A canonical place for objects: `path` within `space` (a directory tree, or one bucket of
-    one endpoint). Two locations overlap when they share a space and one path starts the other."""
-
-    space: tuple[object, ...]
-    path: str  # '/'-separated; ends with '/' unless it is a raw key prefix such as "p" (then "p*")
-    text: str = field(compare=False)
-
-    def __str__(self) -> str:
-        return self.text
-
-    def relation(self, other: Location) -> str | None:
-        """How this location stands to `other`: "is", "lies inside", "contains", or None (disjoint)."""
-        if self.space != other.space:
-            return None
-        if self.path == other.path:
-            return "is"
-        if self.path.startswith(other.path):
-            return "lies inside"
-        return "contains" if other.path.startswith(self.path) else None
-
-
-def _key(key: str) -> str:
-    """A key prefix with empty, `.` and `..` segments resolved. S3 itself keeps `a//b` and `a/../b`
-    as literal keys, but some S3-compatible servers and HTTP clients fold them, so two spellings
-    that may reach the same objects are treated as one (a refusal, never a deletion)."""
-    parts: list[str] = []
-    for part in key.split("/"):
-        if part == "..":
-            parts = parts[:-1]
-        elif part not in ("", "."):
-            parts.append(part)
-    tail = "/" if parts and (key.endswith("/") or key.rsplit("/", 1)[-1] in ("", ".", "..")) else ""
-    return "/".join(parts) + tail
-
-
-def _directory(root: str, key: str) -> Location:
-    """The real directory of `key` under local `root` (which need not exist yet)."""
-    head, _, tail = key.rpartition("/")
-    real = os.path.realpath(os.path.join(root, head)).rstrip(os.sep) + "/"
-    return Location(("file",), real + tail, f"file://{real}{tail}")
-
-
-def _endpoint(url: object) -> str:
-    """An endpoint URL as the S3 store resolves it (option, then the AWS environment variables),
-    with case, default port, user info and a trailing '/' dropped; "aws" for AWS itself."""
-    url = url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    if not url:
-        return "aws"
-    parts = urlsplit(str(url))
-    scheme = parts.scheme.lower()
-    try:
-        port = parts.port or {"http": 80, "https": 443}.get(scheme)
-    except ValueError:
-        port = None
-    host = parts.hostname or parts.netloc.lower()
-    return f"{scheme}://{host}:{port}{parts.path.rstrip('/')}"
+        """Where the prefix's objects live, whatever the spelling (see `connectors.location`)."""
+        return location(self.uri, self.options, self.store)
 
 
 def check_disjoint(parent: Prefix, children: Sequence[Prefix]) -> None:
@@ -402,20 +340,21 @@ class Relay:
         """One request: a publisher's next version exists once its MANIFEST does. With
         `stream_ahead`, a LIST of the next version, whose objects are copied as they appear."""
         self._polls += 1
-        nxt = f"{self._pkey}v{self._parent_latest + 1}/"
+        nxt = self._parent_latest + 1
         try:
             if not self.stream_ahead:
-                await self._pstore.head(nxt + "MANIFEST")
+                await self._pstore.head(manifest_key(self._pkey, nxt))
                 return True
-            infos = await self._pstore.list(nxt)
+            infos = await self._pstore.list(version_prefix(self._pkey, nxt))
         except ObjectNotFound:
             return False
         except ConnectorError as exc:
             self._error("poll", exc)
             return False
-        if any(o.key == nxt + "MANIFEST" for o in infos):
+        if any(o.key == manifest_key(self._pkey, nxt) for o in infos):
             return True
-        todo = [o.key[len(self._pkey):] for o in infos if _OBJECT.fullmatch(o.key[len(nxt):])]
+        skip = len(version_prefix(self._pkey, nxt))
+        todo = [o.key[len(self._pkey):] for o in infos if parse_object(o.key[skip:]) is not None]
         for rel in todo:
             if rel not in self._ahead and rel not in self._inflight and self._ahead_group is not None:
                 if not self._inflight:
@@ -532,7 +471,7 @@ class Relay:
                     f"{self.parent.name} at {self._parent_latest}: is it fed by another tree?"))
             return
         try:
-            theirs = await read_bounded(c.store, f"{c.key}v{latest}/MANIFEST")
+            theirs = await read_manifest_bytes(c.store, c.key, latest)
         except ObjectNotFound:
             return  # collected under us: find_latest again next time
         except ZephonError as exc:  # unreachable, or oversized: this child's problem alone
@@ -589,15 +528,10 @@ class Relay:
         if version < 1:
             return None
         if version not in self._manifests:
-            key = f"{self._pkey}v{version}/MANIFEST"
-            try:
-                raw = await read_bounded(self._pstore, key)
-            except ObjectNotFound:
+            got = await read_manifest_raw(self._pstore, self._pkey, version)
+            if got is None:
                 return None
-            m, _ = decode_manifest(raw, key)
-            if m.version != version:
-                raise DataError(f"{key}: manifest says version {m.version}", key=key)
-            self._manifests[version] = (raw, m)
+            self._manifests[version] = got[:2]
         return self._manifests[version]
 
     async def _plan(self, first: int, last: int,
@@ -626,8 +560,7 @@ class Relay:
 
     async def _list_present(self, ver: _Version, i: int) -> None:
         c = self._children[i]
-        base = f"{c.key}v{ver.version}/"
-        infos = await self._child_call(c, c.store.list(base))
+        infos = await self._child_call(c, c.store.list(version_prefix(c.key, ver.version)))
         ver.present[i] = {o.key[len(c.key):]: o.size for o in infos or ()}
 
     async def _copy(self, plan: list[_Version], report: SyncReport) -> None:
@@ -638,7 +571,7 @@ class Relay:
                 for what, size, digest in (("chunk", ch.size, ch.digest), ("key", ch.key_size, ch.key_digest),
                                            ("over", ch.over_size, ch.over_digest)):
                     if size:
-                        items.append(_Item(ver, f"v{ver.version}/{what}-{i}.{m.attempt}", size, digest))
+                        items.append(_Item(ver, object_key("", ver.version, what, i, m.attempt), size, digest))
             items.append(_Item(ver))
 
         async def commit(item: _Item, _: None) -> None:
@@ -736,12 +669,11 @@ class Relay:
                     tg.start_soon(self._commit_child, self._children[i], ver, report)
 
     async def _commit_child(self, c: _Child, ver: _Version, report: SyncReport) -> None:
-        key = f"{c.key}v{ver.version}/MANIFEST"
         try:
             try:
-                await c.store.put(key, ver.raw, if_none_match=True)
+                await commit_manifest_bytes(c.store, c.key, ver.version, ver.raw)
             except AlreadyExists:
-                if await read_bounded(c.store, key) != ver.raw:
+                if await read_manifest_bytes(c.store, c.key, ver.version) != ver.raw:
                     raise RefitError(f"{c.prefix.name} already has a different version {ver.version}: "
                                      "another tree feeds this child; give each tree its own prefix") from None
                 c.raced += 1
@@ -788,11 +720,7 @@ class Relay:
         self._parent_oldest = lo
 
     async def _exists(self, version: int) -> bool:
-        try:
-            await self._pstore.head(f"{self._pkey}v{version}/MANIFEST")
-        except ObjectNotFound:
-            return False
-        return True
+        return await has_version(self._pstore, self._pkey, version)
 
     async def _collect(self, c: _Child) -> None:
         latest = c.latest or 0
@@ -805,23 +733,20 @@ class Relay:
             await self._sweep(c, floor)
         elif c.oldest < floor:
             for v in range(c.oldest, floor):
-                await self._delete_version(c, v, _relayed(c, await c.store.list(f"{c.key}v{v}/")).get(v, []))
+                listed = await c.store.list(version_prefix(c.key, v))
+                await self._delete_version(c, v, relayed_keys(c.key, listed).get(v, []))
         c.oldest = max(c.oldest or 1, floor)
 
     async def _sweep(self, c: _Child, floor: int) -> None:
         """Every relayed object below `floor`, found by listing (after a restart or a jump: versions
         may have gaps, and a crashed collection may have left objects without a MANIFEST)."""
-        doomed = _relayed(c, await c.store.list(f"{c.key}v"))
+        doomed = relayed_keys(c.key, await c.store.list(versions_prefix(c.key)))
         for v in sorted(v for v in doomed if v < floor):
             await self._delete_version(c, v, doomed[v])
         c.oldest = floor
 
     async def _delete_version(self, c: _Child, version: int, keys: list[str]) -> None:
-        manifest = f"{c.key}v{version}/MANIFEST"
-        await c.store.delete(manifest)  # first: the version stops existing before its objects go
-        for k in keys:
-            if k != manifest:
-                await c.store.delete(k)
+        await delete_version(c.store, c.key, version, keys)
         if keys:
             c.collected += 1
             log.info("version collected", extra={"event": "version_collected", "child": c.prefix.name,
@@ -834,7 +759,7 @@ class Relay:
         for v in [v for v in self._seen if v <= floor]:
             del self._seen[v]
         latest = self._parent_latest
-        self._ahead = {k: v for k, v in self._ahead.items() if int(k[1:].partition("/")[0]) > latest}
+        self._ahead = {k: v for k, v in self._ahead.items() if (version_of(k) or 0) > latest}
 
     # -- errors and statistics -----------------------------------------------------------------
 
@@ -872,18 +797,6 @@ class Relay:
         return RelayStatistics(self.parent.name, self._parent_latest, self._healthy, self._polls, self._syncs,
                                self._versions, self._objects, self._bytes, self._ahead_count,
                                dict(self._errors), self._last_error, self._last_success, children)
-
-
-def _relayed(c: _Child, infos: Sequence[ObjectInfo]) -> dict[int, list[str]]:
-    """The listed keys a relay writes at child `c`, by version: `v{N}/MANIFEST` and the objects a
-    MANIFEST may name, directly under the child's prefix. Whatever else a listing finds there
-    (another prefix's files, a user's notes) is not the relay's to delete."""
-    out: dict[int, list[str]] = {}
-    for info in infos:
-        match = _RELAYED.fullmatch(info.key[len(c.key):]) if info.key.startswith(c.key) else None
-        if match:
-            out.setdefault(int(match.group(1)), []).append(info.key)
-    return out
 
 
 def _kind(exc: BaseException) -> str:

@@ -17,7 +17,7 @@ import torch
 
 from zephon_stream.errors import ConfigError
 from zephon_stream.refit.hashing import MASK, contiguous_sum, element_sum, element_sums
-from zephon_stream.refit.layout import WORD, Chunk, RankStream, Sharding, TensorTable, _Piece
+from zephon_stream.refit.layout import WORD, Chunk, RankStream, Sharding, TensorTable, Piece
 
 __all__ = ["ChunkPlan", "LocalState"]
 
@@ -32,7 +32,7 @@ class LocalState:
             missing, extra = sorted(set(table.index) - set(tensors)), sorted(set(tensors) - set(table.index))
             raise ConfigError(f"state_dict does not match the tensor table: missing {missing}, unexpected {extra}")
         self.table, self.sharding = table, sharding
-        self.pieces: list[_Piece] = []
+        self.pieces: list[Piece] = []
         self.words: list[np.ndarray | torch.Tensor] = []
         for spec in table.specs:
             t = tensors[spec.name]
@@ -53,7 +53,7 @@ class _Part(msgspec.Struct, frozen=True):
     word0: int  # first chunk word of this part
     nwords: int
     elem0: int  # publisher-local element index of word0
-    pub: _Piece
+    pub: Piece
     mode: str  # "same" | "whole" | "other"
 
 
