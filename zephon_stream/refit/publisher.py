@@ -21,7 +21,6 @@ publish is a keyframe after it.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 from collections.abc import Mapping
 
@@ -35,6 +34,7 @@ from zephon_stream.connectors.base import Store
 from zephon_stream.refit import codec
 from zephon_stream.refit import manifest as _manifest
 from zephon_stream.refit.local import ChunkPlan, LocalState
+from zephon_stream.engine.cpu import CpuPolicy, default_threads
 from zephon_stream.engine.ordered import run_ordered
 from zephon_stream.refit.owner import StoreOwner
 from zephon_stream.refit.versions import (
@@ -123,7 +123,7 @@ class Publisher(StoreOwner):
         super().__init__(prefix, store)
         self.keyframe_every, self.keep_versions, self.chunk_bytes = keyframe_every, keep_versions, chunk_bytes
         self.session, self.overwrite, self.lanes, self.level = session, overwrite, lanes, level
-        self._cpu = anyio.CapacityLimiter(threads or max(1, min(lanes, os.cpu_count() or 1)))
+        self._cpu = CpuPolicy(default_threads(lanes) if threads is None else threads)
         self._shadow: dict[str, torch.Tensor] | None = None
         self._shadow_version: int | None = None
 
@@ -252,7 +252,7 @@ class _Encode:
         return self.entries
 
     async def _stage(self, j: int) -> ChunkEntry:
-        entry, objects = await anyio.to_thread.run_sync(self._encode, j, limiter=self.pub._cpu)
+        entry, objects = await self.pub._cpu(self._encode, j)
         i = self.first + j
         # A fresh random attempt makes every key new by construction, so a plain PUT is safe and
         # cheaper (SeaweedFS takes ~20 ms for a conditional PUT, ~4 ms for a plain one). A shared

@@ -54,6 +54,7 @@ from zephon_stream.refit import codec
 from zephon_stream.refit import manifest as _manifest
 from zephon_stream.connectors.location import location
 from zephon_stream.refit.local import ChunkPlan, LocalState
+from zephon_stream.engine.cpu import CpuPolicy, default_threads
 from zephon_stream.engine.ordered import run_ordered
 from zephon_stream.refit.owner import StoreOwner
 from zephon_stream.refit.versions import (
@@ -167,7 +168,7 @@ class Subscriber(StoreOwner):
         self.record_path = _record_path(record) if record is not None else None
         self.weights = Path(weights) if weights is not None else None
         self.lanes, self.staged_bytes = lanes, staged_bytes
-        self._cpu = anyio.CapacityLimiter(threads or max(1, min(lanes, os.cpu_count() or 1)))
+        self._cpu = CpuPolicy(default_threads(lanes) if threads is None else threads)
         self.record = self._load_record()
         self._trusted = False  # whether this object has itself brought the state to `record`
         self._manifests: dict[int, tuple[Manifest, TensorTable] | None] = {}
@@ -293,7 +294,7 @@ class Subscriber(StoreOwner):
                 data = await self.store.read(key)
             except ConnectorError:
                 return  # gone, or not there yet: the pull fetches what it needs
-            got = await anyio.to_thread.run_sync(job.ahead, i, rec.version + 1, rec.version, data, limiter=self._cpu)
+            got = await self._cpu(job.ahead, i, rec.version + 1, rec.version, data)
             if got is not None and self._ahead_bytes + got.nbytes <= self.staged_bytes:
                 self._ahead[key] = got
                 self._ahead_bytes += got.nbytes
@@ -429,7 +430,7 @@ class _Pull:
             routes: list[Route] = []
             owned = self.plans[i].owned
             if rehash and owned:
-                h = await anyio.to_thread.run_sync(lambda i=i: self.plans[i].digest(self.plans[i].read()), limiter=sub._cpu)
+                h = await sub._cpu(lambda i=i: self.plans[i].digest(self.plans[i].read()))
                 routes += [Route("xor", v, h) for v, digests in known if digests[i] == h][:1]
             elif chain and not rehash:
                 routes.append(Route("xor", rec.version, rec.digests[i] if owned else None))
@@ -600,7 +601,7 @@ class _Pull:
                     return _Staged(route, ready)  # its bytes are already counted in the prefetch budget
                 try:
                     objects = await self._fetch(i, route)
-                    decoded = await anyio.to_thread.run_sync(self._check, i, route, objects, limiter=cpu)
+                    decoded = await cpu(self._check, i, route, objects)
                 except (*_REFUSABLE, RefitError) as exc:
                     errors.append(exc)
                     continue
@@ -634,8 +635,8 @@ class _Pull:
             decoded = st.decoded
             if decoded is None:
                 objects = await self._fetch(i, st.route)
-                decoded = await anyio.to_thread.run_sync(self._check, i, st.route, objects, limiter=cpu)
-            await anyio.to_thread.run_sync(self._write, i, st.route, decoded, limiter=cpu)
+                decoded = await cpu(self._check, i, st.route, objects)
+            await cpu(self._write, i, st.route, decoded)
 
         async def commit(i: int, _: None) -> None:
             pass

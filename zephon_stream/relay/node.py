@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
@@ -62,6 +61,7 @@ from zephon_stream.errors import (
 from zephon_stream.connectors import open_store, parse_uri
 from zephon_stream.connectors.base import Store
 from zephon_stream.connectors.location import Location, location
+from zephon_stream.engine.cpu import CpuPolicy, default_threads
 from zephon_stream.engine.ordered import run_ordered
 from zephon_stream.refit.manifest import Manifest, object_digest
 from zephon_stream.refit.versions import (
@@ -248,16 +248,16 @@ class Relay:
     ) -> None:
         if not children:
             raise RefitError("a relay needs at least one child prefix (--to)")
-        if lanes < 1 or poll_interval <= 0 or max_batch < 1 or (keep_versions or 1) < 1:
+        if lanes < 1 or poll_interval <= 0 or max_batch < 1 or (keep_versions or 1) < 1 or (threads is not None and threads < 1):
             raise RefitError(f"invalid relay settings: lanes={lanes}, poll_interval={poll_interval}, "
-                             f"max_batch={max_batch}, keep_versions={keep_versions}")
+                             f"max_batch={max_batch}, keep_versions={keep_versions}, threads={threads}")
         self.parent = parent if isinstance(parent, Prefix) else Prefix(parent)
         self.child_prefixes = [c if isinstance(c, Prefix) else Prefix(c) for c in children]
         check_disjoint(self.parent, self.child_prefixes)
         self.lanes, self.poll_interval, self.keep_versions = lanes, poll_interval, keep_versions
         self.verify_existing, self.stream_ahead, self.max_batch = verify_existing, stream_ahead, max_batch
         self.resync_interval, self.max_backoff = resync_interval, max_backoff
-        self._cpu = anyio.CapacityLimiter(threads or max(1, min(lanes, os.cpu_count() or 1)))
+        self._cpu = CpuPolicy(default_threads(lanes) if threads is None else threads)
         self._stack = AsyncExitStack()
         self._children: list[_Child] = []
         self._manifests: dict[int, tuple[bytes, Manifest]] = {}
@@ -382,7 +382,7 @@ class Relay:
                 return
             self._objects += 1
             self._bytes += len(data)
-            digest = await anyio.to_thread.run_sync(object_digest, data, limiter=self._cpu)
+            digest = await self._cpu(object_digest, data)
             written: set[int] = set()
 
             async def write(i: int, c: _Child) -> None:
@@ -619,7 +619,7 @@ class Relay:
     async def _verified(self, data: bytes, item: _Item) -> bool:
         if len(data) != item.size:
             return False
-        return await anyio.to_thread.run_sync(object_digest, data, limiter=self._cpu) == item.digest
+        return await self._cpu(object_digest, data) == item.digest
 
     async def _read_parent(self, item: _Item) -> bytes:
         """The object from the parent, its size and digest checked; one re-read on a mismatch
