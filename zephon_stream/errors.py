@@ -114,7 +114,7 @@ def unwrap_groups() -> Iterator[None]:
         err = root_error(group)
         if err is group or not isinstance(err, Exception):
             raise
-        raise err from None
+        raise err from err.__cause__  # its own cause, not the group it came in
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:

@@ -79,9 +79,9 @@ def test_epochs_to_the_end_and_resume_at_epoch_boundary(config):
 
 def _epoch_crossing(loader, lanes):
     """Whether some lane's reader has moved into its first split of epoch 1, for some source."""
-    for lane, st in loader._lane_states.items():
+    for lane, st in loader.frontier.lanes.items():
         for s, position in enumerate([c.position for c in st.sources] if st else []):
-            n = len(loader._plan.sources[s].splits)
+            n = len(loader.data_plan.sources[s].splits)
             if position >= math.ceil((n - lane) / lanes):  # position p is split g = lane + p * lanes
                 return True
     return False

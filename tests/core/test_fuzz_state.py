@@ -50,7 +50,7 @@ def run(dataset) -> Any:
     for _ in range(3):
         next(it)
     it.close()
-    return Loader(cfg, backend="inline"), loader._plan, state_to_bytes(loader.state_dict())
+    return Loader(cfg, backend="inline"), loader.data_plan, state_to_bytes(loader.state_dict())
 
 
 def _apply(run: Any, blob: bytes) -> None:

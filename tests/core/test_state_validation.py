@@ -206,7 +206,7 @@ def test_every_state_a_run_writes_passes(base, changes) -> None:
     checked = done = 0
     for _ in itertools.chain(loader, [None]):  # and once more after the end
         for ls in LoaderState.from_dict(loader.state_dict()).lane_states:
-            check_lane_state(ls, cfg, loader._plan)
+            check_lane_state(ls, cfg, loader.data_plan)
             checked += 1
             done += ls.done
     assert checked > 100 and done >= cfg.lanes, (checked, done)
@@ -218,7 +218,7 @@ def test_split_at_agrees_with_the_lanes_reader(base) -> None:
     it = iter(loader)
     next(it)
     it.close()
-    plan = loader._plan
+    plan = loader.data_plan
     lanes = Lanes(cfg, plan, [None, None], loader.tokenizer, None)  # type: ignore[arg-type]
     for source, lane, position in itertools.product(range(2), (0, 5, 11), range(12)):
         splits = plan.sources[source].splits

@@ -14,7 +14,7 @@ import multiprocessing
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import msgspec
@@ -24,14 +24,12 @@ from zephon_stream import errors as _exceptions
 from zephon_stream.loader.config import Config
 from zephon_stream.loader.state import LaneState
 from zephon_stream.errors import ZephonError
-from zephon_stream.loader.lane import DataPlan, Lanes, TextLane
+from zephon_stream.loader.lane import Lanes, TextLane
+from zephon_stream.loader.plan import DataPlan, open_stores
 from zephon_stream.connectors.base import Store
 from zephon_stream.engine.cpu import CpuPolicy
 from zephon_stream.operators.types import Sample
 from zephon_stream.operators.tokenize import Tokenize
-
-if TYPE_CHECKING:
-    from zephon_stream.loader.loader import Loader
 
 Streams = dict[int, anyio.abc.ObjectReceiveStream[list[Sample]]]
 
@@ -41,14 +39,18 @@ def cpu_policy(config: Config) -> CpuPolicy:
 
 
 @asynccontextmanager
-async def run_lanes(loader: Loader, plan: DataPlan, stores: list[Store], states: dict[int, LaneState]
+async def run_lanes(config: Config, tokenizer: Tokenize, plan: DataPlan, stores: list[Store],
+                    states: dict[int, LaneState], wrap_store: Callable[[Store], Store] | None = None,
                     ) -> AsyncIterator[tuple[Streams, Callable[[int], None], Callable[[], int]]]:
-    """Run `states`' lanes on the configured backend; yield (streams, credit, skipped-records)."""
-    if loader.config.backend == "processes":
-        async with _run_processes(loader, plan, states) as out:
+    """Run `states`' lanes on `config.backend`; yield (streams, credit, skipped-records).
+
+    `stores` serve the lanes run here; worker processes open their own (wrapped by `wrap_store`).
+    """
+    if config.backend == "processes":
+        async with _run_processes(config, plan, states, wrap_store) as out:
             yield out
         return
-    async with _run_local(loader.config, plan, stores, loader.tokenizer, states) as (streams, shared):
+    async with _run_local(config, plan, stores, tokenizer, states) as (streams, shared):
         yield streams, lambda lane: None, shared.skipped
 
 
@@ -97,9 +99,9 @@ def _unpack(msg: _Msg) -> list[Sample]:
 
 
 @asynccontextmanager
-async def _run_processes(loader: Loader, plan: DataPlan, states: dict[int, LaneState]
+async def _run_processes(cfg: Config, plan: DataPlan, states: dict[int, LaneState],
+                         wrap_store: Callable[[Store], Store] | None,
                          ) -> AsyncIterator[tuple[Streams, Callable[[int], None], Callable[[], int]]]:
-    cfg = loader.config
     lanes = sorted(states)
     groups = [lanes[w::cfg.workers] for w in range(min(cfg.workers, len(lanes)))]
     ctx = multiprocessing.get_context("spawn")
@@ -113,7 +115,7 @@ async def _run_processes(loader: Loader, plan: DataPlan, states: dict[int, LaneS
             data_r, data_w = ctx.Pipe(duplex=False)
             ctrl_r, ctrl_w = ctx.Pipe(duplex=False)
             payload = msgspec.msgpack.encode((cfg, plan, [states[lane] for lane in group]))
-            proc = ctx.Process(target=_worker_main, args=(payload, data_w, ctrl_r, loader.wrap_store),
+            proc = ctx.Process(target=_worker_main, args=(payload, data_w, ctrl_r, wrap_store),
                                name=f"zephon-lanes-{w}", daemon=True)
             await anyio.to_thread.run_sync(proc.start)  # spawning takes long enough to stall the loop
             data_w.close()
@@ -187,8 +189,6 @@ def _worker_main(payload: bytes, data_w: Any, ctrl_r: Any, wrap_store: Callable[
 
 async def _worker(cfg: Config, plan: DataPlan, states: list[LaneState], data_w: Any, ctrl_r: Any,
                   wrap_store: Callable[[Store], Store] | None) -> None:
-    from zephon_stream.loader.loader import open_stores
-
     tokenizer = Tokenize(cfg.tokenizer, cfg.eos_token)
     credits = {s.lane: anyio.Semaphore(cfg.sample_buffer) for s in states}
     out_send, out_recv = anyio.create_memory_object_stream[bytes](len(states))

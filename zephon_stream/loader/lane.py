@@ -28,31 +28,24 @@ from functools import lru_cache
 from typing import Any
 
 import anyio
-import msgspec
 
 from zephon_stream.loader.config import Config
 from zephon_stream.engine.rng import permutation
 from zephon_stream.connectors.base import Store
 from zephon_stream.engine.operator import Operator
 from zephon_stream.errors import DataError, IncompatibleState
+from zephon_stream.loader.plan import DataPlan
 from zephon_stream.loader.state import LaneState, split_at
 from zephon_stream.operators.feed import Feed
 from zephon_stream.operators.mix import Mix
 from zephon_stream.operators.pack import Pack
-from zephon_stream.operators.read import Parser, SourcePlan, SplitReader
+from zephon_stream.operators.read import Parser, SplitReader
 from zephon_stream.operators.shuffle import Shuffle
 from zephon_stream.operators.tokenize import Tokenize
 from zephon_stream.operators.types import Doc, DocRef, Sample
 
 RunCpu = Callable[..., Awaitable[Any]]
 _EMPTY_RUN = 8  # split positions in a row without a document before a lane checks the whole source
-
-
-class DataPlan(msgspec.Struct, frozen=True):
-    """Every source's shards and splits, and the data fingerprint."""
-
-    sources: list[SourcePlan]
-    fingerprint: str
 
 
 class Lanes:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import collections
-import hashlib
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +15,12 @@ from zephon_stream.operators.collate import collate, padding_sample
 from zephon_stream.loader.config import Config
 from zephon_stream.loader.sequencer import check_world, consumed, rank_lanes, rank_slots
 from zephon_stream.loader.state import FORMAT_VERSION, LaneState, LoaderState, StateHeader, check_lane_state
-from zephon_stream.errors import CheckpointError, ConfigError, IncompatibleState, ZephonError, root_error
-from zephon_stream.loader.lane import DataPlan
-from zephon_stream.connectors import open_store, parse_uri
+from zephon_stream.errors import CheckpointError, ConfigError, IncompatibleState, ZephonError, unwrap_groups
+from zephon_stream.loader.backends import run_lanes
+from zephon_stream.loader.plan import DataPlan, open_stores, plan_data
 from zephon_stream.connectors.base import Store
-from zephon_stream.operators.read import plan_source
 from zephon_stream.operators.tokenize import Tokenize
+from zephon_stream.operators.types import Sample
 
 StoreWrapper = Callable[[Store], Store]
 
@@ -40,6 +39,30 @@ class LoaderStatistics(msgspec.Struct, frozen=True):
     store_requests: int
     store_retries: int
     store_bytes_read: int
+
+
+class Frontier:
+    """The consumed frontier of one rank: the step, each lane's state after its last consumed
+    sample, and counters. `Loader.state_dict()` is this; a `BatchStream` advances it."""
+
+    def __init__(self, lanes: list[int], n_sources: int) -> None:
+        self.step = 0
+        self.lanes = {lane: LaneState.initial(lane, n_sources) for lane in lanes}
+        self.samples = self.tokens = 0
+        self.peak_buffered = 0  # sample batches held at once, lane buffers and the batch in hand
+
+    def consume(self, sample: Sample) -> None:
+        """Advance past `sample`; a padding sample (no state) means its lane has ended."""
+        if sample.state is not None:
+            self.lanes[sample.lane] = sample.state
+        else:
+            self.end(sample.lane)
+        self.samples += 1
+        self.tokens += sample.num_tokens
+
+    def end(self, lane: int) -> None:
+        if not self.lanes[lane].done:
+            self.lanes[lane] = msgspec.structs.replace(self.lanes[lane], done=True)
 
 
 class Loader:
@@ -74,12 +97,9 @@ class Loader:
         self.order_digest = config.order_digest(self.tokenizer.sha256)
         self.lanes = rank_lanes(config.lanes, self.dp_size, self.dp_rank)
         self.wrap_store = wrap_store
-        self.step = 0
-        self._lane_states: dict[int, LaneState | None] = {lane: None for lane in self.lanes}
+        self.frontier = Frontier(self.lanes, len(config.sources))
         self._fingerprint: str | None = None  # of the loaded checkpoint, checked against the data
         self._plan: DataPlan | None = None
-        self._stats = collections.Counter()
-        self._peak = 0
         self._streams: dict[int, Any] = {}
         self._store_stats: list[Any] = []
         self._skipped: Callable[[], int] = lambda: 0
@@ -100,7 +120,7 @@ class Loader:
         One entry per lane this rank owns; save every rank's dict (with torch.distributed.checkpoint,
         or `state_to_bytes` per rank) and any world size that divides `lanes` can load them.
         """
-        states = [self._lane_states[lane] or self._initial(lane) for lane in self.lanes]
+        states = [self.frontier.lanes[lane] for lane in self.lanes]
         header = StateHeader(FORMAT_VERSION, self.order_digest, self._fingerprint or self._data_fingerprint(),
                              self.config.lanes, self.config.global_batch_size, self.step, self.order_settings)
         return LoaderState(header, states).to_dict()
@@ -127,9 +147,9 @@ class Loader:
                 raise IncompatibleState(f"lane {lane} state field samples = {lanes[lane].samples}: step "
                                         f"{head.step} means {expect} (the lane has not ended); the checkpoint is "
                                         "inconsistent: resume from the files of one checkpoint, as saved")
-        self.step = head.step
+        self.frontier.step = head.step
         self._fingerprint = head.data_fingerprint
-        self._lane_states = {lane: lanes[lane] for lane in self.lanes}
+        self.frontier.lanes = {lane: lanes[lane] for lane in self.lanes}
 
     def _merge_lanes(self, decoded: list[LoaderState]) -> dict[int, LaneState]:
         """The lane states of every part, each checked against the config; a lane given twice must agree."""
@@ -163,8 +183,15 @@ class Loader:
             raise IncompatibleState(f"rank states disagree: step {head.step} vs {first.header.step}; pass the "
                                     "states of one checkpoint")
 
-    def _initial(self, lane: int) -> LaneState:
-        return LaneState.initial(lane, len(self.config.sources))
+    @property
+    def data_plan(self) -> DataPlan | None:
+        """The sources' shards and splits, once the first stream has listed them (else None)."""
+        return self._plan
+
+    @property
+    def step(self) -> int:
+        """Global batches this rank has consumed (the next batch's `batch["step"]`)."""
+        return self.frontier.step
 
     def _data_fingerprint(self) -> str:
         return self._plan.fingerprint if self._plan else ""
@@ -174,23 +201,14 @@ class Loader:
     async def plan(self, stores: list[Store]) -> DataPlan:
         """List and split every source once; check the data against a loaded checkpoint."""
         if self._plan is None:
-            cfg = self.config
-            sources = []
-            for src, store in zip(cfg.sources, stores):
-                sources.append(await plan_source(store, parse_uri(src.uri)[2], src.name, src.uri, src.text_field,
-                                                 cfg.lanes, cfg.split_bytes, cfg.on_bad_record))
-            h = hashlib.sha256()
-            for sp in sources:
-                h.update(msgspec.msgpack.encode([sp.name, [(s.key, s.size, s.etag) for s in sp.shards]]))
-            self._plan = DataPlan(sources, h.hexdigest()[:32])
+            self._plan = await plan_data(self.config, stores)
         if self._fingerprint and self._fingerprint != self._plan.fingerprint:
             raise IncompatibleState(
                 f"checkpoint was written for other data (fingerprint {self._fingerprint}, the sources now give "
                 f"{self._plan.fingerprint}): shards were added, removed or rewritten; resume against the same "
                 "data or start fresh")
-        for ls in self._lane_states.values():  # the loaded (or reached) states, now against the data
-            if ls is not None:
-                check_lane_state(ls, self.config, self._plan)
+        for ls in self.frontier.lanes.values():  # the loaded (or reached) states, now against the data
+            check_lane_state(ls, self.config, self._plan)
         return self._plan
 
     # ---- streaming ----------------------------------------------------------------------------
@@ -198,23 +216,23 @@ class Loader:
     @asynccontextmanager
     async def open(self) -> AsyncIterator[BatchStream]:
         """Start this rank's lanes; yield a stream of batches. Leaving the block stops them."""
-        with _unwrap_groups():
+        with unwrap_groups():
             async with self._open() as stream:
                 yield stream
 
     @asynccontextmanager
     async def _open(self) -> AsyncIterator[BatchStream]:
-        from zephon_stream.loader.backends import run_lanes  # _backends imports this module
-
         async with AsyncExitStack() as stack:
             stores = await open_stores(self.config, stack, self.wrap_store)
             self._store_stats = stores
             plan = await self.plan(stores)
-            states = {lane: self._lane_states[lane] or self._initial(lane) for lane in self.lanes}
-            async with run_lanes(self, plan, stores, states) as (streams, credit, skipped):
+            states = {lane: self.frontier.lanes[lane] for lane in self.lanes}
+            async with run_lanes(self.config, self.tokenizer, plan, stores, states, self.wrap_store) as (
+                    streams, credit, skipped):
                 self._streams, self._skipped = streams, skipped
                 try:
-                    yield BatchStream(self, streams, credit)
+                    yield BatchStream(self.frontier, streams, credit, self.config, self.dp_rank, self.dp_size,
+                                      self.tokenizer.eos_id)
                 finally:
                     self._streams = {}
 
@@ -241,49 +259,43 @@ class Loader:
         stores = [s.statistics() for s in self._store_stats]
         skipped_shards = sum(len(s.skipped_shards) for s in self._plan.sources) if self._plan else 0
         return LoaderStatistics(
-            step=self.step, samples=self._stats["samples"], tokens=self._stats["tokens"],
+            step=self.step, samples=self.frontier.samples, tokens=self.frontier.tokens,
             skipped_records=self._skipped(), skipped_shards=skipped_shards,
-            buffered_batches=buffered, peak_buffered_batches=self._peak,
+            buffered_batches=buffered, peak_buffered_batches=self.frontier.peak_buffered,
             buffer_capacity=self.config.sample_buffer * len(self.lanes),
             store_requests=sum(s.requests for s in stores), store_retries=sum(s.retries for s in stores),
             store_bytes_read=sum(s.bytes_read for s in stores))
 
 
 class BatchStream:
-    """Batches of one rank in step order; each consumed batch advances the loader's state."""
+    """Batches of one rank in step order; each consumed batch advances the rank's `Frontier`."""
 
-    def __init__(self, loader: Loader, streams: dict[int, Any], credit: Callable[[int], None]) -> None:
-        self.loader, self.streams, self.credit = loader, streams, credit
+    def __init__(self, frontier: Frontier, streams: dict[int, Any], credit: Callable[[int], None], config: Config,
+                 dp_rank: int, dp_size: int, eos_id: int) -> None:
+        self.frontier, self.streams, self.credit, self.config = frontier, streams, credit, config
+        self.dp_rank, self.dp_size = dp_rank, dp_size
         self.pending: dict[int, collections.deque] = {lane: collections.deque() for lane in streams}
-        self.done = {lane: bool(loader._lane_states[lane] and loader._lane_states[lane].done) for lane in streams}
-        cfg = loader.config
-        self.pad_id = loader.tokenizer.eos_id if cfg.pad_token_id is None else cfg.pad_token_id
+        self.done = {lane: frontier.lanes[lane].done for lane in streams}
+        self.pad_id = eos_id if config.pad_token_id is None else config.pad_token_id
 
     def __aiter__(self) -> BatchStream:
         return self
 
     async def __anext__(self) -> dict[str, Any]:
-        ld, cfg = self.loader, self.loader.config
-        slots = rank_slots(ld.step, cfg.global_batch_size, ld.dp_size, ld.dp_rank)
+        cfg, frontier = self.config, self.frontier
+        slots = rank_slots(frontier.step, cfg.global_batch_size, self.dp_size, self.dp_rank)
         samples = [await self._sample(i % cfg.lanes, i // cfg.lanes) for i in slots]
         if all(s.state is None for s in samples) and self._ended():
             for lane in self.streams:  # every lane of this rank has ended
-                st = ld._lane_states[lane] or ld._initial(lane)
-                ld._lane_states[lane] = msgspec.structs.replace(st, done=True)
+                frontier.end(lane)
             raise StopAsyncIteration
         if cfg.backend == "inline":
-            batch = collate(samples, ld.step, slots)
+            batch = collate(samples, frontier.step, slots)
         else:  # stacking seq_len x batch tensors is CPU work: keep it off the trainer's loop
-            batch = await anyio.to_thread.run_sync(collate, samples, ld.step, slots)
+            batch = await anyio.to_thread.run_sync(collate, samples, frontier.step, slots)
         for s in samples:
-            if s.state is not None:
-                ld._lane_states[s.lane] = s.state
-            elif not (ld._lane_states[s.lane] and ld._lane_states[s.lane].done):
-                st = ld._lane_states[s.lane] or ld._initial(s.lane)
-                ld._lane_states[s.lane] = msgspec.structs.replace(st, done=True)
-            ld._stats["tokens"] += s.num_tokens
-        ld._stats["samples"] += len(samples)
-        ld.step += 1
+            frontier.consume(s)
+        frontier.step += 1
         return batch
 
     def _ended(self) -> bool:
@@ -291,7 +303,7 @@ class BatchStream:
         does not say so: with global_batch_size < lanes a step reads only some of the lanes.)"""
         return all(self.done[lane] and not self.pending[lane] for lane in self.streams)
 
-    async def _sample(self, lane: int, index: int) -> Any:
+    async def _sample(self, lane: int, index: int) -> Sample:
         queue = self.pending[lane]
         while not queue and not self.done[lane]:
             try:
@@ -300,10 +312,10 @@ class BatchStream:
                 self.done[lane] = True
                 break
             self.credit(lane)
-            self.loader._peak = max(self.loader._peak, 1 + sum(  # + the batch just taken out
+            self.frontier.peak_buffered = max(self.frontier.peak_buffered, 1 + sum(  # + the batch just taken out
                 s.statistics().current_buffer_used for s in self.streams.values()))
         if not queue:
-            return padding_sample(self.loader.config.seq_len, self.pad_id, lane, index)
+            return padding_sample(self.config.seq_len, self.pad_id, lane, index)
         sample = queue.popleft()
         if sample.index != index:
             raise ZephonError(f"internal error: lane {lane} produced sample {sample.index}, sequencer expected "
@@ -330,54 +342,12 @@ _END: Any = object()
 
 def _tokenizer(config: Config) -> Tokenize:
     """The config's tokenizer, with its vocabulary checked against `pad_token_id`."""
-    try:
-        tok = Tokenize(config.tokenizer, config.eos_token)
-    except ZephonError:
-        raise
-    except Exception as exc:  # the `tokenizers` library raises bare Exceptions for a malformed file
-        raise ConfigError(f"tokenizer {config.tokenizer!r} is not a tokenizer.json file ({exc}): give the path "
-                          "of a Hugging Face `tokenizers` JSON file") from exc
+    tok = Tokenize(config.tokenizer, config.eos_token)
     if config.pad_token_id is not None and config.pad_token_id >= tok.vocab_size:
         raise ConfigError(f"config pad_token_id = {config.pad_token_id}: outside the vocabulary of "
                           f"{config.tokenizer} ({tok.vocab_size} ids); use an id below {tok.vocab_size}, or leave "
                           "it unset to pad with the EOS id")
     return tok
-
-
-@contextmanager
-def _unwrap_groups() -> Iterator[None]:
-    """Raise the error that matters in a task-group failure as itself, not as a group."""
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        err = root_error(group)
-        if err is group or not isinstance(err, Exception):
-            raise
-        raise err from group
-
-
-async def open_stores(config: Config, stack: AsyncExitStack, wrap: StoreWrapper | None) -> list[Store]:
-    """Open (and register for closing) one store per source, wrapped by `wrap` if given.
-
-    S3 sources share one client pool: one client per endpoint and credentials, entered once and
-    closed once, and one limiter on the requests in flight across all sources.
-    """
-    stores = []
-    pool = None
-    for src in config.sources:
-        opts: dict[str, Any] = {k: v for k, v in (("endpoint_url", src.endpoint_url), ("region", src.region),
-                                                  ("addressing_style", src.addressing_style)) if v is not None}
-        if parse_uri(src.uri)[0] == "s3":
-            opts.update(connect_timeout=src.connect_timeout, read_timeout=src.read_timeout)
-            if pool is None:
-                from zephon_stream.connectors.s3 import S3ClientPool
-
-                pool = await stack.enter_async_context(S3ClientPool())
-            opts["pool"] = pool
-        store, _ = open_store(src.uri, **opts)
-        store = await stack.enter_async_context(store)  # type: ignore[arg-type]
-        stores.append(wrap(store) if wrap else store)
-    return stores
 
 
 def _dist_rank_size(group: Any, mesh: Any, mesh_dim: str) -> tuple[int, int]:

@@ -34,7 +34,7 @@ from zephon_stream.operators.shuffle import ShuffleState
 from zephon_stream.operators.types import DocRef
 
 if TYPE_CHECKING:
-    from zephon_stream.loader.lane import DataPlan
+    from zephon_stream.loader.plan import DataPlan
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)

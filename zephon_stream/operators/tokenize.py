@@ -21,9 +21,13 @@ class Tokenize:
     def __init__(self, path: str, eos_token: str) -> None:
         try:
             raw = Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"tokenizer {path!r} cannot be read: {exc}") from exc
+        try:
             self._tok = Tokenizer.from_str(raw.decode())
-        except (OSError, ValueError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"tokenizer {path!r} cannot be loaded: {exc}") from exc
+        except Exception as exc:  # the `tokenizers` library raises bare Exceptions for a malformed file
+            raise ConfigError(f"tokenizer {path!r} is not a tokenizer.json file ({exc}): give the path of a "
+                              "Hugging Face `tokenizers` JSON file") from exc
         self.path, self.sha256 = path, hashlib.sha256(raw).hexdigest()
         eos = self._tok.token_to_id(eos_token)
         if eos is None:

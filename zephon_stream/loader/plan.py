@@ -1,0 +1,60 @@
+"""The data plan: every source listed, cut into splits and fingerprinted once per run, and the
+stores that serve the sources (S3 sources share one client pool)."""
+
+from __future__ import annotations
+
+import hashlib
+from contextlib import AsyncExitStack
+from typing import Any
+
+import msgspec
+
+from zephon_stream.connectors import open_store, parse_uri
+from zephon_stream.connectors.base import Store
+from zephon_stream.loader.config import Config
+from zephon_stream.operators.read import SourcePlan, plan_source
+
+__all__ = ["DataPlan", "open_stores", "plan_data"]
+
+
+class DataPlan(msgspec.Struct, frozen=True):
+    """Every source's shards and splits, and the data fingerprint."""
+
+    sources: list[SourcePlan]
+    fingerprint: str
+
+
+async def plan_data(config: Config, stores: list[Store]) -> DataPlan:
+    """List and split every source of `config` (read through `stores`, one per source)."""
+    sources = []
+    for src, store in zip(config.sources, stores, strict=True):
+        sources.append(await plan_source(store, parse_uri(src.uri)[2], src.name, src.uri, src.text_field,
+                                         config.lanes, config.split_bytes, config.on_bad_record))
+    h = hashlib.sha256()
+    for sp in sources:
+        h.update(msgspec.msgpack.encode([sp.name, [(s.key, s.size, s.etag) for s in sp.shards]]))
+    return DataPlan(sources, h.hexdigest()[:32])
+
+
+async def open_stores(config: Config, stack: AsyncExitStack, wrap: Any = None) -> list[Store]:
+    """Open (and register for closing) one store per source, wrapped by `wrap(store)` if given.
+
+    S3 sources share one client pool: one client per endpoint and credentials, entered once and
+    closed once, and one limiter on the requests in flight across all sources.
+    """
+    stores = []
+    pool = None
+    for src in config.sources:
+        opts: dict[str, Any] = {k: v for k, v in (("endpoint_url", src.endpoint_url), ("region", src.region),
+                                                  ("addressing_style", src.addressing_style)) if v is not None}
+        if parse_uri(src.uri)[0] == "s3":
+            opts.update(connect_timeout=src.connect_timeout, read_timeout=src.read_timeout)
+            if pool is None:
+                from zephon_stream.connectors.s3 import S3ClientPool
+
+                pool = await stack.enter_async_context(S3ClientPool())
+            opts["pool"] = pool
+        store, _ = open_store(src.uri, **opts)
+        store = await stack.enter_async_context(store)
+        stores.append(wrap(store) if wrap else store)
+    return stores
