@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+__all__ = ["ToDevice", "batch_digest", "global_batch_digest"]
+
 Batch = dict[str, Any]
 
 

@@ -2,3 +2,5 @@
 
 Each command's module imports only what it needs, so `zephon relay` never loads torch.
 """
+
+__all__: list[str] = []

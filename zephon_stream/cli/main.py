@@ -17,6 +17,8 @@ from zephon_stream.loader.config import Config
 from zephon_stream.loader.state import state_from_bytes, state_to_bytes
 from zephon_stream.errors import ZephonError
 
+__all__ = ["main"]
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zephon", description=__doc__)

@@ -8,6 +8,8 @@ NumPy and platform versions because they use only 64-bit integer arithmetic.
 
 from __future__ import annotations
 
+__all__ = ["mix64", "permutation"]
+
 _M = (1 << 64) - 1
 
 

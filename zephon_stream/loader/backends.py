@@ -31,6 +31,8 @@ from zephon_stream.engine.cpu import CpuPolicy
 from zephon_stream.operators.types import Sample
 from zephon_stream.operators.tokenize import Tokenize
 
+__all__ = ["cpu_policy", "run_lanes"]
+
 Streams = dict[int, anyio.abc.ObjectReceiveStream[list[Sample]]]
 
 

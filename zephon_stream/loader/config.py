@@ -19,6 +19,8 @@ import msgspec
 
 from zephon_stream.errors import ConfigError
 
+__all__ = ["Backend", "Config", "SourceConfig"]
+
 Backend = Literal["inline", "threads", "processes"]
 
 # Bounds that keep every allocation a config implies (a lane's sample, a batch) possible.

@@ -44,6 +44,8 @@ from zephon_stream.operators.shuffle import Shuffle
 from zephon_stream.operators.tokenize import Tokenize
 from zephon_stream.operators.types import Doc, DocRef, Sample
 
+__all__ = ["Lanes", "TextLane"]
+
 RunCpu = Callable[..., Awaitable[Any]]
 _EMPTY_RUN = 8  # split positions in a row without a document before a lane checks the whole source
 

@@ -22,6 +22,8 @@ from zephon_stream.connectors.base import Store
 from zephon_stream.operators.tokenize import Tokenize
 from zephon_stream.operators.types import Sample
 
+__all__ = ["BatchStream", "Frontier", "Loader", "LoaderStatistics"]
+
 StoreWrapper = Callable[[Store], Store]
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from zephon_stream.errors import ConfigError
 
+__all__ = ["check_world", "consumed", "rank_lanes", "rank_slots"]
+
 
 def check_world(lanes: int, global_batch: int, dp_size: int, dp_rank: int) -> None:
     """Refuse a world size that cannot keep the order identical to a single-rank run."""

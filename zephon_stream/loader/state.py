@@ -33,6 +33,8 @@ from zephon_stream.operators.pack import PackState
 from zephon_stream.operators.shuffle import ShuffleState
 from zephon_stream.operators.types import DocRef
 
+__all__ = ["FORMAT_VERSION", "LaneState", "LoaderState", "Refusal", "StateHeader", "check_lane_state", "lane_key", "split_at", "state_from_bytes", "state_to_bytes"]
+
 if TYPE_CHECKING:
     from zephon_stream.loader.plan import DataPlan
 

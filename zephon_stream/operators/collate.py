@@ -6,6 +6,8 @@ import numpy as np
 
 from zephon_stream.operators.types import IGNORE, Sample
 
+__all__ = ["collate", "padding_sample"]
+
 
 def padding_sample(seq_len: int, pad_id: int, lane: int, index: int) -> Sample:
     """What a slot holds once its lane's data is exhausted (max_epochs > 0): no real tokens."""

@@ -40,6 +40,8 @@ from zephon_stream.connectors.base import ObjectInfo, Store
 from zephon_stream.engine.window import ReadWindow, Spawn
 from zephon_stream.formats.jsonl_zst import DECODE_PIECE, ZstdStream, read_seek_table, walk_frames
 
+__all__ = ["BadRecords", "Parser", "SUFFIXES", "ShardPlan", "SourcePlan", "Split", "SplitReader", "plan_source"]
+
 SUFFIXES = (".jsonl", ".jsonl.zst")
 _READ_PART = 1 << 20  # the largest ranged read of a split
 _MIN_PART = 1 << 10  # the smallest, when a small split is cut into `read_ahead` parts

@@ -10,6 +10,8 @@ from tokenizers import Tokenizer
 
 from zephon_stream.errors import ConfigError
 
+__all__ = ["Tokenize"]
+
 
 class Tokenize:
     """Encodes batches of texts into uint32 token arrays, each ending with the EOS id.

@@ -15,6 +15,8 @@ import numpy as np
 from zephon_stream.loader.config import Config
 from zephon_stream.loader.loader import Loader
 
+__all__ = ["Record", "batch_records", "lane_token_streams", "rank_records", "real", "run_world"]
+
 Record = tuple[int, int, int, int, str]
 
 

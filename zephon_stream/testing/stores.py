@@ -8,6 +8,8 @@ import anyio
 
 from zephon_stream.connectors.base import ObjectInfo, Store, StoreStatistics
 
+__all__ = ["LatencyStore", "WithLatency"]
+
 
 class LatencyStore:
     """Wraps a store; every read first sleeps a seeded random time in `[0, max_ms]` milliseconds.
