@@ -85,8 +85,8 @@ async def run(args: argparse.Namespace, scenario: str) -> None:
     nbytes = sum(t.numel() * 2 for t in model.values())
     print(f"\n== scenario {scenario}: {nbytes // 2:,} bf16 params ({nbytes / 1e9:.2f} GB), "
           f"chunks of {args.chunk_bytes >> 20} MiB, generated in {time.perf_counter() - t0:.1f} s")
-    pub = Publisher("bench/", store=store, chunk_bytes=args.chunk_bytes, keyframe_every=1000, lanes=2, threads=1)
-    sub = Subscriber("bench/", store=store, lanes=2, threads=1)
+    pub = Publisher("bench/", store=store, chunk_bytes=args.chunk_bytes, keyframe_every=1000, workers=2, threads=1)
+    sub = Subscriber("bench/", store=store, workers=2, threads=1)
     t = time.perf_counter()
     await pub.publish(model)
     t_key_pub = time.perf_counter() - t

@@ -107,7 +107,7 @@ async def subscribe(args: argparse.Namespace) -> None:
     state = {k: torch.zeros(s, dtype=torch.bfloat16) for k, s in shapes(args.params, args.tensors).items()}
     store, key = open_store(cfg["uri"], **cfg["options"])
     async with store:
-        sub = Subscriber(key, store=store, lanes=4, threads=1)
+        sub = Subscriber(key, store=store, workers=4, threads=1)
         await find_latest(store, key)
         emit(event="ready")
         have = 0
@@ -307,10 +307,10 @@ async def alone(args: argparse.Namespace, model: dict[str, torch.Tensor]) -> Non
     """The same encode and apply with nothing else running, on a memory store: the CPU floor."""
     store = MemoryStore()
     replica = {k: torch.zeros_like(v) for k, v in model.items()}
-    async with Publisher("m/", store=store, chunk_bytes=args.chunk_bytes, keyframe_every=1000, lanes=4,
+    async with Publisher("m/", store=store, chunk_bytes=args.chunk_bytes, keyframe_every=1000, workers=4,
                          threads=2) as pub:
         await pub.publish(model)
-        sub = Subscriber("m/", store=store, lanes=4, threads=1)
+        sub = Subscriber("m/", store=store, workers=4, threads=1)
         await sub.pull(replica)
         adam_step(model, seed=3)
         t = time.perf_counter()
@@ -343,8 +343,8 @@ async def tree(args: argparse.Namespace, work: Path, stack: ExitStack) -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "zephon_stream.cli", "relay", "--config", str(config), "--metrics-port", str(port),
-           "--lanes",
-           str(args.relay_lanes), "--poll-interval", str(args.poll), *(["--stream-ahead"] if args.stream_ahead else [])]
+           "--workers",
+           str(args.relay_workers), "--poll-interval", str(args.poll), *(["--stream-ahead"] if args.stream_ahead else [])]
     proc = subprocess.Popen(cmd, stdout=relay, stderr=relay)
     subs = []
     try:
@@ -369,7 +369,7 @@ async def tree(args: argparse.Namespace, work: Path, stack: ExitStack) -> None:
         pstore, pkey = open_store(URI, **opts["trainer"])
         timed = TimedStore(pstore, pkey)
         async with pstore, Publisher(pkey, store=timed, chunk_bytes=args.chunk_bytes, keyframe_every=1000,  # type: ignore[arg-type]
-                                     lanes=4, threads=2) as pub:
+                                     workers=4, threads=2) as pub:
             full = await phase("full", pub, timed, model, subs, log, links, pids, port)
             deltas = []
             for k in range(args.deltas):
@@ -418,23 +418,23 @@ async def rss(args: argparse.Namespace, work: Path) -> None:
                 block = make_model(BLOCK * 16, 1, seed=3)["layer000.weight"].view(-1)  # 256M params, reused
                 model = {name: block[: s[0] * s[1]].view(s) for name, s in shapes(params, 8).items()}
                 store, key = open_store(URI, **parent.store_options())
-                async with store, Publisher(key, store=store, chunk_bytes=args.rss_chunk_bytes, lanes=4,
+                async with store, Publisher(key, store=store, chunk_bytes=args.rss_chunk_bytes, workers=4,
                                             threads=2) as pub:
                     info = await pub.publish(model)
                 moved = info.key_bytes
                 del model, block
-            for lanes in args.rss_lanes:
+            for workers in args.rss_workers:
                 with SeaweedServer() as child:  # a fresh one each time: a server holds 4 GB at most
                     child.create_bucket("weights")
                     config = private(work / "rss.toml", prefix_table("from", parent.store_options())
                                      + prefix_table("[to]", child.store_options()))
                     t = time.perf_counter()
                     proc = subprocess.Popen([sys.executable, "-m", "zephon_stream.cli", "relay", "--config",
-                                             str(config), "--once", "--lanes", str(lanes)],
+                                             str(config), "--once", "--workers", str(workers)],
                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                     peak = await high_water(proc)
                     secs = time.perf_counter() - t
-                print(f"  {label:<16} {lanes:>3} lanes: copied {moved:>14,} B in {secs:6.1f} s, peak RSS "
+                print(f"  {label:<16} {workers:>3} workers: copied {moved:>14,} B in {secs:6.1f} s, peak RSS "
                       f"{peak / 1024:7.1f} MiB (exit {proc.returncode})")
 
 
@@ -451,7 +451,7 @@ def main() -> int:
     ap.add_argument("--rss-chunk-bytes", type=int, default=16 << 20, help="the chunk size of the RSS runs")
     ap.add_argument("--mbit", type=float, default=100.0, help="bandwidth of each region's link")
     ap.add_argument("--latency-ms", type=float, default=30.0, help="delay the link adds to every request")
-    ap.add_argument("--relay-lanes", type=int, default=32)
+    ap.add_argument("--relay-workers", type=int, default=32)
     ap.add_argument("--poll", type=float, default=0.01, help="the relay's poll interval")
     ap.add_argument("--sub-poll", type=float, default=0.025,
                     help="each subscriber's poll interval (a HEAD each: many subscribers share a region's store)")
@@ -460,7 +460,7 @@ def main() -> int:
     ap.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                     help="subscribers do not verify objects ahead of the MANIFEST (Subscriber.prefetch)")
     ap.add_argument("--rss-gb", type=float, nargs="*", default=[1, 4], help="model sizes of the RSS runs")
-    ap.add_argument("--rss-lanes", type=int, nargs="+", default=[8, 32], help="relay lanes of the RSS runs")
+    ap.add_argument("--rss-workers", type=int, nargs="+", default=[8, 32], help="relay workers of the RSS runs")
     ap.add_argument("--skip-tree", action="store_true", help="only the RSS runs")
     ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--versions", type=int, default=2, help=argparse.SUPPRESS)

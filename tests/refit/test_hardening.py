@@ -236,7 +236,7 @@ def test_record_path_mistakes_are_config_errors(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("option", "value"), [
     ("chunk_bytes", 1 << 31), ("chunk_bytes", 0), ("chunk_bytes", 12), ("chunk_bytes", 4.5), ("chunk_bytes", True),
-    ("keyframe_every", 0), ("keep_versions", -1), ("lanes", 0), ("threads", 0), ("level", 23), ("level", "1"),
+    ("keyframe_every", 0), ("keep_versions", -1), ("workers", 0), ("threads", 0), ("level", 23), ("level", "1"),
     ("session", "xyz"), ("session", "ABCDEF0123"),
 ])
 def test_bad_publisher_setting_refused_before_anything_is_written(option: str, value: object) -> None:
@@ -248,7 +248,7 @@ def test_bad_publisher_setting_refused_before_anything_is_written(option: str, v
 
 
 def test_bad_subscriber_setting_refused() -> None:
-    for option, value in (("lanes", 0), ("staged_bytes", -1), ("threads", 0)):
+    for option, value in (("workers", 0), ("staged_bytes", -1), ("threads", 0)):
         with pytest.raises(ConfigError, match=option):
             Subscriber("memory://x/", **{option: value})  # type: ignore[arg-type]
 

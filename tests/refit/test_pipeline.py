@@ -10,8 +10,8 @@ from zephon_stream import DigestMismatch
 from zephon_stream.engine.ordered import run_ordered
 
 
-@pytest.mark.parametrize(("lanes", "window"), [(1, 1), (3, 4), (8, 8)])
-def test_commits_in_order_with_bounded_window(lanes: int, window: int) -> None:
+@pytest.mark.parametrize(("workers", "window"), [(1, 1), (3, 4), (8, 8)])
+def test_commits_in_order_with_bounded_window(workers: int, window: int) -> None:
     committed: list[int] = []
     running = peak = 0
 
@@ -30,12 +30,12 @@ def test_commits_in_order_with_bounded_window(lanes: int, window: int) -> None:
 
     async def main() -> None:
         with anyio.fail_after(10):
-            stats = await run_ordered(range(40), stage, commit, lanes=lanes, window=window)
-        assert stats.committed == 40 and stats.peak_pending <= max(window, lanes)
+            stats = await run_ordered(range(40), stage, commit, workers=workers, window=window)
+        assert stats.committed == 40 and stats.peak_pending <= max(window, workers)
 
     anyio.run(main)
     assert committed == list(range(40))
-    assert peak <= lanes
+    assert peak <= workers
 
 
 def test_lane_error_is_raised_plainly() -> None:
@@ -49,7 +49,7 @@ def test_lane_error_is_raised_plainly() -> None:
 
     async def main() -> None:
         with anyio.fail_after(10):
-            await run_ordered(range(20), stage, commit, lanes=4, window=8)
+            await run_ordered(range(20), stage, commit, workers=4, window=8)
 
     with pytest.raises(ValueError, match="chunk 5 is bad"):
         anyio.run(main)
@@ -72,7 +72,7 @@ def test_deferred_error_commits_every_item_before_it() -> None:
             committed.append(i)
 
         with anyio.fail_after(10), pytest.raises(DigestMismatch, match="item 2"):
-            await run_ordered(list(range(5)), stage, commit, lanes=3, window=3, defer_errors=True)
+            await run_ordered(list(range(5)), stage, commit, workers=3, window=3, defer_errors=True)
 
     anyio.run(main)
     assert committed == [0, 1]

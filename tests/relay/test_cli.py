@@ -68,6 +68,29 @@ def test_config_file_with_credentials_from_env(tmp_path, monkeypatch) -> None:  
         load_config(parse("--config", str(tmp_path / "bad.toml"), "--to", "s3://a/"))
 
 
+def test_workers_and_its_deprecated_spellings(tmp_path, capsys, caplog) -> None:  # type: ignore[no-untyped-def]
+    assert load_config(parse("--from", "s3://t/", "--to", "s3://a/", "--workers", "3")).workers == 3
+    assert load_config(parse("--from", "s3://t/", "--to", "s3://a/")).workers == 8
+    assert capsys.readouterr().err == ""
+    args = parse("--from", "s3://t/", "--to", "s3://a/", "--lanes", "5")  # the old flag: still works, warns
+    assert load_config(args).workers == 5
+    assert capsys.readouterr().err == "zephon: warning: --lanes is deprecated, use --workers\n"
+    help_text = _help()
+    assert "--workers N" in help_text and "--lanes" not in help_text
+    (tmp_path / "old.toml").write_text('lanes = 6\n[from]\nuri = "s3://t/"\n[[to]]\nuri = "s3://a/"\n')
+    with caplog.at_level(logging.WARNING, logger="zephon_stream"):
+        assert load_config(parse("--config", str(tmp_path / "old.toml"))).workers == 6
+        assert load_config(parse("--config", str(tmp_path / "old.toml"), "--workers", "2")).workers == 2
+    assert "the relay setting `lanes` is deprecated, use `workers`" in caplog.text
+    (tmp_path / "both.toml").write_text('lanes = 6\nworkers = 2\n[from]\nuri = "s3://t/"\n[[to]]\nuri = "s3://a/"\n')
+    with pytest.raises(ConfigError, match="give `workers` alone"):
+        load_config(parse("--config", str(tmp_path / "both.toml")))
+
+
+def _help() -> str:
+    return add_subparser(argparse.ArgumentParser(prog="zephon").add_subparsers()).format_help()
+
+
 def test_once_over_file_prefixes(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     for d in ("root", "a", "b"):
         (tmp_path / d).mkdir()

@@ -31,7 +31,7 @@ def write_config(path: Path, parent, child, prefix: str) -> Path:  # type: ignor
                 f'region = "{o["region"]}"\naddressing_style = "path"\n'
                 f'access_key_id = "{o["access_key_id"]}"\nsecret_access_key = "{o["secret_access_key"]}"\n')
 
-    settings = "poll_interval = 0.02\nlanes = 4\nstream_ahead = true\n"  # kills land in copies ahead too
+    settings = "poll_interval = 0.02\nworkers = 4\nstream_ahead = true\n"  # kills land in copies ahead too
     path.write_text(settings + table("from", parent) + table("[to]", child))
     path.chmod(0o600)
     return path

@@ -31,7 +31,7 @@ def test_lagging_child_restarts_at_newest_keyframe() -> None:
         replica = zeros_like(w)
         sub = Subscriber("c/", store=child)
         async with Publisher("p/", store=parent, chunk_bytes=256, keyframe_every=3, keep_versions=2) as pub, \
-                Relay(Prefix("p/", store=parent), [Prefix("c/", store=child)], lanes=2) as relay:
+                Relay(Prefix("p/", store=parent), [Prefix("c/", store=child)], workers=2) as relay:
             w = await _publish(pub, w, range(1, 3), models)
             assert (await relay.sync()).committed == {"c/": [1, 2]}
             assert await sub.pull(replica) == 2
@@ -78,14 +78,14 @@ def test_restart_copies_only_what_is_missing(after: int) -> None:
         async with Publisher("p/", store=parent, chunk_bytes=256) as pub:
             await _publish(pub, model(6), range(1, 3), models)
         with pytest.raises(Killed):
-            async with Relay(Prefix("p/", store=parent), [Prefix("c/", store=_Dies(child, after))], lanes=1) as r:
+            async with Relay(Prefix("p/", store=parent), [Prefix("c/", store=_Dies(child, after))], workers=1) as r:
                 await r.sync()
         done = await assert_no_partial_version(child, "c/")
         pending = lambda k: "/MANIFEST" not in k and "LATEST" not in k and int(k[3:].partition("/")[0]) not in done  # noqa: E731
         there = {k: len(v) for k, v in child.objects.items() if pending(k)}
         total = sum(len(v) for k, v in parent.objects.items() if pending(k))
         before = parent.statistics().bytes_read
-        async with Relay(Prefix("p/", store=parent), [Prefix("c/", store=child)], lanes=3) as relay:
+        async with Relay(Prefix("p/", store=parent), [Prefix("c/", store=child)], workers=3) as relay:
             assert (await relay.sync()).ok
             stats = relay.statistics()
         assert stats.children[0].objects_skipped == len(there)
@@ -168,8 +168,8 @@ def test_bad_settings_refused() -> None:
         Relay("memory://x/p/", [])
     with pytest.raises(ConfigError, match="is its parent"):
         Relay("memory://x/p/", ["memory://x/p/"])
-    with pytest.raises(RefitError, match="lanes=0"):
-        Relay("memory://x/p/", ["memory://x/c/"], lanes=0)
+    with pytest.raises(RefitError, match="workers=0"):
+        Relay("memory://x/p/", ["memory://x/c/"], workers=0)
     assert "secret" not in repr(Prefix("s3://b/p/", endpoint_url="http://u:secret@h:1", secret_access_key="secret"))
 
 

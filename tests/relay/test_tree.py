@@ -39,8 +39,8 @@ def test_tree_end_to_end_bit_exact(regions) -> None:  # type: ignore[no-untyped-
     async def main() -> None:
         pstore, pkey = trainer.open("policy/")
         w = model(1, {"w": ((64, 96), torch.bfloat16), "b": ((96,), torch.float32)})
-        root = Relay(trainer.prefix("policy/"), [a.prefix("policy/"), b.prefix("policy/")], lanes=4, poll_interval=0.01)
-        zone = Relay(a.prefix("policy/"), [a.prefix("zone1/")], lanes=4, poll_interval=0.01)
+        root = Relay(trainer.prefix("policy/"), [a.prefix("policy/"), b.prefix("policy/")], workers=4, poll_interval=0.01)
+        zone = Relay(a.prefix("policy/"), [a.prefix("zone1/")], workers=4, poll_interval=0.01)
         subs = [(Subscriber(p, store=s), zeros_like(w)) for s, p in (r.open(p) for r, p in leaves)]
         stop, checks = anyio.Event(), []
         with anyio.fail_after(120):
@@ -117,7 +117,7 @@ def test_two_relays_racing_on_one_child(regions) -> None:  # type: ignore[no-unt
                     w = step(w, v, frac=0.2)
                     models[v] = snapshot(w)
                     await pub.publish(w)
-                relays = [Relay(trainer.prefix("p/"), [Prefix(k, store=_GatedStore(s, gate))], lanes=3)
+                relays = [Relay(trainer.prefix("p/"), [Prefix(k, store=_GatedStore(s, gate))], workers=3)
                           for s, k in ((s1, k1), (s2, k2))]
                 async with relays[0], relays[1]:
                     reports = []
@@ -159,7 +159,7 @@ def test_corrupt_parent_object_not_propagated_then_retried(regions) -> None:  # 
                 bad = [o.key for o in await pstore.list(f"{pkey}v2/chunk-")][1]
                 good = await pstore.read(bad)
                 await pstore.put(bad, bytes([good[0]]) + good[1:-1] + bytes([good[-1] ^ 0x40]))
-                relay = Relay(trainer.prefix("p/"), [child.prefix("p/")], lanes=2, poll_interval=0.01,
+                relay = Relay(trainer.prefix("p/"), [child.prefix("p/")], workers=2, poll_interval=0.01,
                               max_backoff=0.05)
                 async with relay:
                     report = await relay.sync()
@@ -216,7 +216,7 @@ def test_parent_reads_once_whatever_the_number_of_children(regions, seaweed) -> 
             for n in (1, 3):
                 trainer.proxy.reset_statistics()
                 children = [regions(f"c{n}{i}") for i in range(n)]
-                async with Relay(trainer.prefix("p/"), [c.prefix("p/") for c in children], lanes=4) as relay:
+                async with Relay(trainer.prefix("p/"), [c.prefix("p/") for c in children], workers=4) as relay:
                     assert (await relay.sync()).ok
                     assert relay.statistics().bytes_read == sum(sizes.values())
                 records = trainer.proxy.statistics().records
@@ -235,7 +235,7 @@ def test_child_bucket_on_the_parent_endpoint_is_copied_server_side(regions) -> N
     async def main() -> None:
         pstore, pkey = trainer.open("policy/")
         w = model(2, {"w": ((64, 96), torch.bfloat16)})
-        relay = Relay(trainer.prefix("policy/"), [other.prefix("copy/")], lanes=4)
+        relay = Relay(trainer.prefix("policy/"), [other.prefix("copy/")], workers=4)
         replica = zeros_like(w)
         with anyio.fail_after(60):
             async with pstore, Publisher(pkey, store=pstore, chunk_bytes=CHUNK) as pub, relay:

@@ -1,7 +1,7 @@
 """`zephon refit publish|pull|status`: the refit relay from the command line.
 
-    zephon refit publish --prefix URI --weights FILE.safetensors [--keyframe-every K]
-    zephon refit pull    --prefix URI --weights FILE.safetensors      (updates FILE in place)
+    zephon refit publish --prefix URI --weights FILE.safetensors [--keyframe-every K] [--workers N]
+    zephon refit pull    --prefix URI --weights FILE.safetensors [--workers N]   (updates FILE in place)
     zephon refit status  --prefix URI
 """
 
@@ -34,11 +34,13 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     pub.add_argument("--keep-versions", type=int, default=8, metavar="N")
     pub.add_argument("--chunk-bytes", type=int, default=4 << 20)
     pub.add_argument("--overwrite", action="store_true", help="also publish overwrite objects (for retries)")
+    pub.add_argument("--workers", type=int, default=4, metavar="N", help="chunks encoded and uploaded concurrently")
     pub.set_defaults(func=_publish)
     pull = sub.add_parser("pull", help="update a safetensors file in place to the latest version")
     pull.add_argument("--prefix", required=True)
     pull.add_argument("--weights", required=True)
     pull.add_argument("--record", help="local version record (default: FILE.refit beside the weights)")
+    pull.add_argument("--workers", type=int, default=4, metavar="N", help="chunks fetched and checked concurrently")
     pull.set_defaults(func=_pull)
     st = sub.add_parser("status", help="list versions, their sizes and keyframes")
     st.add_argument("--prefix", required=True)
@@ -73,7 +75,7 @@ def _weights(path: str, *, writable: bool = False) -> safetensors.Mapped:
 async def _publish(args: argparse.Namespace) -> int:
     state = _weights(args.weights)
     async with Publisher(args.prefix, keyframe_every=args.keyframe_every, keep_versions=args.keep_versions,
-                         chunk_bytes=args.chunk_bytes, overwrite=args.overwrite) as pub:
+                         chunk_bytes=args.chunk_bytes, overwrite=args.overwrite, workers=args.workers) as pub:
         info = await pub.publish(state)
     kind = "keyframe" if info.keyframe else "delta"
     print(f"version {info.version} digest {info.model_digest:016x} {kind} delta_bytes {info.delta_bytes} "
@@ -84,7 +86,8 @@ async def _publish(args: argparse.Namespace) -> int:
 @_guard
 async def _pull(args: argparse.Namespace) -> int:
     state = _weights(args.weights, writable=True)
-    async with Subscriber(args.prefix, record=args.record or f"{args.weights}.refit", weights=args.weights) as sub:
+    async with Subscriber(args.prefix, record=args.record or f"{args.weights}.refit", weights=args.weights,
+                          workers=args.workers) as sub:
         version = await sub.pull(state, sync=state.flush)
     if version == 0:
         raise RefitError(f"no version is published under {args.prefix}: nothing was pulled, {args.weights} is unchanged")

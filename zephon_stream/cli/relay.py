@@ -1,13 +1,14 @@
 """`zephon relay`: a relay node of the refit tree, as a daemon or a one-shot (cron) job.
 
     zephon relay --from URI [--from-endpoint URL] --to URI [--to-endpoint URL] [--to URI ...]
-                 [--config relay.toml] [--once] [--poll-interval S] [--metrics-port P]
+                 [--config relay.toml] [--once] [--poll-interval S] [--workers N] [--metrics-port P]
 
 Every `--from-*`/`--to-*` option applies to the `--from`, or to the `--to` before it. Each
 endpoint's credentials come from the AWS chain (environment, `--to-profile`...) unless the
 config file names them, literally or by environment variable (keep such a file private):
 
     poll_interval = 0.5
+    workers = 8
     metrics_port = 9464
     [from]
     uri = "s3://trainer/policy/"
@@ -87,7 +88,7 @@ class RelayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, rena
     parent: PrefixConfig | None = None
     to: list[PrefixConfig] = []
     poll_interval: float = 1.0
-    lanes: int = 8
+    workers: int = 8
     metrics_port: int | None = None
     keep_versions: int | None = None
     verify_existing: bool = True
@@ -109,7 +110,8 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--once", action="store_true", help="copy everything pending, then exit (cron, tests)")
     p.add_argument("--poll-interval", type=float, metavar="S", help="seconds between polls (default 1)")
     p.add_argument("--metrics-port", type=int, metavar="P", help="serve /metrics and /healthz on 127.0.0.1:P")
-    p.add_argument("--lanes", type=int, help="objects copied concurrently (default 8)")
+    p.add_argument("--workers", type=int, metavar="N", help="objects copied concurrently (default 8)")
+    p.add_argument("--lanes", dest="workers", type=int, action=_Lanes, help=argparse.SUPPRESS)
     p.add_argument("--keep-versions", type=int, metavar="N",
                    help="retention at the children (default: mirror the parent's)")
     p.add_argument("--stream-ahead", action="store_true", default=None,
@@ -123,6 +125,14 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 _FIELDS = {"endpoint": "endpoint_url", "region": "region", "profile": "profile"}
+
+
+class _Lanes(argparse.Action):
+    """`--lanes N`, the deprecated name of `--workers N` (lanes are the loader's, not concurrency)."""
+
+    def __call__(self, parser: Any, ns: argparse.Namespace, value: Any, option: Any = None) -> None:
+        print("zephon: warning: --lanes is deprecated, use --workers", file=sys.stderr)
+        ns.workers = value
 
 
 class _From(argparse.Action):
@@ -157,11 +167,12 @@ def load_config(args: argparse.Namespace) -> RelayConfig:
             raw = tomllib.loads(args.config.read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"{args.config}: cannot read the relay config ({exc})") from exc
+    _rename_lanes(raw, args.config)
     if args.parent is not None:
         raw["from"] = args.parent
     if args.children:
         raw["to"] = [*raw.get("to", []), *args.children]
-    for name in ("poll_interval", "metrics_port", "lanes", "keep_versions", "grace", "stream_ahead"):
+    for name in ("poll_interval", "metrics_port", "workers", "keep_versions", "grace", "stream_ahead"):
         if getattr(args, name) is not None:
             raw[name] = getattr(args, name)
     try:
@@ -173,12 +184,23 @@ def load_config(args: argparse.Namespace) -> RelayConfig:
     return cfg
 
 
+def _rename_lanes(raw: dict[str, Any], path: Path | None) -> None:
+    """The config key `lanes` is the deprecated name of `workers`: take it, with a warning."""
+    if "lanes" not in raw:
+        return
+    if "workers" in raw:
+        raise ConfigError(f"{path}: give `workers` alone (`lanes` is its deprecated name)")
+    log.warning("%s: the relay setting `lanes` is deprecated, use `workers`", path,
+                extra={"event": "deprecated", "setting": "lanes"})
+    raw["workers"] = raw.pop("lanes")
+
+
 def main(args: argparse.Namespace) -> int:
     _setup_logging(args.log_format, args.log_level)
     try:
         cfg = load_config(args)
         parent = cfg.parent.prefix()  # type: ignore[union-attr]
-        relay = Relay(parent, [c.prefix() for c in cfg.to], lanes=cfg.lanes, poll_interval=cfg.poll_interval,
+        relay = Relay(parent, [c.prefix() for c in cfg.to], workers=cfg.workers, poll_interval=cfg.poll_interval,
                       keep_versions=cfg.keep_versions, verify_existing=cfg.verify_existing,
                       stream_ahead=cfg.stream_ahead)
         return anyio.run(_once if args.once else _daemon, relay, cfg)

@@ -1,10 +1,13 @@
-"""The streaming engine of publish and pull: lanes, a bounded window, an in-order sequencer.
+"""The ordered map of publish, pull and relay: workers, a bounded window, an in-order sequencer.
 
-    feeder --(bounded)--> lane 0..L-1: stage(item) --(bounded)--> sequencer: commit(item, result)
+    feeder --(bounded)--> worker 0..W-1: stage(item) --(bounded)--> sequencer: commit(item, result)
 
 At most `window` items are between the feeder and their commit, so memory is bounded by
-`window` results whatever the model size. Stages run concurrently (their CPU work goes to
-worker threads under one CapacityLimiter); commits run one at a time, in item order.
+`window` results whatever the model size. Stages run concurrently (their CPU work goes through
+the caller's `CpuPolicy`); commits run one at a time, in item order.
+
+The concurrency here is `workers`: it changes nothing but speed. `lanes` means the loader's
+order-defining lanes only; `lanes=` as a name for workers is deprecated (`resolve_workers`).
 """
 
 from __future__ import annotations
@@ -12,12 +15,14 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+import warnings
+
 import anyio
 import msgspec
 
-from zephon_stream.errors import unwrap_groups
+from zephon_stream.errors import ConfigError, unwrap_groups
 
-__all__ = ["PipelineStatistics", "run_ordered"]
+__all__ = ["PipelineStatistics", "resolve_workers", "run_ordered"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -35,18 +40,21 @@ async def run_ordered(
     stage: Callable[[T], Awaitable[R]],
     commit: Callable[[T, R], Awaitable[None]],
     *,
-    lanes: int,
+    workers: int | None = None,
     window: int,
     defer_errors: bool = False,
+    lanes: int | None = None,
 ) -> PipelineStatistics:
-    """Run `stage` over items on `lanes` concurrent lanes and `commit` each result in order.
+    """Run `stage` over items on `workers` concurrent workers and `commit` each result in order.
 
     With `defer_errors`, a stage error is raised only when the sequencer reaches its item, so
     every item before it is still committed (a relay commits the good versions before a bad one).
+    `lanes` is the deprecated name of `workers`.
     """
-    window = max(window, lanes, 1)
+    workers = resolve_workers(workers, lanes, default=None, owner="run_ordered")
+    window = max(window, workers, 1)
     slots = anyio.Semaphore(window)
-    todo_send, todo_recv = anyio.create_memory_object_stream[int](lanes)
+    todo_send, todo_recv = anyio.create_memory_object_stream[int](workers)
     done_send, done_recv = anyio.create_memory_object_stream[tuple[int, R]](window)
     peak = 0
 
@@ -56,7 +64,7 @@ async def run_ordered(
                 await slots.acquire()
                 await todo_send.send(i)
 
-    async def lane(todo: anyio.abc.ObjectReceiveStream[int], done: anyio.abc.ObjectSendStream[tuple[int, R]]) -> None:
+    async def worker(todo: anyio.abc.ObjectReceiveStream[int], done: anyio.abc.ObjectSendStream[tuple[int, R]]) -> None:
         async with todo, done:
             async for i in todo:
                 try:
@@ -88,9 +96,27 @@ async def run_ordered(
             tg.start_soon(feed)
             tg.start_soon(sequence)
             async with todo_recv, done_send:
-                for _ in range(max(lanes, 1)):
-                    tg.start_soon(lane, todo_recv.clone(), done_send.clone())
+                for _ in range(max(workers, 1)):
+                    tg.start_soon(worker, todo_recv.clone(), done_send.clone())
     return PipelineStatistics(committed=len(items), peak_pending=peak)
+
+
+def resolve_workers(workers: int | None, lanes: int | None, *, default: int | None, owner: str) -> int:
+    """`workers`, else the deprecated spelling `lanes=` (with a DeprecationWarning), else `default`.
+
+    `owner` names the call in the messages; a call that passes both is refused (ConfigError).
+    """
+    if lanes is not None:
+        if workers is not None:
+            raise ConfigError(f"{owner}: pass workers={workers} alone (lanes={lanes} is its deprecated name)")
+        warnings.warn(f"{owner}(lanes=...) is deprecated: use workers=... (lanes are the loader's "
+                      "order-defining lanes; this is plain concurrency)", DeprecationWarning, stacklevel=3)
+        return lanes
+    if workers is None:
+        if default is None:
+            raise TypeError(f"{owner}() needs the keyword argument workers=")
+        return default
+    return workers
 
 
 class _Failed:

@@ -1,7 +1,7 @@
 """Publisher: publish a state_dict (or one rank's shard of it) as the next version of a prefix.
 
 Each publish XORs the new weights against a CPU shadow of the last published ones, chunk by
-chunk through the lanes, uploads each chunk's delta (plus the full chunk on keyframes, plus an
+chunk through the workers, uploads each chunk's delta (plus the full chunk on keyframes, plus an
 overwrite object when asked), and only then commits the MANIFEST with a conditional put. The
 shadow is the publisher's one extra copy of its shard. A publisher that starts against a prefix
 that already has versions, or whose previous publish failed, first pulls the newest version into
@@ -24,7 +24,6 @@ import logging
 import secrets
 from collections.abc import Mapping
 
-import anyio
 import msgspec
 import numpy as np
 import torch
@@ -35,7 +34,7 @@ from zephon_stream.refit import codec
 from zephon_stream.refit import manifest as _manifest
 from zephon_stream.refit.local import ChunkPlan, LocalState
 from zephon_stream.engine.cpu import CpuPolicy, default_threads
-from zephon_stream.engine.ordered import run_ordered
+from zephon_stream.engine.ordered import resolve_workers, run_ordered
 from zephon_stream.refit.owner import StoreOwner
 from zephon_stream.refit.versions import (
     collect_garbage,
@@ -102,14 +101,16 @@ class Publisher(StoreOwner):
         chunk_bytes: int = 4 << 20,
         session: str | None = None,
         overwrite: bool = False,
-        lanes: int = 4,
+        workers: int | None = None,
         threads: int | None = None,
         level: int = 1,
+        lanes: int | None = None,
     ) -> None:
+        workers = resolve_workers(workers, lanes, default=4, owner="Publisher")
         check_count("keyframe_every", keyframe_every, 1)
         check_count("keep_versions", keep_versions, 1)
         check_chunk_bytes(chunk_bytes)
-        check_count("lanes", lanes, 1)
+        check_count("workers", workers, 1)
         if threads is not None:
             check_count("threads", threads, 1)
         codec.check_level(level)
@@ -122,8 +123,8 @@ class Publisher(StoreOwner):
             raise ConfigError(f"session={session!r} must be 8-32 lowercase hex digits, e.g. secrets.token_hex(8)")
         super().__init__(prefix, store)
         self.keyframe_every, self.keep_versions, self.chunk_bytes = keyframe_every, keep_versions, chunk_bytes
-        self.session, self.overwrite, self.lanes, self.level = session, overwrite, lanes, level
-        self._cpu = CpuPolicy(default_threads(lanes) if threads is None else threads)
+        self.session, self.overwrite, self.workers, self.level = session, overwrite, workers, level
+        self._cpu = CpuPolicy(default_threads(workers) if threads is None else threads)
         self._shadow: dict[str, torch.Tensor] | None = None
         self._shadow_version: int | None = None
 
@@ -179,7 +180,7 @@ class Publisher(StoreOwner):
             return None
         if self._shadow_version != latest:
             shadow = {k: torch.empty(t.shape, dtype=t.dtype) for k, t in state.items()}
-            sub = Subscriber(self.key_prefix, store=self.store, sharding=self.sharding, lanes=self.lanes)
+            sub = Subscriber(self.key_prefix, store=self.store, sharding=self.sharding, workers=self.workers)
             if await sub.pull(shadow) != latest:
                 raise RefitError(f"could not bring the publisher's shadow to version {latest} of {self.uri!r}")
             self._shadow, self._shadow_version = shadow, latest
@@ -235,7 +236,7 @@ class Publisher(StoreOwner):
 
 
 class _Encode:
-    """The chunks of one publish, through the lanes: encode off the loop, upload, collect in order."""
+    """The chunks of one publish, through the workers: encode off the loop, upload, collect in order."""
 
     def __init__(self, pub: Publisher, version: int, attempt: str, keyframe: bool, base: Manifest | None,
                  stream: RankStream, new: LocalState, old: LocalState, first: int) -> None:
@@ -248,7 +249,7 @@ class _Encode:
             self.entries.append(entry)
 
         await run_ordered(range(len(self.stream.chunks)), self._stage, commit,
-                          lanes=self.pub.lanes, window=2 * self.pub.lanes)
+                          workers=self.pub.workers, window=2 * self.pub.workers)
         return self.entries
 
     async def _stage(self, j: int) -> ChunkEntry:

@@ -1,6 +1,6 @@
 """Subscriber: bring a state_dict (or a rank's shard of it) to the newest version, in place.
 
-A pull runs in two phases over the chunks, both streamed through the same lanes:
+A pull runs in two phases over the chunks, both streamed through the same workers:
 
 1. verify: fetch every object the pull needs, check its size and blake2b digest, decode it
    against its chunk, compose the XOR deltas of every pending version into one, and check the
@@ -55,7 +55,7 @@ from zephon_stream.refit import manifest as _manifest
 from zephon_stream.connectors.location import location
 from zephon_stream.refit.local import ChunkPlan, LocalState
 from zephon_stream.engine.cpu import CpuPolicy, default_threads
-from zephon_stream.engine.ordered import run_ordered
+from zephon_stream.engine.ordered import resolve_workers, run_ordered
 from zephon_stream.refit.owner import StoreOwner
 from zephon_stream.refit.versions import (
     chunk_key,
@@ -154,11 +154,13 @@ class Subscriber(StoreOwner):
         sharding: Sharding | None = None,
         record: str | os.PathLike[str] | None = None,
         weights: str | os.PathLike[str] | None = None,
-        lanes: int = 4,
+        workers: int | None = None,
         threads: int | None = None,
         staged_bytes: int = 256 << 20,
+        lanes: int | None = None,
     ) -> None:
-        check_count("lanes", lanes, 1)
+        workers = resolve_workers(workers, lanes, default=4, owner="Subscriber")
+        check_count("workers", workers, 1)
         check_count("staged_bytes", staged_bytes, 0)
         if threads is not None:
             check_count("threads", threads, 1)
@@ -167,8 +169,8 @@ class Subscriber(StoreOwner):
         self.sharding = sharding or Sharding()
         self.record_path = _record_path(record) if record is not None else None
         self.weights = Path(weights) if weights is not None else None
-        self.lanes, self.staged_bytes = lanes, staged_bytes
-        self._cpu = CpuPolicy(default_threads(lanes) if threads is None else threads)
+        self.workers, self.staged_bytes = workers, staged_bytes
+        self._cpu = CpuPolicy(default_threads(workers) if threads is None else threads)
         self.record = self._load_record()
         self._trusted = False  # whether this object has itself brought the state to `record`
         self._manifests: dict[int, tuple[Manifest, TensorTable] | None] = {}
@@ -302,7 +304,7 @@ class Subscriber(StoreOwner):
         async def commit(n: int, _: None) -> None:
             pass
 
-        await run_ordered(range(len(todo)), stage, commit, lanes=self.lanes, window=2 * self.lanes)
+        await run_ordered(range(len(todo)), stage, commit, workers=self.workers, window=2 * self.workers)
         return len(self._ahead)
 
     def _drop_ahead(self) -> None:
@@ -625,7 +627,7 @@ class _Pull:
         async def commit(i: int, staged: _Staged) -> None:
             self.staged[i] = staged
 
-        await run_ordered(self.todo, stage, commit, lanes=self.sub.lanes, window=2 * self.sub.lanes)
+        await run_ordered(self.todo, stage, commit, workers=self.sub.workers, window=2 * self.sub.workers)
 
     async def apply(self) -> None:
         cpu = self.sub._cpu
@@ -641,7 +643,7 @@ class _Pull:
         async def commit(i: int, _: None) -> None:
             pass
 
-        await run_ordered(self.todo, stage, commit, lanes=self.sub.lanes, window=2 * self.sub.lanes)
+        await run_ordered(self.todo, stage, commit, workers=self.sub.workers, window=2 * self.sub.workers)
 
 
 def _touches(plan: ChunkPlan) -> bool:

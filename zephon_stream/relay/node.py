@@ -8,8 +8,8 @@ A child prefix is a refit prefix like any other: a Subscriber, or the next relay
 (root -> region -> zone), reads it without knowing the tree. Objects keep their keys and the
 MANIFEST is copied byte for byte, so a version means the same thing at every level.
 
-One sync runs on the refit engine: the objects of the pending versions spread over `lanes`
-(at most `lanes` objects in memory, whatever the model size), and the sequencer commits each
+One sync runs on the refit engine: the objects of the pending versions spread over `workers`
+(at most `workers` objects in memory, whatever the model size), and the sequencer commits each
 version's MANIFEST once every object before it is in place. With `stream_ahead`, the daemon
 polls the next version with a LIST and copies its objects while the publisher is still writing
 them (each checked against the MANIFEST once it exists), so the link works during the encode.
@@ -62,7 +62,7 @@ from zephon_stream.connectors import open_store, parse_uri
 from zephon_stream.connectors.base import Store
 from zephon_stream.connectors.location import Location, location
 from zephon_stream.engine.cpu import CpuPolicy, default_threads
-from zephon_stream.engine.ordered import run_ordered
+from zephon_stream.engine.ordered import resolve_workers, run_ordered
 from zephon_stream.refit.manifest import Manifest, object_digest
 from zephon_stream.refit.versions import (
     commit_manifest_bytes,
@@ -236,7 +236,7 @@ class Relay:
         parent: Prefix | str,
         children: Sequence[Prefix | str],
         *,
-        lanes: int = 8,
+        workers: int | None = None,
         threads: int | None = None,
         poll_interval: float = 1.0,
         keep_versions: int | None = None,
@@ -245,19 +245,21 @@ class Relay:
         max_batch: int = 16,
         resync_interval: float = 60.0,
         max_backoff: float = 30.0,
+        lanes: int | None = None,
     ) -> None:
+        workers = resolve_workers(workers, lanes, default=8, owner="Relay")
         if not children:
             raise RefitError("a relay needs at least one child prefix (--to)")
-        if lanes < 1 or poll_interval <= 0 or max_batch < 1 or (keep_versions or 1) < 1 or (threads is not None and threads < 1):
-            raise RefitError(f"invalid relay settings: lanes={lanes}, poll_interval={poll_interval}, "
+        if workers < 1 or poll_interval <= 0 or max_batch < 1 or (keep_versions or 1) < 1 or (threads is not None and threads < 1):
+            raise RefitError(f"invalid relay settings: workers={workers}, poll_interval={poll_interval}, "
                              f"max_batch={max_batch}, keep_versions={keep_versions}, threads={threads}")
         self.parent = parent if isinstance(parent, Prefix) else Prefix(parent)
         self.child_prefixes = [c if isinstance(c, Prefix) else Prefix(c) for c in children]
         check_disjoint(self.parent, self.child_prefixes)
-        self.lanes, self.poll_interval, self.keep_versions = lanes, poll_interval, keep_versions
+        self.workers, self.poll_interval, self.keep_versions = workers, poll_interval, keep_versions
         self.verify_existing, self.stream_ahead, self.max_batch = verify_existing, stream_ahead, max_batch
         self.resync_interval, self.max_backoff = resync_interval, max_backoff
-        self._cpu = CpuPolicy(default_threads(lanes) if threads is None else threads)
+        self._cpu = CpuPolicy(default_threads(workers) if threads is None else threads)
         self._stack = AsyncExitStack()
         self._children: list[_Child] = []
         self._manifests: dict[int, tuple[bytes, Manifest]] = {}
@@ -267,7 +269,7 @@ class Relay:
         self._ahead: dict[str, tuple[int, str, frozenset[int]]] = {}  # key -> size, digest, children written
         self._ahead_count = 0
         self._ahead_group: anyio.abc.TaskGroup | None = None  # set while `run` runs
-        self._ahead_limit = anyio.CapacityLimiter(lanes)
+        self._ahead_limit = anyio.CapacityLimiter(workers)
         self._inflight: set[str] = set()
         self._settled = anyio.Event()
         self._parent_latest = 0
@@ -579,7 +581,7 @@ class Relay:
                 await self._commit(item.version, report)
 
         # a bad object stops the copy at its version, after the versions before it are committed
-        await run_ordered(items, self._stage, commit, lanes=self.lanes, window=2 * self.lanes, defer_errors=True)
+        await run_ordered(items, self._stage, commit, workers=self.workers, window=2 * self.workers, defer_errors=True)
 
     # -- one object, on a lane ----------------------------------------------------------------
 
