@@ -11,7 +11,8 @@ import anyio
 import pytest
 
 from zephon_stream import AlreadyExists, ConfigError, ConnectorError, ObjectNotFound
-from zephon_stream.connectors import Store, open_store
+from zephon_stream.connectors import MemoryStore, Store, open_store
+from zephon_stream.connectors.base import ServerSideCopy
 from zephon_stream.connectors.s3 import MiB, S3ClientPool, S3Settings, S3Store
 
 pytestmark = [pytest.mark.anyio, pytest.mark.s3, pytest.mark.timeout(60)]
@@ -237,3 +238,15 @@ def test_endpoint_and_region_come_from_the_environment(monkeypatch: pytest.Monke
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3")
     assert S3Store("b").endpoint == "http://127.0.0.1:1"
     assert S3Store("b", endpoint_url="http://127.0.0.1:3", addressing_style="virtual").endpoint.endswith(":3")
+
+
+async def test_server_side_copy_only_from_a_store_of_the_same_endpoint_and_credentials() -> None:
+    store = S3Store("b", endpoint_url="http://127.0.0.1:1", access_key_id="k", secret_access_key="s")
+    same = S3Store("c", endpoint_url="http://127.0.0.1:1", access_key_id="k", secret_access_key="s")
+    other = S3Store("c", endpoint_url="http://127.0.0.1:1", access_key_id="k2", secret_access_key="s")
+    assert isinstance(store, ServerSideCopy) and store.copies_from(same) and not store.copies_from(other)
+    for source in (other, MemoryStore()):
+        assert not store.copies_from(source)
+        with pytest.raises(ConfigError, match="cannot copy from"):
+            await store.copy_from(source, "k", "k")  # refused before any request
+    assert store.statistics().requests == 0

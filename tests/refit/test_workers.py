@@ -8,7 +8,7 @@ import pytest
 from zephon_stream import ConfigError
 from zephon_stream.engine.ordered import run_ordered
 from zephon_stream.refit import Publisher, Subscriber
-from zephon_stream.relay.node import Relay
+from zephon_stream.relay import Relay
 
 
 def test_lanes_keyword_still_works_and_warns() -> None:

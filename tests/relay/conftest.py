@@ -15,7 +15,7 @@ import pytest
 
 from zephon_stream.connectors import open_store
 from zephon_stream.connectors.base import Store
-from zephon_stream.relay.node import Prefix
+from zephon_stream.relay import Prefix
 from zephon_stream.testing.proxy import FaultProxy, Link
 from zephon_stream.testing.seaweed import SeaweedServer
 

@@ -18,7 +18,7 @@ from zephon_stream import ConfigError, DataError, DigestMismatch, ObjectNotFound
 from zephon_stream.connectors import LocalStore, MemoryStore, memory_store
 from zephon_stream.connectors.base import Store
 from zephon_stream.refit import Publisher, Subscriber, manifest
-from zephon_stream.relay.node import Prefix, Relay
+from zephon_stream.relay import Prefix, Relay
 from zephon_stream.cli.relay import add_subparser
 
 from tests.relay._helpers import assert_same, committed, model, snapshot, step, zeros_like
@@ -237,7 +237,7 @@ def test_bad_version_commits_the_good_ones_before_it(what: str, error: type, chi
                 for k in [k for k in child.objects if k.startswith(("c/v2/", "c/v3/", "c/v4/"))]:
                     await child.delete(k)
                 await child.put("c/LATEST", b'{"version": 1}')
-                relay._forget()
+                relay.forget()
             good = dict(parent.objects)
             _spoil(parent, what)
             report = await relay.sync()

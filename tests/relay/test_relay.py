@@ -7,9 +7,9 @@ import pytest
 
 from zephon_stream import ConfigError, DataError, RefitError
 from zephon_stream.connectors import MemoryStore
-from zephon_stream.connectors.base import Store
+from zephon_stream.connectors.base import ServerSideCopy, Store
 from zephon_stream.refit import Publisher, Subscriber
-from zephon_stream.relay.node import Prefix, Relay
+from zephon_stream.relay import Prefix, Relay
 from zephon_stream.cli.relay import serve_metrics
 
 from tests.relay._helpers import assert_no_partial_version, assert_same, committed, model, snapshot, step, until, zeros_like
@@ -159,6 +159,41 @@ def test_child_key_with_leading_zero_is_not_a_version() -> None:
             assert relay.statistics().children[0].latest == 1
         assert await committed(child, "c/") == [1] and "c/v01/MANIFEST" in child.objects
         assert await assert_no_partial_version(child, "c/") == [1]
+
+    anyio.run(main)
+
+
+class _Bucket(MemoryStore):
+    """A bucket of a fake server: it copies server-side (`ServerSideCopy`) from buckets of its server."""
+
+    def __init__(self, server: str) -> None:
+        super().__init__()
+        self.server, self.copied = server, 0
+
+    def copies_from(self, source: object) -> bool:
+        return isinstance(source, _Bucket) and source.server == self.server
+
+    async def copy_from(self, source: Store, src_key: str, dst_key: str) -> None:
+        self.copied += 1
+        self.objects[dst_key] = source.objects[src_key]  # type: ignore[attr-defined]
+
+
+def test_server_side_copy_is_a_protocol_not_a_probe() -> None:
+    """A child store that implements ServerSideCopy and accepts the parent's copies on the server;
+    one that does not accept it (another server) gets PUTs of the checked bytes."""
+    async def main() -> None:
+        parent, near, far = _Bucket("one"), _Bucket("one"), _Bucket("two")
+        assert isinstance(near, ServerSideCopy) and not isinstance(MemoryStore(), ServerSideCopy)
+        async with Publisher("p/", store=parent, chunk_bytes=256) as pub:
+            await pub.publish(model(7))
+        objects = len([k for k in parent.objects if "/MANIFEST" not in k and "LATEST" not in k])
+        async with Relay(Prefix("p/", store=parent), [Prefix("n/", store=near), Prefix("f/", store=far)]) as relay:
+            assert (await relay.sync()).committed == {"n/": [1], "f/": [1]}
+            near_stats, far_stats = relay.statistics().children
+        assert near.copied == near_stats.server_side_copies == objects and near_stats.bytes_written == 0
+        assert far.copied == far_stats.server_side_copies == 0 and far_stats.objects_written == objects
+        for child, key in ((near, "n/"), (far, "f/")):
+            assert await assert_no_partial_version(child, key) == [1]
 
     anyio.run(main)
 

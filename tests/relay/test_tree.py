@@ -10,7 +10,7 @@ import torch
 from zephon_stream import DigestMismatch
 from zephon_stream.connectors.base import Store
 from zephon_stream.refit import Publisher, Subscriber
-from zephon_stream.relay.node import Prefix, Relay, prometheus_text
+from zephon_stream.relay import Prefix, Relay, prometheus_text
 
 from tests.relay.conftest import Region
 from tests.relay._helpers import assert_no_partial_version, assert_same, committed, model, snapshot, step, until, zeros_like

@@ -43,7 +43,7 @@ import anyio.abc
 import msgspec
 
 from zephon_stream.errors import ConfigError, ZephonError
-from zephon_stream.relay.node import Prefix, Relay, prometheus_text
+from zephon_stream.relay import Prefix, Relay, prometheus_text
 
 __all__ = ["PrefixConfig", "RelayConfig", "add_subparser", "serve_metrics"]
 

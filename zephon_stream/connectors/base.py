@@ -3,7 +3,8 @@
 Keys are '/'-separated and relative to the store's root (a directory, or a bucket).
 `list(prefix)` returns objects sorted by key. `read(key, start, end)` is a ranged read of
 `[start, end)` (`end=None` means to the end). `put(..., if_none_match=True)` is a conditional
-create that raises `AlreadyExists` when the key exists.
+create that raises `AlreadyExists` when the key exists. A store that can also copy from another
+store without the bytes passing through this process implements `ServerSideCopy`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 import msgspec
+
+__all__ = ["ObjectInfo", "ServerSideCopy", "Store", "StoreStatistics"]
 
 
 class ObjectInfo(msgspec.Struct, frozen=True):
@@ -51,3 +54,14 @@ class Store(Protocol):
     def statistics(self) -> StoreStatistics: ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class ServerSideCopy(Protocol):
+    """A store that copies objects from some other stores on the server (S3: another bucket of the
+    same endpoint, with the same credentials). `isinstance(store, ServerSideCopy)` says it may;
+    `copies_from(source)` whether it can from that store."""
+
+    def copies_from(self, source: object) -> bool: ...
+
+    async def copy_from(self, source: Store, src_key: str, dst_key: str) -> None: ...

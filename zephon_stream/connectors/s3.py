@@ -73,7 +73,7 @@ from botocore.utils import is_valid_endpoint_url, is_valid_ipv6_endpoint_url
 
 from zephon_stream.errors import AccessDenied, AlreadyExists, ConfigError, ConnectorError, ObjectNotFound, Throttled
 from zephon_stream.connectors import register_scheme
-from zephon_stream.connectors.base import ObjectInfo, StoreStatistics
+from zephon_stream.connectors.base import ObjectInfo, Store, StoreStatistics
 
 __all__ = ["PartStream", "S3ClientPool", "S3Settings", "S3Store", "translate_error"]
 
@@ -768,9 +768,16 @@ class S3Store:
         source = {"Bucket": src_bucket or self.bucket, "Key": src_key}
         await self._request("copy_object", src_key, Key=dst_key, CopySource=source)
 
-    def copies_from(self, other: object) -> bool:
-        """Whether `copy(..., src_bucket=other.bucket)` works: the same endpoint, region and credentials."""
-        return isinstance(other, S3Store) and other._key == self._key
+    def copies_from(self, source: object) -> bool:
+        """Whether `copy_from(source, ...)` works: an S3 store of the same endpoint, region and credentials."""
+        return isinstance(source, S3Store) and source._key == self._key
+
+    async def copy_from(self, source: Store, src_key: str, dst_key: str) -> None:
+        """Server-side copy of `src_key` in `source`'s bucket to `dst_key` here (`ServerSideCopy`)."""
+        if not isinstance(source, S3Store) or not self.copies_from(source):
+            raise ConfigError(f"{self!r} cannot copy from {source!r} on the server: give a store of the same "
+                              "endpoint, region and credentials, or read and put the object")
+        await self.copy(src_key, dst_key, src_bucket=source.bucket)
 
     def statistics(self) -> StoreStatistics:
         c = self._counters
