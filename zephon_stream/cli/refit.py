@@ -3,22 +3,25 @@
     zephon refit publish --prefix URI --weights FILE.safetensors [--keyframe-every K] [--workers N]
     zephon refit pull    --prefix URI --weights FILE.safetensors [--workers N]   (updates FILE in place)
     zephon refit status  --prefix URI
+
+Building the parser imports no torch (`zephon relay --help` stays fast); `publish` and `pull`
+load it when they run.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from zephon_stream.errors import ConfigError, DataError, RefitError, ZephonError
 from zephon_stream.connectors import open_store
-from zephon_stream.refit import safetensors
 from zephon_stream.refit.versions import find_latest, list_versions, read_manifest
-from zephon_stream.refit.publisher import Publisher
-from zephon_stream.refit.subscriber import Subscriber
+
+if TYPE_CHECKING:
+    from zephon_stream.refit.safetensors import Mapped
 
 __all__ = ["add_subparser"]
 
@@ -63,8 +66,10 @@ def _guard(fn: Any) -> Any:
     return run
 
 
-def _weights(path: str, *, writable: bool = False) -> safetensors.Mapped:
+def _weights(path: str, *, writable: bool = False) -> Mapped:
     """The weights file, or ConfigError (exit 2): a missing, unreadable or malformed file is the user's to fix."""
+    from zephon_stream.refit import safetensors  # torch
+
     try:
         return safetensors.load(path, writable=writable)
     except ZephonError as exc:
@@ -73,6 +78,8 @@ def _weights(path: str, *, writable: bool = False) -> safetensors.Mapped:
 
 @_guard
 async def _publish(args: argparse.Namespace) -> int:
+    from zephon_stream.refit.publisher import Publisher  # torch
+
     state = _weights(args.weights)
     async with Publisher(args.prefix, keyframe_every=args.keyframe_every, keep_versions=args.keep_versions,
                          chunk_bytes=args.chunk_bytes, overwrite=args.overwrite, workers=args.workers) as pub:
@@ -85,6 +92,8 @@ async def _publish(args: argparse.Namespace) -> int:
 
 @_guard
 async def _pull(args: argparse.Namespace) -> int:
+    from zephon_stream.refit.subscriber import Subscriber  # torch
+
     state = _weights(args.weights, writable=True)
     async with Subscriber(args.prefix, record=args.record or f"{args.weights}.refit", weights=args.weights,
                           workers=args.workers) as sub:

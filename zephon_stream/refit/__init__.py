@@ -1,21 +1,44 @@
-"""Bit-exact delta-compressed weight refit over object storage: codec, versions, publisher, subscriber."""
+"""Bit-exact delta-compressed weight refit over object storage: codec, versions, publisher, subscriber.
+
+The names below are imported on first use: the publisher and subscriber load torch, while the
+key layout, MANIFESTs and codec (what a relay node needs) do not.
+"""
 
 from __future__ import annotations
 
-from zephon_stream.refit.layout import Sharding, TensorSpec, TensorTable
-from zephon_stream.refit.manifest import ChunkEntry, Manifest
-from zephon_stream.refit.publisher import Publisher, VersionConflict, VersionInfo
-from zephon_stream.refit.subscriber import LocalRecord, Subscriber
+import importlib
+from typing import TYPE_CHECKING
 
-__all__ = sorted([
-    "ChunkEntry",
-    "LocalRecord",
-    "Manifest",
-    "Publisher",
-    "Sharding",
-    "Subscriber",
-    "TensorSpec",
-    "TensorTable",
-    "VersionConflict",
-    "VersionInfo",
-])
+if TYPE_CHECKING:
+    from zephon_stream.refit.layout import Sharding, TensorSpec, TensorTable
+    from zephon_stream.refit.manifest import ChunkEntry, Manifest
+    from zephon_stream.refit.publisher import Publisher, VersionConflict, VersionInfo
+    from zephon_stream.refit.subscriber import LocalRecord, Subscriber
+
+_HOMES = {
+    "ChunkEntry": "manifest",
+    "LocalRecord": "subscriber",
+    "Manifest": "manifest",
+    "Publisher": "publisher",
+    "Sharding": "layout",
+    "Subscriber": "subscriber",
+    "TensorSpec": "layout",
+    "TensorTable": "layout",
+    "VersionConflict": "publisher",
+    "VersionInfo": "publisher",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> object:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'zephon_stream.refit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"zephon_stream.refit.{home}"), name)
+    globals()[name] = value  # once imported, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])

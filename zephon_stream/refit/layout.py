@@ -18,38 +18,43 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
-import torch
 
 from zephon_stream.errors import ConfigError
 
-__all__ = ["MAX_CHUNK_BYTES", "Chunk", "Piece", "RankStream", "Sharding", "TensorSpec", "TensorTable", "check_chunk_bytes",
-           "check_count", "dtype_of", "itemsize_of"]
+if TYPE_CHECKING:  # the layout is plain numbers: a relay node checks MANIFESTs without loading torch
+    import torch
+
+__all__ = ["ITEMSIZE", "MAX_CHUNK_BYTES", "Chunk", "Piece", "RankStream", "Sharding", "TensorSpec", "TensorTable",
+           "check_chunk_bytes", "check_count", "dtype_of", "itemsize_of"]
 
 MAX_CHUNK_BYTES = 1 << 30  # the largest chunk a manifest may declare (and a subscriber will decode)
 
-_DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-        torch.uint16, torch.uint32, torch.uint64, torch.float16, torch.bfloat16, torch.float32,
-        torch.float64, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
-    )
+# The dtypes a refit carries, by torch's name (`str(t.dtype)` without "torch."), and their sizes.
+ITEMSIZE: dict[str, int] = {
+    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint16": 2, "uint32": 4, "uint64": 8,
+    "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
 }
 WORD = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
 
 def dtype_of(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ConfigError(f"dtype {name!r} is not supported by the refit codec: use one of {sorted(_DTYPES)}") from None
+    """The torch dtype called `name` (ConfigError if a refit cannot carry it). Imports torch."""
+    import torch
+
+    itemsize_of(name)
+    return getattr(torch, name)
 
 
 def itemsize_of(name: str) -> int:
-    return dtype_of(name).itemsize
+    try:
+        return ITEMSIZE[name]
+    except KeyError:
+        raise ConfigError(f"dtype {name!r} is not supported by the refit codec: use one of {sorted(ITEMSIZE)}") from None
 
 
 def check_count(name: str, value: object, lo: int) -> int:
