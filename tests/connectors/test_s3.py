@@ -250,3 +250,13 @@ async def test_server_side_copy_only_from_a_store_of_the_same_endpoint_and_crede
         with pytest.raises(ConfigError, match="cannot copy from"):
             await store.copy_from(source, "k", "k")  # refused before any request
     assert store.statistics().requests == 0
+
+
+async def test_open_read_window_of_one_reads_one_part_at_a_time(s3) -> None:
+    data = text_bytes(1 * MiB + 7, seed=3)
+    async with S3Store(s3.bucket, **s3.options, part_size=128 * 1024, read_ahead=1) as store:
+        await store.put("obj", data)
+        async with store.open_read("obj") as parts:
+            got = [part async for part in parts]
+        assert b"".join(got) == data and len(got) == 9
+        assert store.statistics().peak_in_flight == 1

@@ -71,9 +71,18 @@ from botocore.exceptions import (
 )
 from botocore.utils import is_valid_endpoint_url, is_valid_ipv6_endpoint_url
 
-from zephon_stream.errors import AccessDenied, AlreadyExists, ConfigError, ConnectorError, ObjectNotFound, Throttled
 from zephon_stream.connectors import register_scheme
 from zephon_stream.connectors.base import ObjectInfo, Store, StoreStatistics
+from zephon_stream.engine.window import ReadWindow
+from zephon_stream.errors import (
+    AccessDenied,
+    AlreadyExists,
+    ConfigError,
+    ConnectorError,
+    ObjectNotFound,
+    Throttled,
+    unwrap_groups,
+)
 
 __all__ = ["PartStream", "S3ClientPool", "S3Settings", "S3Store", "translate_error"]
 
@@ -404,14 +413,6 @@ class _HookedClient:
 # -- the store ---------------------------------------------------------------------------------
 
 
-class _Part:
-    __slots__ = ("data", "done")
-
-    def __init__(self) -> None:
-        self.data: bytes | None = None
-        self.done = anyio.Event()
-
-
 class _Pin:
     """The one object version (ETag, quoted for If-Match) that every part of a read must come from."""
 
@@ -430,10 +431,9 @@ class _Pin:
 
 
 class PartStream:
-    """Parts of an `open_read`, in order. Taking one lets the window start the next request."""
+    """Parts of an `open_read`, in order, from a `ReadWindow`: taking one starts the next request."""
 
-    def __init__(self, receive: Any, window: anyio.Semaphore) -> None:
-        self._receive = receive
+    def __init__(self, window: ReadWindow) -> None:
         self._window = window
 
     def __aiter__(self) -> PartStream:
@@ -441,13 +441,7 @@ class PartStream:
 
     async def __anext__(self) -> bytes:
         while True:
-            try:
-                part = await self._receive.receive()
-            except anyio.EndOfStream:
-                raise StopAsyncIteration from None
-            await part.done.wait()
-            self._window.release()
-            data, part.data = part.data, None
+            data = await anext(self._window)  # StopAsyncIteration after the last part
             if data:  # parts past the end of a shorter object than `end` said are empty
                 return data
 
@@ -649,10 +643,10 @@ class S3Store:
         """Read `[start, end)` of `key` as parts, in order, with a sliding window of ranged GETs.
 
         At most `read_ahead` parts of `part_size` bytes are in flight or waiting to be consumed:
-        taking a part starts the next request. All parts come from one version of the object
-        (the `etag` given, else the first one seen), or the read fails. `end=None` costs a HEAD
-        for the size; pass `end` and `etag` from `list()` to skip it. Leaving the block early
-        cancels the requests still running.
+        taking a part starts the next request (the engine's `ReadWindow` over ranged GETs). All
+        parts come from one version of the object (the `etag` given, else the first one seen), or
+        the read fails. `end=None` costs a HEAD for the size; pass `end` and `etag` from `list()`
+        to skip it. Leaving the block early cancels the requests still running.
         """
         part_size = part_size or self.settings.part_size
         read_ahead = read_ahead or self.settings.read_ahead
@@ -662,33 +656,21 @@ class S3Store:
         if end is None:
             info = await self.head(key)
             end, etag = info.size, etag or info.etag
-        pin = _Pin(key, etag)
-        window = anyio.Semaphore(read_ahead)
-        send, receive = anyio.create_memory_object_stream[_Part](read_ahead)
-        try:
+        ranges = [(lo, min(lo + part_size, end)) for lo in range(start, end, part_size)]
+        # The window keeps `ahead` parts requested beyond the one being taken; the semaphore makes
+        # the one being taken count too, so `read_ahead` bounds the requests (1: one at a time).
+        fetch = functools.partial(self._fetch_part, key, _Pin(key, etag), anyio.Semaphore(read_ahead))
+        with unwrap_groups():
             async with anyio.create_task_group() as tg:
-                ranges = [(lo, min(lo + part_size, end)) for lo in range(start, end, part_size)]
-                tg.start_soon(self._produce_parts, tg, key, ranges, pin, window, send)
-                with receive:
-                    yield PartStream(receive, window)
+                yield PartStream(ReadWindow(fetch, ranges, max(read_ahead - 1, 1), tg.start_soon))
                 tg.cancel_scope.cancel()
-        except BaseExceptionGroup as group:
-            raise _single(group) from None
 
-    async def _produce_parts(self, tg: Any, key: str, ranges: list[tuple[int, int]], pin: _Pin,
-                             window: anyio.Semaphore, send: Any) -> None:
-        async with send:
-            for lo, hi in ranges:
-                await window.acquire()
-                part = _Part()
-                tg.start_soon(self._fetch_part, key, lo, hi, pin, part)
-                await send.send(part)
-
-    async def _fetch_part(self, key: str, lo: int, hi: int, pin: _Pin, part: _Part) -> None:
-        async with self._operation() as op:
-            part.data, etag = await self._get(op, key, lo, hi, pin.etag)
+    async def _fetch_part(self, key: str, pin: _Pin, slots: anyio.Semaphore, lo: int, hi: int) -> bytes:
+        """Bytes [lo, hi) of `key`, from the object version `pin` holds (b"" past its end)."""
+        async with slots, self._operation() as op:
+            data, etag = await self._get(op, key, lo, hi, pin.etag)
         pin.check(etag, self.bucket)
-        part.done.set()
+        return data
 
     async def put(self, key: str, data: bytes, *, if_none_match: bool = False) -> None:
         """Write `key`. With `if_none_match`, create it only if absent, else raise `AlreadyExists`.
@@ -749,12 +731,10 @@ class S3Store:
                                            Body=data[i * size : (i + 1) * size])
             parts[i] = {"PartNumber": i + 1, "ETag": resp["ETag"]}
 
-        try:
+        with unwrap_groups():
             async with anyio.create_task_group() as tg:
                 for i in range(len(parts)):
                     tg.start_soon(upload, i)
-        except BaseExceptionGroup as group:
-            raise _single(group) from None
         return parts
 
     async def delete(self, key: str) -> None:
@@ -814,20 +794,6 @@ def _info(key: str, size: int, etag: str) -> ObjectInfo:
 def _code_of(exc: BaseException) -> str:
     cause = exc.__cause__
     return _code(cause) if isinstance(cause, ClientError) else ""
-
-
-def _single(group: BaseExceptionGroup) -> BaseException:
-    """The one real error in a task group's exception group (cancellations dropped), else the group."""
-    cancelled = anyio.get_cancelled_exc_class()
-    leaves: list[BaseException] = []
-    stack: list[BaseException] = [group]
-    while stack:
-        exc = stack.pop()
-        if isinstance(exc, BaseExceptionGroup):
-            stack.extend(exc.exceptions)
-        elif not isinstance(exc, cancelled):
-            leaves.append(exc)
-    return leaves[0] if len(leaves) == 1 else group
 
 
 register_scheme("s3", S3Store)
