@@ -21,6 +21,9 @@ Then the relay node's peak RSS (wait4) for `--once` over a 1 GB and a 4 GB keyfr
 links, and with nothing to copy.
 
     .venv/bin/python bench/relay.py [--params 268435456] [--deltas 5] [--latency-ms 30] [--rss-gb 1 4]
+
+`--role startup [--source DIR]` measures instead how fast `zephon relay --help` starts and what an
+idle `zephon relay --once` holds (5 runs each), for this tree or another checkout.
 """
 
 from __future__ import annotations
@@ -438,9 +441,34 @@ async def rss(args: argparse.Namespace, work: Path) -> None:
                       f"{peak / 1024:7.1f} MiB (exit {proc.returncode})")
 
 
+def startup(source: Path, runs: int = 5) -> None:
+    """`zephon relay --help` wall time and the RSS (the child's ru_maxrss: the small `python -c`
+    that spawns it holds far less) of an idle `zephon relay --once` over an empty file:// parent,
+    for the source tree `source` (another checkout measures "before")."""
+    env = {**os.environ, "PYTHONPATH": str(source)}
+    cli = [sys.executable, "-m", "zephon_stream.cli", "relay"]
+    spawn = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, capture_output=True); "
+             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    with tempfile.TemporaryDirectory(prefix="zephon-bench-startup-") as tmp:
+        (Path(tmp) / "parent").mkdir()
+        once = [*cli, "--from", f"file://{tmp}/parent/", "--to", f"file://{tmp}/child/", "--once"]
+        subprocess.run([*cli, "--help"], cwd=source, env=env, check=True, capture_output=True)  # warm the caches
+        walls = []
+        for _ in range(runs):
+            t = time.perf_counter()
+            subprocess.run([*cli, "--help"], cwd=source, env=env, check=True, capture_output=True)
+            walls.append(time.perf_counter() - t)
+        rss = [int(subprocess.run([sys.executable, "-c", spawn, *once], cwd=source, env=env, check=True,
+                                  capture_output=True, text=True).stdout) / 1024 for _ in range(runs)]
+    for what, xs, unit in (("zephon relay --help", walls, "s"), ("idle zephon relay --once RSS", rss, "MiB")):
+        print(f"{what}: median {statistics.median(xs):.3f} {unit} ({min(xs):.3f} - {max(xs):.3f}) over {runs} runs")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--role", choices=["bench", "subscriber", "link"], default="bench")
+    ap.add_argument("--role", choices=["bench", "subscriber", "link", "startup"], default="bench")
+    ap.add_argument("--source", type=Path, default=Path(__file__).resolve().parents[1],
+                    help="--role startup: the source tree to measure (default: this one)")
     ap.add_argument("--deltas", type=int, default=5, help="delta versions to time (median and spread)")
     ap.add_argument("--upstream", help=argparse.SUPPRESS)
     ap.add_argument("--params", type=int, default=1 << 28)
@@ -471,6 +499,9 @@ def main() -> int:
         return 0
     if args.role == "link":
         serve_link(args)
+        return 0
+    if args.role == "startup":
+        startup(args.source)
         return 0
     if not args.skip_tree:
         with tempfile.TemporaryDirectory(prefix="zephon-bench-relay-") as tmp, ExitStack() as stack:
