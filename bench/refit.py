@@ -23,8 +23,7 @@ import numpy as np
 import torch
 
 from zephon_stream.connectors import MemoryStore
-from zephon_stream.refit import Publisher, Subscriber
-from zephon_stream.refit import codec
+from zephon_stream.refit import Publisher, Subscriber, codec
 
 BLOCK = 1 << 26
 

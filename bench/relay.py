@@ -347,7 +347,8 @@ async def tree(args: argparse.Namespace, work: Path, stack: ExitStack) -> None:
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "zephon_stream.cli", "relay", "--config", str(config), "--metrics-port", str(port),
            "--workers",
-           str(args.relay_workers), "--poll-interval", str(args.poll), *(["--stream-ahead"] if args.stream_ahead else [])]
+           str(args.relay_workers), "--poll-interval", str(args.poll),
+           *(["--stream-ahead"] if args.stream_ahead else [])]
     proc = subprocess.Popen(cmd, stdout=relay, stderr=relay)
     subs = []
     try:

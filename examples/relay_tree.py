@@ -72,7 +72,8 @@ async def run(regions: dict[str, dict], work: Path) -> None:
             digests = [sha(model), *(sha(replicas[r]) for r in subs)]
             kind = "keyframe" if info.keyframe else "delta"
             size = info.delta_bytes + info.key_bytes
-            print(f"{v:>7} {kind:>8} {size:>9,}  {'  '.join(digests)}  {'bit-exact' if len(set(digests)) == 1 else 'DIFFER'}")
+            same = "bit-exact" if len(set(digests)) == 1 else "DIFFER"
+            print(f"{v:>7} {kind:>8} {size:>9,}  {'  '.join(digests)}  {same}")
     for sub in subs.values():
         await sub.store.aclose()
 
@@ -87,7 +88,8 @@ def main() -> int:
         relays = []
         for r in ("A", "B"):  # each region's relay reads the trainer across its own WAN link
             link = stack.enter_context(FaultProxy(servers["trainer"].endpoint_url, link=WAN))
-            config = relay_config(work / f"relay-{r}.toml", {**regions["trainer"], "endpoint_url": link.url}, regions[r])
+            parent = {**regions["trainer"], "endpoint_url": link.url}
+            config = relay_config(work / f"relay-{r}.toml", parent, regions[r])
             log = stack.enter_context(open(work / f"relay-{r}.log", "wb"))
             cmd = [sys.executable, "-m", "zephon_stream.cli", "relay", "--config", str(config)]
             relays.append((r, subprocess.Popen(cmd, stdout=log, stderr=log), link))

@@ -27,7 +27,7 @@ class _Upstream(http.server.BaseHTTPRequestHandler):
     def _record(self, n: int = 0) -> None:
         self.seen.append((self.command, self.path, self.headers.get("Host"), n))
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         self._record()
         if self.path == "/chunked":
             self.send_response(200)
@@ -42,13 +42,13 @@ class _Upstream(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(BODY)
 
-    def do_HEAD(self) -> None:  # noqa: N802
+    def do_HEAD(self) -> None:
         self._record()
         self.send_response(200)
         self.send_header("Content-Length", str(len(BODY)))
         self.end_headers()
 
-    def do_PUT(self) -> None:  # noqa: N802
+    def do_PUT(self) -> None:
         n = int(self.headers["Content-Length"])
         data = self.rfile.read(n)
         self._record(len(data))

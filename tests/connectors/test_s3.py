@@ -120,7 +120,7 @@ async def test_exactly_one_conditional_creator_wins(any_s3) -> None:
             key = f"manifest-{round_}"
             outcome: dict[int, str] = {}
 
-            async def create(i: int) -> None:
+            async def create(i: int, key: str = key, outcome: dict[int, str] = outcome) -> None:
                 try:
                     await store.put(key, f"writer {i}".encode() * 100, if_none_match=True)
                     outcome[i] = "won"

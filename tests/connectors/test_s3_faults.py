@@ -7,11 +7,10 @@ import time
 import anyio
 import pytest
 
+from tests.connectors.test_s3 import text_bytes
 from zephon_stream import AlreadyExists, ConnectorError, Throttled
 from zephon_stream.connectors.s3 import MiB, S3Store
 from zephon_stream.testing.proxy import FAULT_KINDS, Faults, Link
-
-from tests.connectors.test_s3 import text_bytes
 
 pytestmark = [pytest.mark.anyio, pytest.mark.s3, pytest.mark.timeout(60)]
 

@@ -16,9 +16,9 @@ import pytest
 from botocore.exceptions import ConnectTimeoutError
 
 from zephon_stream import ConnectorError
+from zephon_stream.connectors.s3 import S3Settings, S3Store, translate_error
 from zephon_stream.loader.config import Config, SourceConfig
 from zephon_stream.loader.loader import open_stores
-from zephon_stream.connectors.s3 import S3Settings, S3Store, translate_error
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
           torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]
 

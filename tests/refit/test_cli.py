@@ -8,11 +8,10 @@ import struct
 import pytest
 import torch
 
-from zephon_stream import DataError
-from zephon_stream.refit import safetensors
-from zephon_stream.cli.refit import add_subparser
-
 from tests.refit._helpers import assert_same, model, step
+from zephon_stream import DataError
+from zephon_stream.cli.refit import add_subparser
+from zephon_stream.refit import safetensors
 
 
 def zephon(*argv: str) -> int:

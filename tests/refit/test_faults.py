@@ -10,13 +10,12 @@ import anyio
 import msgspec
 import pytest
 
+from tests.refit._helpers import assert_same, model, step, zeros_like
 from zephon_stream import BaseVersionMismatch, DataError, DigestMismatch, ObjectNotFound
 from zephon_stream.connectors import MemoryStore, open_store
 from zephon_stream.connectors.base import Store
 from zephon_stream.refit import Publisher, Subscriber
 from zephon_stream.refit.manifest import Manifest, encode_manifest
-
-from tests.refit._helpers import assert_same, model, step, zeros_like
 
 BACKENDS = ["memory", pytest.param("seaweed", marks=pytest.mark.s3)]
 

@@ -20,13 +20,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.refit._helpers import assert_same, model, step, zeros_like
 from zephon_stream import ZephonError
 from zephon_stream.connectors import MemoryStore
 from zephon_stream.refit import LocalRecord, Publisher, Subscriber, safetensors
 from zephon_stream.refit.manifest import decode_manifest
 from zephon_stream.refit.subscriber import decode_record
-
-from tests.refit._helpers import assert_same, model, step, zeros_like
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FUZZ_FILES = settings(FUZZ, max_examples=120)  # each example writes and maps a file

@@ -16,18 +16,17 @@ import msgspec
 import pytest
 import torch
 
+from tests.refit._helpers import assert_same, model, step, zeros_like
 from zephon_stream import ConfigError, DataError, ObjectNotFound, RefitError
+from zephon_stream.cli.refit import add_subparser
 from zephon_stream.connectors import MemoryStore
 from zephon_stream.connectors.base import ObjectInfo, StoreStatistics
+from zephon_stream.connectors.location import location
 from zephon_stream.refit import Publisher, Sharding, Subscriber, safetensors
 from zephon_stream.refit import local as local_mod
 from zephon_stream.refit import manifest as manifest_mod
-from zephon_stream.connectors.location import location
-from zephon_stream.refit.versions import find_latest
-from zephon_stream.cli.refit import add_subparser
 from zephon_stream.refit.manifest import encode_manifest
-
-from tests.refit._helpers import assert_same, model, step, zeros_like
+from zephon_stream.refit.versions import find_latest
 
 
 def run(fn, *args):  # type: ignore[no-untyped-def]
@@ -295,7 +294,8 @@ def test_latest_is_only_a_hint(latest: bytes) -> None:
         assert_same(states[1], replica)
         await publish("p/", states[2:], store)
         assert await find_latest(store, "p/") == 3
-        assert not [o.key for o in await store.list("p/") if not o.key.startswith(("p/v1/", "p/v2/", "p/v3/", "p/LATEST"))]
+        kept = ("p/v1/", "p/v2/", "p/v3/", "p/LATEST")
+        assert not [o.key for o in await store.list("p/") if not o.key.startswith(kept)]
 
     run(go)
 
@@ -460,7 +460,8 @@ BAD_SAFETENSORS = {
     "not json": _file(None, raw=b"{nope"),
     "not utf-8": _file(None, raw=b'{"\xff": 1}'),
     "deep nesting": _file(None, raw=b"[" * 100_000 + b"]" * 100_000),
-    "5000-digit int": _file(None, raw=b'{"x": {"dtype": "F32", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 16]}}'),
+    "5000-digit int": _file(None, raw=b'{"x": {"dtype": "F32", "shape": [' + b"9" * 5000
+                            + b'], "data_offsets": [0, 16]}}'),
     "a list": _file([1, 2]),
     "entry not an object": _file({"x": [1]}),
     "missing key": _file({"x": {"dtype": "F32", "shape": [4]}}),
@@ -477,8 +478,10 @@ BAD_SAFETENSORS = {
     "end past the data": _file({"x": {**_T, "data_offsets": [8, 24]}}),
     "negative offset": _file({"x": {**_T, "data_offsets": [-16, 0]}}),
     "shape disagrees": _file({"x": {**_T, "shape": [3]}}),
-    "overlap": _file({"x": {**_T, "shape": [2], "data_offsets": [0, 8]}, "y": {**_T, "shape": [2], "data_offsets": [4, 12]}}),
-    "duplicate name": _file(None, raw=b'{"x": ' + json.dumps(_T).encode() + b', "x": ' + json.dumps(_T).encode() + b"}"),
+    "overlap": _file({"x": {**_T, "shape": [2], "data_offsets": [0, 8]},
+                      "y": {**_T, "shape": [2], "data_offsets": [4, 12]}}),
+    "duplicate name": _file(None, raw=b'{"x": ' + json.dumps(_T).encode() + b', "x": '
+                            + json.dumps(_T).encode() + b"}"),
 }
 
 

@@ -6,10 +6,9 @@ import anyio
 import pytest
 import torch
 
+from tests.refit._helpers import assert_same, model, step, zeros_like
 from zephon_stream.connectors import MemoryStore
 from zephon_stream.refit import Publisher, Subscriber
-
-from tests.refit._helpers import assert_same, model, step, zeros_like
 
 
 class CountingStore(MemoryStore):

@@ -9,13 +9,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.refit._helpers import DTYPES, assert_same, from_bytes, model, step, zeros_like
 from zephon_stream import AlreadyExists
 from zephon_stream.connectors import MemoryStore
 from zephon_stream.refit import Publisher, Sharding, Subscriber, VersionConflict
 from zephon_stream.refit import subscriber as subscriber_mod
 from zephon_stream.refit.versions import find_latest, list_versions
-
-from tests.refit._helpers import DTYPES, assert_same, from_bytes, model, step, zeros_like
 
 
 def run(fn, *args):  # type: ignore[no-untyped-def]
@@ -32,7 +31,8 @@ def versions(draw: st.DrawFn) -> list[dict[str, torch.Tensor]]:
     specs = draw(st.lists(st.tuples(st.sampled_from(DTYPES), st.integers(1, 40)), min_size=1, max_size=4))
     first = {}
     for i, (dtype, n) in enumerate(specs):
-        first[f"t{i}"] = from_bytes(draw(st.binary(min_size=n * dtype.itemsize, max_size=n * dtype.itemsize)), dtype, (n,))
+        data = draw(st.binary(min_size=n * dtype.itemsize, max_size=n * dtype.itemsize))
+        first[f"t{i}"] = from_bytes(data, dtype, (n,))
     out = [first]
     for _ in range(draw(st.integers(1, 3))):
         nxt = {}
@@ -144,7 +144,7 @@ def test_sharded_publishers_to_other_sharded_subscribers(store: MemoryStore, pub
             infos = []
             async with anyio.create_task_group() as tg:
                 for p, sh in zip(pubs_, pub_sh):
-                    async def one(p=p, sh=sh) -> None:  # type: ignore[no-untyped-def]
+                    async def one(p=p, sh=sh, infos=infos, state=state) -> None:  # type: ignore[no-untyped-def]
                         infos.append(await p.publish(shard(state, sh)))
                     tg.start_soon(one)
             assert {i.version for i in infos} == {v} and any(i.committed for i in infos)

@@ -6,12 +6,11 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
+from tests.refit._helpers import assert_same, model, raw, step, zeros_like  # noqa: F401  (re-exported)
 from zephon_stream import ObjectNotFound
 from zephon_stream.connectors.base import Store
 from zephon_stream.refit.manifest import decode_manifest
 from zephon_stream.refit.versions import chunk_key, list_versions, manifest_key, version_prefix
-
-from tests.refit._helpers import assert_same, model, raw, step, zeros_like  # noqa: F401  (re-exported)
 
 
 async def committed(store: Store, prefix: str) -> list[int]:

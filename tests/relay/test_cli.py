@@ -10,11 +10,10 @@ from pathlib import Path
 import anyio
 import pytest
 
-from zephon_stream import ConfigError
-from zephon_stream.refit import Publisher, Subscriber
-from zephon_stream.cli.relay import add_subparser, load_config
-
 from tests.relay._helpers import assert_same, model, snapshot, step, zeros_like
+from zephon_stream import ConfigError
+from zephon_stream.cli.relay import add_subparser, load_config
+from zephon_stream.refit import Publisher, Subscriber
 
 
 def parse(*argv: str) -> argparse.Namespace:

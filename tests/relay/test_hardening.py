@@ -14,14 +14,13 @@ from pathlib import Path
 import anyio
 import pytest
 
+from tests.relay._helpers import assert_same, committed, model, snapshot, step, zeros_like
 from zephon_stream import ConfigError, DataError, DigestMismatch, ObjectNotFound, RefitError
+from zephon_stream.cli.relay import add_subparser
 from zephon_stream.connectors import LocalStore, MemoryStore, memory_store
 from zephon_stream.connectors.base import Store
 from zephon_stream.refit import Publisher, Subscriber, manifest
 from zephon_stream.relay import Prefix, Relay
-from zephon_stream.cli.relay import add_subparser
-
-from tests.relay._helpers import assert_same, committed, model, snapshot, step, zeros_like
 
 EP = "http://127.0.0.1:8333"
 

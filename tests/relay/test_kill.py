@@ -13,11 +13,19 @@ import anyio
 import pytest
 import torch
 
+from tests.relay._helpers import (
+    assert_no_partial_version,
+    assert_same,
+    committed,
+    model,
+    snapshot,
+    step,
+    until,
+    zeros_like,
+)
 from zephon_stream import ConnectorError, RefitError
 from zephon_stream.refit import Publisher, Subscriber
 from zephon_stream.testing.proxy import Link
-
-from tests.relay._helpers import assert_no_partial_version, assert_same, committed, model, snapshot, step, until, zeros_like
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
 
@@ -48,7 +56,7 @@ def test_relay_killed_at_random_points(regions, tmp_path) -> None:  # type: igno
     config = write_config(tmp_path / "relay.toml", trainer, child, "p/")
     rng = random.Random(20240611)
     models: dict[int, dict[str, torch.Tensor]] = {}
-    log = open(tmp_path / "relay.log", "ab")  # noqa: SIM115
+    log = open(tmp_path / "relay.log", "ab")
     kills = []
 
     async def watch(stop: anyio.Event, seen: set[int]) -> None:
@@ -90,13 +98,13 @@ def test_relay_killed_at_random_points(regions, tmp_path) -> None:  # type: igno
                         assert (await pub.publish(w)).version == v
                         start = child.proxy.statistics(settle=0).requests
                         target = start + rng.randint(1, 50)
-                        await until(lambda: _cut(child.proxy, target, proc, cstore, ckey, v), timeout=60)
+                        await until(lambda t=target, p=proc, v=v: _cut(child.proxy, t, p, cstore, ckey, v), timeout=60)
                         proc.kill()
                         proc.wait()
                         mid = v not in await committed(cstore, ckey)
                         kills.append((v, child.proxy.statistics(settle=0).requests - start, mid, proc.returncode))
                         proc = subprocess.Popen(relay_command(config), stdout=log, stderr=log)
-                        await until(lambda: committed_at(cstore, ckey, v), timeout=60)
+                        await until(lambda v=v: committed_at(cstore, ckey, v), timeout=60)
                 finally:
                     proc.terminate()
                     await anyio.to_thread.run_sync(proc.wait)

@@ -7,13 +7,21 @@ import anyio
 import pytest
 import torch
 
+from tests.relay._helpers import (
+    assert_no_partial_version,
+    assert_same,
+    committed,
+    model,
+    snapshot,
+    step,
+    until,
+    zeros_like,
+)
+from tests.relay.conftest import Region
 from zephon_stream import DigestMismatch
 from zephon_stream.connectors.base import Store
 from zephon_stream.refit import Publisher, Subscriber
 from zephon_stream.relay import Prefix, Relay, prometheus_text
-
-from tests.relay.conftest import Region
-from tests.relay._helpers import assert_no_partial_version, assert_same, committed, model, snapshot, step, until, zeros_like
 
 pytestmark = pytest.mark.s3
 
@@ -39,7 +47,8 @@ def test_tree_end_to_end_bit_exact(regions) -> None:  # type: ignore[no-untyped-
     async def main() -> None:
         pstore, pkey = trainer.open("policy/")
         w = model(1, {"w": ((64, 96), torch.bfloat16), "b": ((96,), torch.float32)})
-        root = Relay(trainer.prefix("policy/"), [a.prefix("policy/"), b.prefix("policy/")], workers=4, poll_interval=0.01)
+        root = Relay(trainer.prefix("policy/"), [a.prefix("policy/"), b.prefix("policy/")], workers=4,
+                     poll_interval=0.01)
         zone = Relay(a.prefix("policy/"), [a.prefix("zone1/")], workers=4, poll_interval=0.01)
         subs = [(Subscriber(p, store=s), zeros_like(w)) for s, p in (r.open(p) for r, p in leaves)]
         stop, checks = anyio.Event(), []
@@ -54,7 +63,7 @@ def test_tree_end_to_end_bit_exact(regions) -> None:  # type: ignore[no-untyped-
                         w = step(w, v, frac=0.1)
                         assert (await pub.publish(w)).version == v
                         for sub, replica in subs:
-                            await until(lambda sub=sub, replica=replica: _reached(sub, replica, v))
+                            await until(lambda sub=sub, replica=replica, v=v: _reached(sub, replica, v))
                             assert_same(w, replica)
                     stop.set()
                 for relay in (root, zone):  # one more sync: the publisher's last GC is mirrored too

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from zephon_stream.errors import ConfigError, DataError, RefitError, ZephonError
 from zephon_stream.connectors import open_store
+from zephon_stream.errors import ConfigError, DataError, RefitError, ZephonError
 from zephon_stream.refit.versions import find_latest, list_versions, read_manifest
 
 if TYPE_CHECKING:
@@ -99,7 +99,8 @@ async def _pull(args: argparse.Namespace) -> int:
                           workers=args.workers) as sub:
         version = await sub.pull(state, sync=state.flush)
     if version == 0:
-        raise RefitError(f"no version is published under {args.prefix}: nothing was pulled, {args.weights} is unchanged")
+        raise RefitError(f"no version is published under {args.prefix}: nothing was pulled, {args.weights} is "
+                         "unchanged")
     print(f"version {version} digest {sub.record.model_digest:016x}")
     return 0
 

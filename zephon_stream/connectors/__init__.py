@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from urllib.parse import unquote, urlparse
 
-from zephon_stream.errors import ConfigError
 from zephon_stream.connectors.base import ObjectInfo, Store, StoreStatistics
 from zephon_stream.connectors.local import LocalStore
 from zephon_stream.connectors.memory import MemoryStore
+from zephon_stream.errors import ConfigError
 
 __all__ = ["LocalStore", "MemoryStore", "ObjectInfo", "Store", "StoreStatistics", "open_store", "parse_uri",
            "register_scheme"]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import anyio
 
-from zephon_stream.errors import AccessDenied, AlreadyExists, ObjectNotFound
 from zephon_stream.connectors.base import ObjectInfo, StoreStatistics
+from zephon_stream.errors import AccessDenied, AlreadyExists, ObjectNotFound
 
 
 class LocalStore:

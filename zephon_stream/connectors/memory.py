@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hashlib
 
-from zephon_stream.errors import AlreadyExists, ObjectNotFound
 from zephon_stream.connectors.base import ObjectInfo, StoreStatistics
+from zephon_stream.errors import AlreadyExists, ObjectNotFound
 
 
 class MemoryStore:

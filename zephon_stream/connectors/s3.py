@@ -62,12 +62,14 @@ from botocore.exceptions import (
     BotoCoreError,
     ClientError,
     ConnectTimeoutError,
-    ConnectionError as BotoConnectionError,
     HTTPClientError,
     IncompleteReadError,
     NoCredentialsError,
     ReadTimeoutError,
     ResponseStreamingError,
+)
+from botocore.exceptions import (
+    ConnectionError as BotoConnectionError,
 )
 from botocore.utils import is_valid_endpoint_url, is_valid_ipv6_endpoint_url
 

@@ -12,10 +12,9 @@ order-defining lanes only; `lanes=` as a name for workers is deprecated (`resolv
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
-
-import warnings
 
 import anyio
 import msgspec

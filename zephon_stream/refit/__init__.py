@@ -28,7 +28,9 @@ _HOMES = {
     "VersionInfo": "publisher",
 }
 
-__all__ = sorted(_HOMES)
+__all__ = ["ChunkEntry", "LocalRecord", "Manifest", "Publisher", "Sharding", "Subscriber", "TensorSpec", "TensorTable",
+           "VersionConflict", "VersionInfo"]
+assert sorted(__all__) == sorted(_HOMES)
 
 
 def __getattr__(name: str) -> object:

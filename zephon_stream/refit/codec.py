@@ -33,8 +33,8 @@ import zstandard
 from zephon_stream.errors import ConfigError, DataError
 from zephon_stream.refit.layout import WORD
 
-__all__ = ["DENSE_XOR", "FULL", "SPARSE_SET", "SPARSE_XOR", "Decoded", "check_level", "compose_set", "compose_xor", "decode",
-           "diff", "encode_dense", "encode_sparse", "encode_xor"]
+__all__ = ["DENSE_XOR", "FULL", "SPARSE_SET", "SPARSE_XOR", "Decoded", "check_level", "compose_set", "compose_xor",
+           "decode", "diff", "encode_dense", "encode_sparse", "encode_xor"]
 
 SPARSE_XOR, DENSE_XOR, SPARSE_SET, FULL = 1, 2, 3, 4
 KIND_NAMES = {0: "zero", SPARSE_XOR: "sparse-xor", DENSE_XOR: "dense-xor", SPARSE_SET: "overwrite", FULL: "full"}
@@ -206,7 +206,8 @@ def decode(data: bytes, *, kinds: tuple[int, ...], itemsize: int, words: int, ke
     gaps[esc_at] = esc
     positions = np.cumsum(gaps + 1) - 1
     if count and positions[-1] >= words:
-        raise DataError(f"{key}: position {int(positions[-1])} past the chunk's {words} words", key=key, offset=bounds[0])
+        raise DataError(f"{key}: position {int(positions[-1])} past the chunk's {words} words", key=key,
+                        offset=bounds[0])
     planes = [_frame(sec[2 + i], count, f"plane {i}", key, bounds[2 + i]) for i in range(itemsize)]
     return Decoded(kind, positions, _merge(planes, itemsize, count))
 

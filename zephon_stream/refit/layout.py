@@ -54,7 +54,8 @@ def itemsize_of(name: str) -> int:
     try:
         return ITEMSIZE[name]
     except KeyError:
-        raise ConfigError(f"dtype {name!r} is not supported by the refit codec: use one of {sorted(ITEMSIZE)}") from None
+        raise ConfigError(f"dtype {name!r} is not supported by the refit codec: use one of "
+                          f"{sorted(ITEMSIZE)}") from None
 
 
 def check_count(name: str, value: object, lo: int) -> int:

@@ -17,7 +17,7 @@ import torch
 
 from zephon_stream.errors import ConfigError
 from zephon_stream.refit.hashing import MASK, contiguous_sum, element_sum, element_sums
-from zephon_stream.refit.layout import WORD, Chunk, RankStream, Sharding, TensorTable, Piece
+from zephon_stream.refit.layout import WORD, Chunk, Piece, RankStream, Sharding, TensorTable
 
 __all__ = ["ChunkPlan", "LocalState"]
 

@@ -14,8 +14,8 @@ from typing import Annotated
 
 import msgspec
 
-from zephon_stream.errors import ConfigError, ConnectorError, DataError, RefitError
 from zephon_stream.connectors.base import Store
+from zephon_stream.errors import ConfigError, ConnectorError, DataError, RefitError
 from zephon_stream.refit.layout import MAX_CHUNK_BYTES, RankStream, Sharding, TensorSpec, TensorTable, itemsize_of
 
 __all__ = ["ChunkEntry", "Manifest", "check_publishable", "decode_manifest", "encode_manifest", "object_digest",

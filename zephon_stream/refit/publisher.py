@@ -28,14 +28,26 @@ import msgspec
 import numpy as np
 import torch
 
-from zephon_stream.errors import AlreadyExists, ConfigError, DataError, DigestMismatch, ObjectNotFound, RefitError
 from zephon_stream.connectors.base import Store
-from zephon_stream.refit import codec
-from zephon_stream.refit import manifest as _manifest
-from zephon_stream.refit.local import ChunkPlan, LocalState
 from zephon_stream.engine.cpu import CpuPolicy, default_threads
 from zephon_stream.engine.ordered import resolve_workers, run_ordered
+from zephon_stream.errors import AlreadyExists, ConfigError, DataError, DigestMismatch, ObjectNotFound, RefitError
+from zephon_stream.refit import codec
+from zephon_stream.refit import manifest as _manifest
+from zephon_stream.refit.hashing import MASK
+from zephon_stream.refit.layout import RankStream, Sharding, TensorTable, check_chunk_bytes, check_count
+from zephon_stream.refit.local import ChunkPlan, LocalState
+from zephon_stream.refit.manifest import (
+    ChunkEntry,
+    Manifest,
+    Part,
+    check_publishable,
+    decode_part,
+    encode_manifest,
+    object_digest,
+)
 from zephon_stream.refit.owner import StoreOwner
+from zephon_stream.refit.subscriber import Subscriber, geometry
 from zephon_stream.refit.versions import (
     collect_garbage,
     commit_manifest,
@@ -46,18 +58,6 @@ from zephon_stream.refit.versions import (
     read_manifest,
     write_latest,
 )
-from zephon_stream.refit.hashing import MASK
-from zephon_stream.refit.layout import RankStream, Sharding, TensorTable, check_chunk_bytes, check_count
-from zephon_stream.refit.manifest import (
-    ChunkEntry,
-    Manifest,
-    Part,
-    check_publishable,
-    decode_part,
-    encode_manifest,
-    object_digest,
-)
-from zephon_stream.refit.subscriber import Subscriber, geometry
 
 __all__ = ["Publisher", "VersionConflict", "VersionInfo"]
 
@@ -146,8 +146,9 @@ class Publisher(StoreOwner):
         if base is None:
             self._shadow = {k: t.detach().to("cpu", copy=True) for k, t in state.items()}
         old = LocalState(table, self.sharding, self._shadow or {})
-        first = sum(len(RankStream(table, Sharding(r, self.sharding.world_size, self.sharding.dims), self.chunk_bytes).chunks)
-                    for r in range(self.sharding.rank))
+        world, dims = self.sharding.world_size, self.sharding.dims
+        first = sum(len(RankStream(table, Sharding(r, world, dims), self.chunk_bytes).chunks)
+                    for r in range(self.sharding.rank))  # chunks of the ranks before this one
         job = _Encode(self, version, attempt, keyframe, base, stream, new, old, first)
         entries = await job.run()
         part = Part(self.sharding.rank, entries, sum(e.changes for e in entries))

@@ -152,7 +152,8 @@ def load(path: str | os.PathLike[str], *, writable: bool = False) -> Mapped:
                             key=where, offset=start + e.lo)
     total = max((e.hi for e in entries.values()), default=0)
     try:
-        mm = np.memmap(path, dtype=np.uint8, mode="r+" if writable else "c", offset=start, shape=(total,)) if total else None
+        mode = "r+" if writable else "c"
+        mm = np.memmap(path, dtype=np.uint8, mode=mode, offset=start, shape=(total,)) if total else None
     except OSError as exc:
         raise _os_error(where, exc) from exc
     out = Mapped(mm)
@@ -164,7 +165,8 @@ def load(path: str | os.PathLike[str], *, writable: bool = False) -> Mapped:
     return out
 
 
-def save(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+def save(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor],
+         metadata: dict[str, str] | None = None) -> None:
     """Write tensors to `path` atomically, widest elements first so every tensor stays aligned."""
     header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
     offset, blobs = 0, []
@@ -172,7 +174,8 @@ def save(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], meta
         t = tensors[name].detach().contiguous().cpu()
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
         if t.dtype not in _NAMES:
-            raise ConfigError(f"tensor {name!r} is {t.dtype}, which safetensors cannot hold: use one of {sorted(_DTYPES)}")
+            raise ConfigError(f"tensor {name!r} is {t.dtype}, which safetensors cannot hold: use one of "
+                              f"{sorted(_DTYPES)}")
         header[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
         offset += len(raw)
         blobs.append(raw)

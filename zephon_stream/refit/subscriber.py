@@ -41,6 +41,10 @@ import msgspec
 import numpy as np
 import torch
 
+from zephon_stream.connectors.base import Store
+from zephon_stream.connectors.location import location
+from zephon_stream.engine.cpu import CpuPolicy, default_threads
+from zephon_stream.engine.ordered import resolve_workers, run_ordered
 from zephon_stream.errors import (
     BaseVersionMismatch,
     ConfigError,
@@ -49,13 +53,11 @@ from zephon_stream.errors import (
     DigestMismatch,
     RefitError,
 )
-from zephon_stream.connectors.base import Store
 from zephon_stream.refit import codec
 from zephon_stream.refit import manifest as _manifest
-from zephon_stream.connectors.location import location
+from zephon_stream.refit.layout import WORD, RankStream, Sharding, TensorTable, check_count
 from zephon_stream.refit.local import ChunkPlan, LocalState
-from zephon_stream.engine.cpu import CpuPolicy, default_threads
-from zephon_stream.engine.ordered import resolve_workers, run_ordered
+from zephon_stream.refit.manifest import Manifest, object_digest
 from zephon_stream.refit.owner import StoreOwner
 from zephon_stream.refit.versions import (
     chunk_key,
@@ -66,8 +68,6 @@ from zephon_stream.refit.versions import (
     read_manifest,
     version_prefix,
 )
-from zephon_stream.refit.layout import WORD, RankStream, Sharding, TensorTable, check_count
-from zephon_stream.refit.manifest import Manifest, object_digest
 
 __all__ = ["FileIdentity", "LocalRecord", "Subscriber"]
 
@@ -279,7 +279,8 @@ class Subscriber(StoreOwner):
             return 0
         cached = self._ahead_job
         if cached is None or cached[0] != rec.version or cached[1] is not state:
-            cached = self._ahead_job = (rec.version, state, _Pull(self, m, table, LocalState(table, self.sharding, state)))
+            job = _Pull(self, m, table, LocalState(table, self.sharding, state))
+            cached = self._ahead_job = (rec.version, state, job)
         job = cached[2]
         todo = []
         for o in objects:
@@ -480,7 +481,8 @@ class _Pull:
     async def _object(self, version: int, i: int, what: str) -> bytes:
         m = (await self.sub._manifest(version))[0]
         c = m.chunks[i]
-        size, digest = {"chunk": (c.size, c.digest), "key": (c.key_size, c.key_digest), "over": (c.over_size, c.over_digest)}[what]
+        size, digest = {"chunk": (c.size, c.digest), "key": (c.key_size, c.key_digest),
+                        "over": (c.over_size, c.over_digest)}[what]
         if what == "over" and c.kind and not size:
             raise RefitError(f"version {version} chunk {i} has no overwrite object")
         if not size:
@@ -488,7 +490,8 @@ class _Pull:
         key = chunk_key(self.sub.key_prefix, m, i, what)
         data = await self.sub.store.read(key)
         if len(data) != size:
-            raise DataError(f"{key}: object is {len(data)} bytes, the manifest says {size} (truncated?)", key=key, offset=len(data))
+            raise DataError(f"{key}: object is {len(data)} bytes, the manifest says {size} (truncated?)", key=key,
+                            offset=len(data))
         if object_digest(data) != digest:
             raise DigestMismatch(f"{key}: blake2b digest {object_digest(data)} != manifest's {digest}: corrupt object")
         return data
@@ -504,14 +507,16 @@ class _Pull:
         first = route.start + 1
         if route.kind == "key":
             key = object_label(route.start, "key", i)
-            base = codec.decode(objects[0], kinds=(codec.FULL,), itemsize=c.itemsize, words=c.words, key=key).values.copy()
+            full = codec.decode(objects[0], kinds=(codec.FULL,), itemsize=c.itemsize, words=c.words, key=key)
+            base = full.values.copy()
             deltas = objects[1:]
         kinds = (codec.SPARSE_SET,) if route.kind == "set" else (codec.SPARSE_XOR, codec.DENSE_XOR)
         parts = []
         for k, data in enumerate(deltas):
             if not data:
                 continue
-            d = codec.decode(data, kinds=kinds, itemsize=c.itemsize, words=c.words, key=object_label(first + k, "chunk", i))
+            label = object_label(first + k, "chunk", i)
+            d = codec.decode(data, kinds=kinds, itemsize=c.itemsize, words=c.words, key=label)
             pos = d.positions if d.positions is not None else np.flatnonzero(d.values)
             parts.append((pos, d.values if d.positions is not None else d.values[pos]))
         if not parts:
@@ -537,7 +542,8 @@ class _Pull:
     def _ready(self, i: int, route: Route) -> tuple[None, np.ndarray, np.ndarray] | None:
         """The prefetched phase 1 of chunk i, when the MANIFEST names that very object."""
         c, plan = self.m.chunks[i], self.plans[i]
-        if route.kind != "xor" or route.start != self.target - 1 or route.digest is None or not plan.owned or not c.size:
+        if (route.kind != "xor" or route.start != self.target - 1 or route.digest is None or not plan.owned
+                or not c.size):
             return None
         got = self.sub._ahead.get(chunk_key(self.sub.key_prefix, self.m, i))
         if got is None or (got.version, got.base, got.size, got.digest) != (self.target, route.start, c.size, c.digest):
