@@ -38,3 +38,13 @@ def test_relay_help_and_an_idle_once_load_no_torch(tmp_path: Path) -> None:
     cli = subprocess.run([sys.executable, "-m", "zephon_stream.cli", "relay", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0 and "usage: zephon relay" in cli.stdout, cli.stderr
+
+
+def test_refit_exports_load_on_first_use() -> None:
+    got = _python("import sys\nimport zephon_stream.refit as refit\n"
+                  "assert 'torch' not in sys.modules\n"
+                  "assert sorted(refit.__all__) == sorted(refit._HOMES), 'every export has a home'\n"
+                  "for name in refit.__all__:\n"
+                  "    assert getattr(refit, name).__name__ == name, name\n"
+                  "assert 'torch' in sys.modules\n")
+    assert got.returncode == 0, got.stderr

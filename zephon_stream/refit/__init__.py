@@ -30,7 +30,6 @@ _HOMES = {
 
 __all__ = ["ChunkEntry", "LocalRecord", "Manifest", "Publisher", "Sharding", "Subscriber", "TensorSpec", "TensorTable",
            "VersionConflict", "VersionInfo"]
-assert sorted(__all__) == sorted(_HOMES)
 
 
 def __getattr__(name: str) -> object:
