@@ -54,6 +54,8 @@ def open_store(uri: str, **options: object) -> tuple[Store, str]:
         return LocalStore(location), ""
     if scheme == "memory":
         return memory_store(location), prefix
-    if scheme == "s3" and "s3" not in _SCHEMES:
-        from zephon_stream.connectors import s3 as _s3  # noqa: F401  (registers the scheme)
+    if scheme == "s3" and "s3" not in _SCHEMES:  # aiobotocore is imported for the first s3:// URI only
+        from zephon_stream.connectors.s3 import S3Store
+
+        register_scheme("s3", S3Store)
     return _SCHEMES[scheme](location, **options), prefix

@@ -16,6 +16,8 @@ import anyio
 from zephon_stream.connectors.base import ObjectInfo, StoreStatistics
 from zephon_stream.errors import AccessDenied, AlreadyExists, ObjectNotFound
 
+__all__ = ["LocalStore"]
+
 
 class LocalStore:
     """Objects are files under `root`; keys are their '/'-separated relative paths."""

@@ -7,6 +7,8 @@ import hashlib
 from zephon_stream.connectors.base import ObjectInfo, StoreStatistics
 from zephon_stream.errors import AlreadyExists, ObjectNotFound
 
+__all__ = ["MemoryStore"]
+
 
 class MemoryStore:
     """Objects in a dict. Each named instance is shared through `memory://NAME/` URIs."""

@@ -73,7 +73,6 @@ from botocore.exceptions import (
 )
 from botocore.utils import is_valid_endpoint_url, is_valid_ipv6_endpoint_url
 
-from zephon_stream.connectors import register_scheme
 from zephon_stream.connectors.base import ObjectInfo, Store, StoreStatistics
 from zephon_stream.engine.window import ReadWindow
 from zephon_stream.errors import (
@@ -797,5 +796,3 @@ def _code_of(exc: BaseException) -> str:
     cause = exc.__cause__
     return _code(cause) if isinstance(cause, ClientError) else ""
 
-
-register_scheme("s3", S3Store)
