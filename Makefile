@@ -15,6 +15,7 @@ $(STAMP): requirements.txt pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 demo: $(STAMP)

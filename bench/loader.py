@@ -20,9 +20,9 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/ (not in the wheel)
-from tools.corpus import collect_documents, have_debian_docs, train_tokenizer  # noqa: E402
-from zephon_stream import Config, Loader, SourceConfig, state_to_bytes  # noqa: E402
-from zephon_stream.formats import write_jsonl_shards  # noqa: E402
+from tools.corpus import collect_documents, have_debian_docs, train_tokenizer
+from zephon_stream import Config, Loader, SourceConfig, state_to_bytes
+from zephon_stream.formats import write_jsonl_shards
 
 
 def prepare(root: Path, mb: int) -> tuple[list[str], Path]:

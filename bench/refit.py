@@ -118,7 +118,8 @@ async def run(args: argparse.Namespace, scenario: str) -> None:
             print(f"  same step: full {nbytes:,} B; dense XOR+zstd {dense:,} B ({nbytes / dense:.1f}x); "
                   f"positions+overwrite values {over:,} B ({nbytes / over:.1f}x); this codec "
                   f"{info.delta_bytes:,} B ({nbytes / info.delta_bytes:.1f}x)")
-    spread = lambda xs: f"median {statistics.median(xs):.2f} (min {min(xs):.2f}, max {max(xs):.2f})"  # noqa: E731
+    def spread(xs):
+        return f"median {statistics.median(xs):.2f} (min {min(xs):.2f}, max {max(xs):.2f})"
     print(f"scenario {scenario} over {args.steps} steps: ratio vs full {spread(ratios)}x; "
           f"encode {spread(enc)} GB/s/core; decode+apply {spread(dec)} GB/s/core")
 

@@ -372,7 +372,7 @@ async def tree(args: argparse.Namespace, work: Path, stack: ExitStack) -> None:
         await wait_for_line(log, '"event": "started"')
         pstore, pkey = open_store(URI, **opts["trainer"])
         timed = TimedStore(pstore, pkey)
-        async with pstore, Publisher(pkey, store=timed, chunk_bytes=args.chunk_bytes, keyframe_every=1000,  # type: ignore[arg-type]
+        async with pstore, Publisher(pkey, store=timed, chunk_bytes=args.chunk_bytes, keyframe_every=1000,
                                      workers=4, threads=2) as pub:
             full = await phase("full", pub, timed, model, subs, log, links, pids, port)
             deltas = []

@@ -59,7 +59,7 @@ def _stdlib_files() -> list[Path]:
     return sorted(Path(sysconfig.get_path("stdlib")).rglob("*.py"))
 
 
-def raw_client(server: SeaweedServer, concurrency: int):  # noqa: ANN201
+def raw_client(server: SeaweedServer, concurrency: int):
     opts = server.store_options()
     config = AioConfig(s3={"addressing_style": "path"}, max_pool_connections=max(10, concurrency),
                        retries={"mode": "standard"}, response_checksum_validation="when_required")
@@ -68,7 +68,7 @@ def raw_client(server: SeaweedServer, concurrency: int):  # noqa: ANN201
                                       aws_secret_access_key=opts["secret_access_key"], config=config)
 
 
-async def raw_sequential(client, keys: list[str], size: int, part: int, conc: int) -> int:  # noqa: ANN001
+async def raw_sequential(client, keys: list[str], size: int, part: int, conc: int) -> int:
     total = 0
     for key in keys:
         resp = await client.get_object(Bucket=BUCKET, Key=key)
@@ -77,7 +77,7 @@ async def raw_sequential(client, keys: list[str], size: int, part: int, conc: in
     return total
 
 
-async def raw_parallel(client, keys: list[str], size: int, part: int, conc: int) -> int:  # noqa: ANN001
+async def raw_parallel(client, keys: list[str], size: int, part: int, conc: int) -> int:
     sem = asyncio.Semaphore(conc)
 
     async def get(key: str, lo: int) -> bytes:
@@ -170,11 +170,13 @@ def loader_compare(server: SeaweedServer, args: argparse.Namespace) -> None:
     for path in shards:
         client.put_object(Bucket=BUCKET, Key=f"text/{path.name}", Body=path.read_bytes())
     opts = server.store_options()
-    os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = opts["access_key_id"], opts["secret_access_key"]
+    os.environ["AWS_ACCESS_KEY_ID"] = opts["access_key_id"]
+    os.environ["AWS_SECRET_ACCESS_KEY"] = opts["secret_access_key"]
     local = Config(seed=1, lanes=12, seq_len=2048, global_batch_size=24, tokenizer=str(tok), max_epochs=1,
                    sources=[SourceConfig(name="text", uri=f"file://{tok.parent}/text/")])
-    remote = local.replace(sources=[SourceConfig(name="text", uri=f"s3://{BUCKET}/text/", endpoint_url=opts["endpoint_url"],
-                                                 region=opts["region"], addressing_style="path")])
+    remote = local.replace(sources=[SourceConfig(name="text", uri=f"s3://{BUCKET}/text/",
+                                                 endpoint_url=opts["endpoint_url"], region=opts["region"],
+                                                 addressing_style="path")])
     runs: dict[str, list[float]] = {"local": [], "s3": []}
     for r in range(args.loader_repeats):
         order = [("local", local), ("s3", remote)]

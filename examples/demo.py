@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/ (not in the wheel)
-from tools.corpus import build_demo  # noqa: E402
-from zephon_stream import Config, Loader, SourceConfig, state_from_bytes, state_to_bytes  # noqa: E402
-from zephon_stream.testing.determinism import batch_records  # noqa: E402
+from tools.corpus import build_demo
+from zephon_stream import Config, Loader, SourceConfig, state_from_bytes, state_to_bytes
+from zephon_stream.testing.determinism import batch_records
 
 STEPS, CUT = 40, 20
 

@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/ (not in the wheel)
-from tools.corpus import build_demo  # noqa: E402
-from zephon_stream import Config, Loader, SourceConfig  # noqa: E402
-from zephon_stream.connectors import open_store  # noqa: E402
-from zephon_stream.testing.seaweed import SeaweedServer  # noqa: E402
+from tools.corpus import build_demo
+from zephon_stream import Config, Loader, SourceConfig
+from zephon_stream.connectors import open_store
+from zephon_stream.testing.seaweed import SeaweedServer
 
 BUCKET = "corpus"
 

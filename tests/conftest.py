@@ -21,7 +21,7 @@ import itertools
 import logging
 import os
 from collections.abc import Callable, Iterator
-from contextlib import closing, ExitStack
+from contextlib import ExitStack, closing
 from typing import Any
 
 import botocore.session
@@ -136,7 +136,7 @@ def s3_proxy(seaweed: SeaweedServer) -> Iterator[Callable[..., tuple[FaultProxy,
     """
     with ExitStack() as stack:
 
-        def make(*, faults: Faults | None = None, link: Link | None = None, seed: int = 0):  # noqa: ANN202
+        def make(*, faults: Faults | None = None, link: Link | None = None, seed: int = 0):
             proxy = stack.enter_context(FaultProxy(seaweed.endpoint_url, faults=faults, link=link, seed=seed))
             return proxy, seaweed.store_options(endpoint_url=proxy.url)
 

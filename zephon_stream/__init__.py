@@ -17,10 +17,9 @@ from zephon_stream.errors import (
     Throttled,
     ZephonError,
 )
-
 from zephon_stream.loader.config import Config, SourceConfig
-from zephon_stream.loader.state import LaneState, LoaderState, StateHeader, state_from_bytes, state_to_bytes
 from zephon_stream.loader.loader import BatchStream, Loader, LoaderStatistics
+from zephon_stream.loader.state import LaneState, LoaderState, StateHeader, state_from_bytes, state_to_bytes
 
 __version__ = "0.1.0"
 
@@ -35,7 +34,7 @@ def __getattr__(name: str) -> object:
         return getattr(refit, name)
     raise AttributeError(f"module 'zephon_stream' has no attribute {name!r}")
 
-__all__ = sorted([
+__all__ = [
     "BatchStream",
     "Config",
     "LaneState",
@@ -63,4 +62,4 @@ __all__ = sorted([
     "RefitError",
     "Throttled",
     "ZephonError",
-])
+]

@@ -75,7 +75,7 @@ class ToDevice:
             while window:
                 yield self._hand_out(*window.popleft())
         finally:
-            batches.close()  # type: ignore[attr-defined]
+            batches.close()
             if window:  # read ahead but never handed out: rewind so the next iteration resends them
                 self.loader.load_state_dict(self._state)
 

@@ -25,7 +25,11 @@ import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["AccessDenied", "AlreadyExists", "BaseVersionMismatch", "CheckpointError", "ConfigError", "ConnectorError", "DataError", "DigestMismatch", "IncompatibleState", "ObjectNotFound", "RefitError", "Throttled", "ZephonError", "root_error", "unwrap_groups"]
+__all__ = [
+    "AccessDenied", "AlreadyExists", "BaseVersionMismatch", "CheckpointError", "ConfigError",
+    "ConnectorError", "DataError", "DigestMismatch", "IncompatibleState", "ObjectNotFound", "RefitError",
+    "Throttled", "ZephonError", "root_error", "unwrap_groups",
+]
 
 
 class ZephonError(Exception):

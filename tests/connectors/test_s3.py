@@ -218,7 +218,7 @@ def test_settings_and_options_are_validated() -> None:
     with pytest.raises(ConfigError, match="unknown S3 option"):
         S3Store("b", part_sise=3)
     with pytest.raises(ConfigError, match="addressing_style"):
-        S3Store("b", addressing_style="sideways")  # type: ignore[arg-type]
+        S3Store("b", addressing_style="sideways")
     with pytest.raises(ConfigError, match="part_size must be > 0"):
         S3Settings(part_size=0)
     with pytest.raises(ConfigError, match="5 MiB"):

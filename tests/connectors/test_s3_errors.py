@@ -81,7 +81,7 @@ def _client_error(code: str, status: int, operation: str = "GetObject") -> Clien
         "Error": {"Code": code, "Message": "server text that may echo AKIDFROMSERVER"},
         "ResponseMetadata": {"HTTPStatusCode": status, "RetryAttempts": 2},
     }
-    return ClientError(response, operation)  # type: ignore[arg-type]
+    return ClientError(response, operation)
 
 
 @pytest.mark.parametrize(

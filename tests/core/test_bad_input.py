@@ -24,7 +24,8 @@ def _corrupt_frame_shard() -> bytes:
 
 
 CASES = {
-    "malformed": ("x.jsonl", GOOD + b'{"text": "unterminated\n' + GOOD, r"'x.jsonl' at byte \d+: (JSON is malformed|Input data was truncated)"),
+    "malformed": ("x.jsonl", GOOD + b'{"text": "unterminated\n' + GOOD,
+                  r"'x.jsonl' at byte \d+: (JSON is malformed|Input data was truncated)"),
     "utf8": ("x.jsonl", GOOD + b'{"text": "bad \xff byte"}\n' + GOOD, r"'x.jsonl' at byte \d+: Invalid UTF-8"),
     "missing_field": ("x.jsonl", GOOD + b'{"body": "no text"}\n' + GOOD,
                       r"'x.jsonl' at byte \d+: Object missing required field `text`"),

@@ -10,8 +10,8 @@ import msgspec
 import pytest
 
 from zephon_stream import IncompatibleState
-from zephon_stream.loader.state import LoaderState, state_to_bytes
 from zephon_stream.loader.loader import Loader
+from zephon_stream.loader.state import LoaderState, state_to_bytes
 from zephon_stream.operators.tokenize import Tokenize
 from zephon_stream.testing.determinism import lane_token_streams
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from zephon_stream import ConfigError
-from zephon_stream.loader.config import Config, SourceConfig
 from zephon_stream.cli.main import main
+from zephon_stream.loader.config import Config, SourceConfig
 
 
 @pytest.fixture()

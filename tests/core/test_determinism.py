@@ -8,9 +8,9 @@ import math
 import pytest
 
 from zephon_stream import ConfigError
+from zephon_stream.engine.window import ReadWindow
 from zephon_stream.loader.loader import Loader
 from zephon_stream.testing.determinism import batch_records, real, run_world
-from zephon_stream.engine.window import ReadWindow
 from zephon_stream.testing.stores import WithLatency
 
 STEPS = 24

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from zephon_stream import CheckpointError
+from zephon_stream.loader.loader import Loader
 from zephon_stream.loader.state import (
     LaneState,
     LoaderState,
@@ -25,7 +26,6 @@ from zephon_stream.loader.state import (
     state_from_bytes,
     state_to_bytes,
 )
-from zephon_stream.loader.loader import Loader
 from zephon_stream.operators.feed import FeedState
 from zephon_stream.operators.mix import MixState
 from zephon_stream.operators.pack import PackState
@@ -165,4 +165,4 @@ def test_hostile_lengths_and_nesting_cost_no_memory(run, payload: bytes) -> None
 def test_entries_that_are_not_bytes() -> None:
     for state in ({"meta": 10**12}, {"meta": None}, {1: b""}, [("meta", b"")], {"meta": "text"}):
         with pytest.raises(CheckpointError):
-            LoaderState.from_dict(state)  # type: ignore[arg-type]
+            LoaderState.from_dict(state)

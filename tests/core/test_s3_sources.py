@@ -105,7 +105,8 @@ def test_permanent_errors_stop_the_loader_naming_the_object(s3_config, s3, seawe
     if change == "bucket":
         cfg = s3_config.replace(sources=[msgspec.structs.replace(s3_config.sources[0], uri="s3://no-such-bucket-zz/a/")])
     elif change == "key":
-        wrap = lambda store: VanishingShard(store, s3.client(), s3.bucket)  # noqa: E731
+        def wrap(store):
+            return VanishingShard(store, s3.client(), s3.bucket)
     elif change == "identity":  # a valid identity without permission on the bucket
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", seaweed.limited_access_key)
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", seaweed.limited_secret_key)

@@ -13,12 +13,12 @@ from typing import Any
 import msgspec
 import pytest
 
-from zephon_stream import CheckpointError, DataError, IncompatibleState
+from zephon_stream import CheckpointError, IncompatibleState
 from zephon_stream.engine.rng import permutation
+from zephon_stream.loader.lane import Lanes
+from zephon_stream.loader.loader import Loader
 from zephon_stream.loader.state import LaneState, LoaderState, check_lane_state, lane_key, split_at
 from zephon_stream.operators.feed import FeedState
-from zephon_stream.loader.loader import Loader
-from zephon_stream.loader.lane import Lanes
 
 Edit = Callable[[LaneState], LaneState]
 rep = msgspec.structs.replace
@@ -219,7 +219,7 @@ def test_split_at_agrees_with_the_lanes_reader(base) -> None:
     next(it)
     it.close()
     plan = loader.data_plan
-    lanes = Lanes(cfg, plan, [None, None], loader.tokenizer, None)  # type: ignore[arg-type]
+    lanes = Lanes(cfg, plan, [None, None], loader.tokenizer, None)
     for source, lane, position in itertools.product(range(2), (0, 5, 11), range(12)):
         splits = plan.sources[source].splits
         reader = lanes.reader(source, lane, position)

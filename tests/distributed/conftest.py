@@ -69,7 +69,7 @@ class Torchrun:
         watchdog.start()
         try:
             with proc:
-                yield from proc.stdout  # type: ignore[misc]
+                yield from proc.stdout
         finally:
             watchdog.cancel()
 

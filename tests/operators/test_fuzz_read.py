@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from zephon_stream import DataError
-from zephon_stream.errors import root_error
 from zephon_stream.connectors import MemoryStore
+from zephon_stream.errors import root_error
 from zephon_stream.formats.jsonl_zst import ZstdStream, seek_table
 from zephon_stream.operators.read import Parser, SplitReader, plan_source
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import anyio
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zephon_stream import IncompatibleState
 from zephon_stream.operators.mix import Mix, MixState
@@ -66,7 +67,7 @@ def test_token_shares_follow_the_weights_within_one_document() -> None:
 
 def test_restore_refuses_a_state_for_other_sources() -> None:
     mix = _chain([_docs(0, [1]), _docs(1, [1])], [1, 1])[-1]
-    with pytest.raises(IncompatibleState, match=r"mix.counts = \[0, 0, 0\]: needs one count >= 0 per source \(2 sources\)"):
+    with pytest.raises(IncompatibleState, match=r"mix.counts = \[0, 0, 0\]: needs one count >= 0 per source \(2 "):
         mix.restore(MixState([0, 0, 0], 0), lambda r: None)
     with pytest.raises(IncompatibleState, match=r"mix.counts = \[0, -1\]"):
         mix.restore(MixState([0, -1], 0), lambda r: None)

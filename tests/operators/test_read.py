@@ -2,7 +2,8 @@ import anyio
 import msgspec
 import pytest
 import zstandard
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zephon_stream import ConfigError, DataError
 from zephon_stream.connectors import MemoryStore

@@ -17,8 +17,8 @@ import pytest
 import zstandard
 
 from zephon_stream import DataError
-from zephon_stream.errors import root_error
 from zephon_stream.connectors import LocalStore, MemoryStore
+from zephon_stream.errors import root_error
 from zephon_stream.formats import seek_table
 from zephon_stream.operators.read import Parser, SplitReader, plan_source
 
@@ -85,7 +85,8 @@ _BIG_FRAME_READER = textwrap.dedent("""
 def _write_big_frame(path, total: int) -> int:
     """One zstd frame of `total`+ bytes of distinct JSON lines, its content size in the header,
     written in pieces (the test process never holds it)."""
-    line = lambda i: msgspec.json.encode({"text": f"{i:08d} {'zephon ' * 580}"}) + b"\n"
+    def line(i):
+        return msgspec.json.encode({"text": f"{i:08d} {'zephon ' * 580}"}) + b"\n"
     lines = -(-total // len(line(0)))
     with open(path, "wb") as fh, zstandard.ZstdCompressor(level=3).stream_writer(fh, size=len(line(0)) * lines) as w:
         for i in range(lines):
@@ -115,7 +116,8 @@ def _declare(frame: bytes, size: int, single_segment: bool) -> bytes:
     fhd = frame[4]
     assert fhd >> 6 == 0 and not fhd & 0x23  # no content size, not single segment, no dictionary
     window = b"" if single_segment else frame[5:6]  # a single-segment frame's window is its content size
-    return frame[:4] + bytes([fhd | 0xC0 | (0x20 if single_segment else 0)]) + window + struct.pack("<Q", size) + frame[6:]
+    header = bytes([fhd | 0xC0 | (0x20 if single_segment else 0)])
+    return frame[:4] + header + window + struct.pack("<Q", size) + frame[6:]
 
 
 @pytest.mark.parametrize("single_segment", [False, True])
@@ -274,7 +276,8 @@ def test_deep_nesting_is_a_bad_record_not_a_recursion_error(on_bad):
 
 def test_the_nesting_limit_is_fixed_and_brackets_in_strings_do_not_count():
     """The limit does not depend on where the stack happens to be, so every backend skips the same."""
-    nested = lambda d: b'{"m": ' + b"[" * (d - 1) + b"]" * (d - 1) + b', "text": "ok"}\n'
+    def nested(d):
+        return b'{"m": ' + b"[" * (d - 1) + b"]" * (d - 1) + b', "text": "ok"}\n'
     assert _parse(nested(512) + _line(1, "[" * 5000 + "{" * 5000)) == (["ok", "[" * 5000 + "{" * 5000], 0)
     with pytest.raises(DataError, match="more than 512"):
         _parse(nested(513))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import anyio
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zephon_stream import IncompatibleState
 from zephon_stream.operators.shuffle import Shuffle, ShuffleState

@@ -21,7 +21,7 @@ def zephon(*argv: str) -> int:
     return args.func(args)
 
 
-def test_safetensors_roundtrip_every_dtype(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_safetensors_roundtrip_every_dtype(tmp_path) -> None:
     state = {str(d): torch.arange(6).to(d).reshape(2, 3) for d in
              (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.int8,
               torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)}
@@ -32,13 +32,13 @@ def test_safetensors_roundtrip_every_dtype(tmp_path) -> None:  # type: ignore[no
 
 @pytest.mark.parametrize("bad", [b"", struct.pack("<Q", 1 << 40), struct.pack("<Q", 4) + b"[1]\n",
                                  struct.pack("<Q", 56) + b'{"x":{"dtype":"F32","shape":[4],"data_offsets":[0,99]}}'])
-def test_bad_safetensors_refused(tmp_path, bad: bytes) -> None:  # type: ignore[no-untyped-def]
+def test_bad_safetensors_refused(tmp_path, bad: bytes) -> None:
     (tmp_path / "bad.safetensors").write_bytes(bad)
     with pytest.raises(DataError):
         safetensors.load(tmp_path / "bad.safetensors")
 
 
-def test_cli_publish_pull_status(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_cli_publish_pull_status(tmp_path, capsys) -> None:
     prefix = f"file://{tmp_path}/store/"
     (tmp_path / "store").mkdir()
     trainer, rollout = tmp_path / "trainer.safetensors", tmp_path / "rollout.safetensors"

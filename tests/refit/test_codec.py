@@ -78,7 +78,7 @@ def test_blocked_diff_across_block_edges(n: int, width: int) -> None:
 
 @given(st.lists(pairs(), min_size=1, max_size=1), st.integers(2, 6), st.randoms(use_true_random=False))
 @settings(max_examples=40, deadline=None)
-def test_compose_equals_sequential_apply(first: list, k: int, rnd) -> None:  # type: ignore[no-untyped-def]
+def test_compose_equals_sequential_apply(first: list, k: int, rnd) -> None:
     states = [first[0][0]]
     for _ in range(k):
         s = states[-1].copy()
@@ -103,7 +103,7 @@ def _obj() -> tuple[bytes, np.ndarray, np.ndarray]:
     new[::37] ^= 3
     new[4000] ^= 0x8000
     obj, _, _ = codec.encode_xor(old, new)
-    return obj, old, new  # type: ignore[return-value]
+    return obj, old, new
 
 
 @pytest.mark.parametrize("cut", [0, 5, 16, 30, -1])

@@ -34,7 +34,7 @@ async def _memory() -> AsyncIterator[tuple[Store, str]]:
 
 
 @asynccontextmanager
-async def _s3(target) -> AsyncIterator[tuple[Store, str]]:  # type: ignore[no-untyped-def]
+async def _s3(target) -> AsyncIterator[tuple[Store, str]]:
     store, prefix = open_store(target.uri, **target.options)
     async with store:
         yield store, prefix + "refit/"
@@ -46,7 +46,7 @@ async def _key(store: Store, prefix: str, what: str) -> str:
     return keys[0]
 
 
-async def _setup(store: Store, prefix: str, *, overwrite: bool = False):  # type: ignore[no-untyped-def]
+async def _setup(store: Store, prefix: str, *, overwrite: bool = False):
     v1 = model(11)
     v2 = step(v1, 12, frac=0.2)
     replica = zeros_like(v1)
@@ -58,7 +58,7 @@ async def _setup(store: Store, prefix: str, *, overwrite: bool = False):  # type
     return v1, v2, replica, sub
 
 
-def go(make_store, body) -> None:  # type: ignore[no-untyped-def]
+def go(make_store, body) -> None:
     async def main() -> None:
         with anyio.fail_after(60):
             async with make_store() as (store, prefix):
@@ -67,12 +67,12 @@ def go(make_store, body) -> None:  # type: ignore[no-untyped-def]
     anyio.run(main)
 
 
-def _refused(v1, replica, sub) -> None:  # type: ignore[no-untyped-def]
+def _refused(v1, replica, sub) -> None:
     assert_same(v1, replica)  # nothing applied
     assert sub.version == 1 and sub.record.target is None
 
 
-def test_flipped_byte_in_chunk_refused(make_store) -> None:  # type: ignore[no-untyped-def]
+def test_flipped_byte_in_chunk_refused(make_store) -> None:
     async def body(store: Store, prefix: str) -> None:
         v1, _, replica, sub = await _setup(store, prefix)
         key = await _key(store, prefix, "chunk")
@@ -87,7 +87,7 @@ def test_flipped_byte_in_chunk_refused(make_store) -> None:  # type: ignore[no-u
     go(make_store, body)
 
 
-def test_flipped_byte_falls_back_to_overwrite(make_store) -> None:  # type: ignore[no-untyped-def]
+def test_flipped_byte_falls_back_to_overwrite(make_store) -> None:
     async def body(store: Store, prefix: str) -> None:
         _, v2, replica, sub = await _setup(store, prefix, overwrite=True)
         key = await _key(store, prefix, "chunk")
@@ -100,7 +100,7 @@ def test_flipped_byte_falls_back_to_overwrite(make_store) -> None:  # type: igno
     go(make_store, body)
 
 
-def test_missing_chunk_refused(make_store) -> None:  # type: ignore[no-untyped-def]
+def test_missing_chunk_refused(make_store) -> None:
     async def body(store: Store, prefix: str) -> None:
         v1, _, replica, sub = await _setup(store, prefix)
         await store.delete(await _key(store, prefix, "chunk"))
@@ -111,7 +111,7 @@ def test_missing_chunk_refused(make_store) -> None:  # type: ignore[no-untyped-d
     go(make_store, body)
 
 
-def test_truncated_object_refused(make_store) -> None:  # type: ignore[no-untyped-def]
+def test_truncated_object_refused(make_store) -> None:
     async def body(store: Store, prefix: str) -> None:
         v1, _, replica, sub = await _setup(store, prefix)
         key = await _key(store, prefix, "chunk")
@@ -124,7 +124,7 @@ def test_truncated_object_refused(make_store) -> None:  # type: ignore[no-untype
     go(make_store, body)
 
 
-def test_manifest_for_wrong_base_refused(make_store) -> None:  # type: ignore[no-untyped-def]
+def test_manifest_for_wrong_base_refused(make_store) -> None:
     async def body(store: Store, prefix: str) -> None:
         v1, v2, replica, sub = await _setup(store, prefix)
         fork = f"{prefix}fork/"
@@ -142,7 +142,7 @@ def test_manifest_for_wrong_base_refused(make_store) -> None:  # type: ignore[no
 
 
 @pytest.mark.parametrize("evil", ["huge size", "negative offset", "huge tensor", "bad attempt", "garbage"])
-def test_hostile_manifest_refused(make_store, evil: str) -> None:  # type: ignore[no-untyped-def]
+def test_hostile_manifest_refused(make_store, evil: str) -> None:
     async def body(store: Store, prefix: str) -> None:
         v1, _, replica, sub = await _setup(store, prefix)
         key = f"{prefix}v2/MANIFEST"
@@ -193,12 +193,12 @@ class KillingStore:
 
 
 @pytest.mark.parametrize("after", [1, 4])
-def test_publisher_killed_mid_version_never_visible(make_store, after: int) -> None:  # type: ignore[no-untyped-def]
+def test_publisher_killed_mid_version_never_visible(make_store, after: int) -> None:
     async def body(store: Store, prefix: str) -> None:
         v1, v2, replica, sub = await _setup(store, prefix)
         v3 = step(v2, 77, frac=0.2)
         with pytest.raises(Killed):
-            async with Publisher(prefix, store=KillingStore(store, after), chunk_bytes=512) as pub:  # type: ignore[arg-type]
+            async with Publisher(prefix, store=KillingStore(store, after), chunk_bytes=512) as pub:
                 await pub.publish(v3)
         assert await sub.pull(replica) == 2  # v3 does not exist
         assert_same(v2, replica)
@@ -210,12 +210,12 @@ def test_publisher_killed_mid_version_never_visible(make_store, after: int) -> N
     go(make_store, body)
 
 
-def test_subscriber_killed_mid_apply_recovers(make_store, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_subscriber_killed_mid_apply_recovers(make_store, monkeypatch, tmp_path) -> None:
     from zephon_stream.refit import subscriber as subscriber_mod
 
     real = subscriber_mod._Pull._write
 
-    def torn(self, i, route, decoded):  # type: ignore[no-untyped-def]
+    def torn(self, i, route, decoded):
         base, pos, val = decoded
         if i == 1 and base is None and len(pos) > 1:
             real(self, i, route, (None, pos[: len(pos) // 2], val[: len(pos) // 2]))

@@ -89,8 +89,8 @@ def _paths(obj: object, path: tuple = ()) -> list[tuple]:
 
 def _set(obj: object, path: tuple, value: object) -> None:
     for k in path[:-1]:
-        obj = obj[k]  # type: ignore[index]
-    obj[path[-1]] = value  # type: ignore[index]
+        obj = obj[k]
+    obj[path[-1]] = value
 
 
 @FUZZ
@@ -120,7 +120,7 @@ def _hostile(shape: list[int], world: int, chunk_bytes: int, chunks: int, split:
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.sampled_from([1, 3, 1 << 20, 1 << 40]), max_size=4), st.sampled_from([1, 2, 1 << 16]),
        st.sampled_from([8, 1 << 20, 1 << 30, 1 << 32]), st.integers(0, 64), st.booleans())
-def test_manifest_declaring_huge_layouts_allocates_nothing_for_them(shape, world, chunk_bytes, chunks, split) -> None:  # type: ignore[no-untyped-def]
+def test_manifest_declaring_huge_layouts_allocates_nothing_for_them(shape, world, chunk_bytes, chunks, split) -> None:
     """2**40 elements, 65536 ranks, 2**32-byte chunks: refused (or laid out) in a few MB."""
     data = _hostile(shape, world, chunk_bytes, chunks, split)
     tracemalloc.start()

@@ -29,8 +29,8 @@ from zephon_stream.refit.manifest import encode_manifest
 from zephon_stream.refit.versions import find_latest
 
 
-def run(fn, *args):  # type: ignore[no-untyped-def]
-    async def main():  # type: ignore[no-untyped-def]
+def run(fn, *args):
+    async def main():
         with anyio.fail_after(60):
             return await fn(*args)
 
@@ -48,7 +48,7 @@ async def publish(prefix: str, states: list[dict[str, torch.Tensor]], store: Mem
                   **options: object) -> list[int]:
     """Publish each state as the next version; the model digests, in order."""
     options = {"chunk_bytes": 256, "keyframe_every": 100, **options}
-    async with Publisher(prefix, store=store, **options) as pub:  # type: ignore[arg-type]
+    async with Publisher(prefix, store=store, **options) as pub:
         return [(await pub.publish(s)).model_digest for s in states]
 
 
@@ -76,13 +76,13 @@ def two_prefixes(tmp_path: Path) -> dict[str, object]:
 async def pull_file(prefix: str, weights: Path, **options: object) -> tuple[int, int]:
     """Pull `weights` in place through the Python API, its record beside it: (version, digest)."""
     state = safetensors.load(weights, writable=True)
-    async with Subscriber(prefix, record=f"{weights}.refit", weights=weights, **options) as sub:  # type: ignore[arg-type]
+    async with Subscriber(prefix, record=f"{weights}.refit", weights=weights, **options) as sub:
         version = await sub.pull(state, sync=state.flush)
     return version, sub.record.model_digest
 
 
 @pytest.mark.parametrize("via", ["api", "cli"])
-def test_older_bytes_swapped_in_are_reverified(two_prefixes, via: str, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_older_bytes_swapped_in_are_reverified(two_prefixes, via: str, capsys) -> None:
     t = two_prefixes
     safetensors.save(t["weights"], t["a"][0])  # version 1's bytes, the record still says 2
     if via == "api":
@@ -94,7 +94,7 @@ def test_older_bytes_swapped_in_are_reverified(two_prefixes, via: str, capsys) -
     assert_same(t["a"][1], loaded(t["weights"]))
 
 
-def test_file_rewritten_in_place_is_reverified(two_prefixes) -> None:  # type: ignore[no-untyped-def]
+def test_file_rewritten_in_place_is_reverified(two_prefixes) -> None:
     t = two_prefixes
     other = t["weights"].with_name("old.safetensors")
     safetensors.save(other, t["a"][0])
@@ -107,7 +107,7 @@ def test_file_rewritten_in_place_is_reverified(two_prefixes) -> None:  # type: i
 
 
 @pytest.mark.parametrize("via", ["api", "cli"])
-def test_same_version_from_another_prefix_is_pulled(two_prefixes, via: str) -> None:  # type: ignore[no-untyped-def]
+def test_same_version_from_another_prefix_is_pulled(two_prefixes, via: str) -> None:
     t = two_prefixes
     for prefix, want in ((t["pb"], t["b"][1]), (t["pa"], t["a"][1])):  # both at version 2, one record
         if via == "api":
@@ -117,7 +117,7 @@ def test_same_version_from_another_prefix_is_pulled(two_prefixes, via: str) -> N
         assert_same(want, loaded(t["weights"]))
 
 
-def test_reverify_that_cannot_complete_refuses_and_leaves_the_file(two_prefixes, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_reverify_that_cannot_complete_refuses_and_leaves_the_file(two_prefixes, capsys) -> None:
     t = two_prefixes
     root = Path(t["pa"].removeprefix("file://"))
     for key in root.glob("v1/key-*"):  # the only keyframe: a chunk not at version 2 has no route left
@@ -133,7 +133,7 @@ def test_reverify_that_cannot_complete_refuses_and_leaves_the_file(two_prefixes,
     assert t["weights"].read_bytes() == swapped
 
 
-def test_own_writes_keep_the_record_bound(two_prefixes, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_own_writes_keep_the_record_bound(two_prefixes, monkeypatch) -> None:
     """After a pull the record holds the file's identity as our own writes left it: the next
     process trusts it without re-hashing a single chunk."""
     t = two_prefixes
@@ -142,7 +142,7 @@ def test_own_writes_keep_the_record_bound(two_prefixes, monkeypatch) -> None:  #
     hashed = 0
     real = local_mod.ChunkPlan.digest
 
-    def counting(self, words):  # type: ignore[no-untyped-def]
+    def counting(self, words):
         nonlocal hashed
         hashed += 1
         return real(self, words)
@@ -241,7 +241,7 @@ def test_record_path_mistakes_are_config_errors(tmp_path: Path) -> None:
 def test_bad_publisher_setting_refused_before_anything_is_written(option: str, value: object) -> None:
     store = MemoryStore()
     with pytest.raises(ConfigError) as exc:
-        Publisher("p/", store=store, **{option: value})  # type: ignore[arg-type]
+        Publisher("p/", store=store, **{option: value})
     assert repr(value) in str(exc.value) or str(value) in str(exc.value)
     assert store.objects == {}
 
@@ -249,10 +249,10 @@ def test_bad_publisher_setting_refused_before_anything_is_written(option: str, v
 def test_bad_subscriber_setting_refused() -> None:
     for option, value in (("workers", 0), ("staged_bytes", -1), ("threads", 0)):
         with pytest.raises(ConfigError, match=option):
-            Subscriber("memory://x/", **{option: value})  # type: ignore[arg-type]
+            Subscriber("memory://x/", **{option: value})
 
 
-def test_cli_chunk_bytes_over_the_limit_exits_2_and_writes_nothing(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_cli_chunk_bytes_over_the_limit_exits_2_and_writes_nothing(tmp_path: Path, capsys) -> None:
     weights = tmp_path / "w.safetensors"
     safetensors.save(weights, model(1))
     (tmp_path / "p").mkdir()
@@ -263,11 +263,11 @@ def test_cli_chunk_bytes_over_the_limit_exits_2_and_writes_nothing(tmp_path: Pat
     assert list((tmp_path / "p").iterdir()) == []
 
 
-def test_layout_no_reader_accepts_is_refused_before_writing(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_layout_no_reader_accepts_is_refused_before_writing(monkeypatch) -> None:
     store = MemoryStore()
 
     async def go(state: dict[str, torch.Tensor], **options: object) -> None:
-        async with Publisher("p/", store=store, **{"chunk_bytes": 8, **options}) as pub:  # type: ignore[arg-type]
+        async with Publisher("p/", store=store, **{"chunk_bytes": 8, **options}) as pub:
             await pub.publish(state)
 
     with pytest.raises(ConfigError, match="at most 16 dims"):
@@ -330,7 +330,7 @@ _MANIFEST_DAMAGE = [_corrupt_manifest, _oversized_chunk_bytes, _too_large]
 
 
 @pytest.mark.parametrize("damage", [*_MANIFEST_DAMAGE, _corrupt_objects, _missing_objects])
-def test_publisher_publishes_a_keyframe_past_a_corrupt_head(damage, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_publisher_publishes_a_keyframe_past_a_corrupt_head(damage, monkeypatch) -> None:
     """A new publisher must rebuild its shadow from the head, so any damage to it is found; one
     whose shadow is already at the head reads only the head's MANIFEST."""
     monkeypatch.setattr(manifest_mod, "MAX_MANIFEST_BYTES", 1 << 20)
@@ -354,7 +354,7 @@ def test_publisher_publishes_a_keyframe_past_a_corrupt_head(damage, monkeypatch)
     run(go)
 
 
-def test_status_reports_a_bad_version_and_goes_on(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_status_reports_a_bad_version_and_goes_on(tmp_path: Path, capsys) -> None:
     prefix = f"file://{tmp_path}/p/"
     run(publish, prefix, [model(1), step(model(1), 2), step(model(1), 3)])
     (tmp_path / "p" / "v2" / "MANIFEST").write_bytes(b"garbage")
@@ -413,7 +413,7 @@ class RecordingStore:
         pass
 
 
-def test_oversized_manifest_is_refused_after_limit_plus_one_bytes(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_oversized_manifest_is_refused_after_limit_plus_one_bytes(monkeypatch) -> None:
     limit = 4096
     inner = MemoryStore()
     store = RecordingStore(inner)
@@ -423,9 +423,9 @@ def test_oversized_manifest_is_refused_after_limit_plus_one_bytes(monkeypatch) -
         monkeypatch.setattr(manifest_mod, "MAX_MANIFEST_BYTES", limit)
         await inner.put("p/v2/MANIFEST", b"\x00" * (3 * limit))
         with pytest.raises(RefitError, match=r"p/v2/MANIFEST is 12288 bytes, over the 4096-byte limit"):
-            await Subscriber("p/", store=store).pull(zeros_like(model(1)))  # type: ignore[arg-type]
+            await Subscriber("p/", store=store).pull(zeros_like(model(1)))
         with pytest.raises(RefitError, match="12288 bytes"):
-            await manifest_mod.read_bounded(store, "p/v2/MANIFEST")  # type: ignore[arg-type]
+            await manifest_mod.read_bounded(store, "p/v2/MANIFEST")
 
     run(go)
     manifests = [(s, e) for k, s, e in store.reads if k.endswith("MANIFEST")]
@@ -496,7 +496,7 @@ def test_bad_safetensors_is_one_line_data_error(tmp_path: Path, name: str) -> No
 
 
 @pytest.mark.parametrize("name", ["overlap", "shape disagrees", "end past the data"])
-def test_cli_bad_safetensors_exits_2_with_one_line(tmp_path: Path, name: str, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_cli_bad_safetensors_exits_2_with_one_line(tmp_path: Path, name: str, capsys) -> None:
     path = tmp_path / "bad.safetensors"
     path.write_bytes(BAD_SAFETENSORS[name])
     for command in ("publish", "pull"):
@@ -505,7 +505,7 @@ def test_cli_bad_safetensors_exits_2_with_one_line(tmp_path: Path, name: str, ca
 
 
 @pytest.mark.parametrize("what", ["missing", "directory"])
-def test_cli_missing_or_directory_weights_exit_2(tmp_path: Path, what: str, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_cli_missing_or_directory_weights_exit_2(tmp_path: Path, what: str, capsys) -> None:
     path = tmp_path / "w.safetensors"
     if what == "directory":
         path.mkdir()
@@ -515,7 +515,7 @@ def test_cli_missing_or_directory_weights_exit_2(tmp_path: Path, what: str, caps
         assert len(err) == 1 and str(path) in err[0] and ("no such file" in err[0] or "is a directory" in err[0])
 
 
-def test_cli_record_directory_exits_2(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_cli_record_directory_exits_2(tmp_path: Path, capsys) -> None:
     weights = tmp_path / "w.safetensors"
     safetensors.save(weights, model(1))
     assert zephon("refit", "pull", "--prefix", f"file://{tmp_path}/p/", "--weights", str(weights),

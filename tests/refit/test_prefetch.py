@@ -24,8 +24,8 @@ class CountingStore(MemoryStore):
         return await super().read(key, start, end)
 
 
-def run(fn):  # type: ignore[no-untyped-def]
-    async def main():  # type: ignore[no-untyped-def]
+def run(fn):
+    async def main():
         with anyio.fail_after(60):
             return await fn()
 
@@ -38,7 +38,7 @@ def hide_manifest(store: MemoryStore, version: int) -> tuple[str, bytes]:
     return key, store.objects.pop(key)
 
 
-async def v2_in_flight(s1, s2, **publisher):  # type: ignore[no-untyped-def]
+async def v2_in_flight(s1, s2, **publisher):
     """v1 published and pulled by a subscriber; v2's objects written, its MANIFEST held back."""
     store = CountingStore()
     replica = zeros_like(s1)

@@ -17,8 +17,8 @@ from zephon_stream.refit import subscriber as subscriber_mod
 from zephon_stream.refit.versions import find_latest, list_versions
 
 
-def run(fn, *args):  # type: ignore[no-untyped-def]
-    async def main():  # type: ignore[no-untyped-def]
+def run(fn, *args):
+    async def main():
         with anyio.fail_after(60):
             return await fn(*args)
 
@@ -126,7 +126,7 @@ def shard(state: dict[str, torch.Tensor], sharding: Sharding) -> dict[str, torch
 @pytest.mark.parametrize(("pub_dims", "sub_dims", "pubs", "subs"), [
     (ROW, ROW, 4, 2), (COL, COL, 4, 2), (ROW, COL, 4, 2), (COL, ROW, 2, 4), (COL, {}, 4, 1), ({}, ROW, 1, 4),
 ])
-def test_sharded_publishers_to_other_sharded_subscribers(store: MemoryStore, pub_dims, sub_dims, pubs, subs) -> None:  # type: ignore[no-untyped-def]
+def test_sharded_publishers_to_other_sharded_subscribers(store: MemoryStore, pub_dims, sub_dims, pubs, subs) -> None:
     states = [model(1)]
     for s in range(1, 5):
         states.append(step(states[-1], 100 + s, frac=0.1))
@@ -144,7 +144,7 @@ def test_sharded_publishers_to_other_sharded_subscribers(store: MemoryStore, pub
             infos = []
             async with anyio.create_task_group() as tg:
                 for p, sh in zip(pubs_, pub_sh):
-                    async def one(p=p, sh=sh, infos=infos, state=state) -> None:  # type: ignore[no-untyped-def]
+                    async def one(p=p, sh=sh, infos=infos, state=state) -> None:
                         infos.append(await p.publish(shard(state, sh)))
                     tg.start_soon(one)
             assert {i.version for i in infos} == {v} and any(i.committed for i in infos)
@@ -247,7 +247,7 @@ def test_publisher_killed_mid_version_leaves_no_version(fail_after: int) -> None
 
 @pytest.mark.parametrize("overwrite", [False, True])
 @pytest.mark.parametrize("kill_at", [0, 2, 5])
-def test_subscriber_killed_mid_apply_recovers_bit_exact(tmp_path, monkeypatch, overwrite: bool, kill_at: int) -> None:  # type: ignore[no-untyped-def]
+def test_subscriber_killed_mid_apply_recovers_bit_exact(tmp_path, monkeypatch, overwrite: bool, kill_at: int) -> None:
     states = [model(5)]
     for s in range(1, 4):
         states.append(step(states[-1], 50 + s, frac=0.3))
@@ -264,7 +264,7 @@ def test_subscriber_killed_mid_apply_recovers_bit_exact(tmp_path, monkeypatch, o
         calls = 0
         real = subscriber_mod._Pull._write
 
-        def torn(self, i, route, decoded):  # type: ignore[no-untyped-def]
+        def torn(self, i, route, decoded):
             nonlocal calls
             calls += 1
             if calls > kill_at:

@@ -53,5 +53,5 @@ async def until(check: Callable[[], Awaitable[bool]], *, timeout: float = 30.0, 
             await anyio.sleep(every)
 
 
-def snapshot(state: dict) -> dict:  # type: ignore[type-arg]
+def snapshot(state: dict) -> dict:
     return {k: v.clone() for k, v in state.items()}

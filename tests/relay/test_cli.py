@@ -41,13 +41,13 @@ def test_endpoint_options_follow_their_prefix() -> None:
     assert (cfg.poll_interval, cfg.metrics_port) == (0.5, 9464)
 
 
-def test_option_before_its_prefix_refused(capsys) -> None:  # type: ignore[no-untyped-def]
+def test_option_before_its_prefix_refused(capsys) -> None:
     with pytest.raises(SystemExit):
         parse("--to-endpoint", "http://x:1", "--to", "s3://a/")
     assert "--to-endpoint must follow a --to" in capsys.readouterr().err
 
 
-def test_config_file_with_credentials_from_env(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_config_file_with_credentials_from_env(tmp_path, monkeypatch) -> None:
     (tmp_path / "r.toml").write_text(
         'poll_interval = 0.25\n[from]\nuri = "s3://t/p/"\nendpoint_url = "http://127.0.0.1:1"\n'
         'access_key_id_env = "K"\nsecret_access_key_env = "S"\n[from.options]\nmax_in_flight = 8\n'
@@ -56,18 +56,18 @@ def test_config_file_with_credentials_from_env(tmp_path, monkeypatch) -> None:  
     monkeypatch.setenv("S", "very-secret")
     cfg = load_config(parse("--config", str(tmp_path / "r.toml"), "--to", "s3://b/p/"))
     assert [c.uri for c in cfg.to] == ["s3://a/p/", "s3://b/p/"] and cfg.poll_interval == 0.25
-    parent = cfg.parent.prefix()  # type: ignore[union-attr]
+    parent = cfg.parent.prefix()
     assert parent.options["secret_access_key"] == "very-secret" and parent.options["max_in_flight"] == 8
     assert "very-secret" not in repr(parent) and "very-secret" not in parent.name
     monkeypatch.delenv("S")
     with pytest.raises(ConfigError, match=r"\$S, which is not set"):
-        load_config(parse("--config", str(tmp_path / "r.toml"))).parent.prefix()  # type: ignore[union-attr]
+        load_config(parse("--config", str(tmp_path / "r.toml"))).parent.prefix()
     (tmp_path / "bad.toml").write_text('[from]\nuri = "s3://t/"\nendpoint = "x"\n')
     with pytest.raises(ConfigError, match="endpoint"):
         load_config(parse("--config", str(tmp_path / "bad.toml"), "--to", "s3://a/"))
 
 
-def test_workers_and_its_deprecated_spellings(tmp_path, capsys, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_workers_and_its_deprecated_spellings(tmp_path, capsys, caplog) -> None:
     assert load_config(parse("--from", "s3://t/", "--to", "s3://a/", "--workers", "3")).workers == 3
     assert load_config(parse("--from", "s3://t/", "--to", "s3://a/")).workers == 8
     assert capsys.readouterr().err == ""
@@ -90,12 +90,12 @@ def _help() -> str:
     return add_subparser(argparse.ArgumentParser(prog="zephon").add_subparsers()).format_help()
 
 
-def test_once_over_file_prefixes(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_once_over_file_prefixes(tmp_path: Path, capsys) -> None:
     for d in ("root", "a", "b"):
         (tmp_path / d).mkdir()
     w = model(3)
 
-    async def publish() -> dict:  # type: ignore[type-arg]
+    async def publish() -> dict:
         async with Publisher(f"file://{tmp_path}/root/", chunk_bytes=256, keyframe_every=2) as pub:
             nonlocal w
             for v in (1, 2, 3):
@@ -113,7 +113,7 @@ def test_once_over_file_prefixes(tmp_path: Path, capsys) -> None:  # type: ignor
     assert args.func(args) == 0  # nothing pending: a no-op
     assert "relayed 0 version(s)" in capsys.readouterr().out
 
-    async def pull() -> dict:  # type: ignore[type-arg]
+    async def pull() -> dict:
         replica = zeros_like(w)
         async with Subscriber(f"file://{tmp_path}/b/") as sub:
             assert await sub.pull(replica) == 3
@@ -123,7 +123,7 @@ def test_once_over_file_prefixes(tmp_path: Path, capsys) -> None:  # type: ignor
 
 
 @pytest.mark.s3
-def test_rejected_credentials_never_printed(regions, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_rejected_credentials_never_printed(regions, tmp_path, capsys) -> None:
     trainer, child = regions("trainer", proxy=False), regions("child")
     secret = trainer.options["secret_access_key"]
     (tmp_path / "r.toml").write_text(

@@ -307,7 +307,7 @@ class _Ranges:
         self.inner = inner
         self.reads: list[tuple[str, int, int | None, int]] = []
 
-    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+    def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
     async def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:

@@ -32,8 +32,8 @@ pytestmark = [pytest.mark.s3, pytest.mark.slow]
 SHAPES = {"w": ((96, 128), torch.bfloat16), "n": ((128,), torch.float32)}
 
 
-def write_config(path: Path, parent, child, prefix: str) -> Path:  # type: ignore[no-untyped-def]
-    def table(name: str, region) -> str:  # type: ignore[no-untyped-def]
+def write_config(path: Path, parent, child, prefix: str) -> Path:
+    def table(name: str, region) -> str:
         o = region.options
         return (f'[{name}]\nuri = "{region.uri(prefix)}"\nendpoint_url = "{o["endpoint_url"]}"\n'
                 f'region = "{o["region"]}"\naddressing_style = "path"\n'
@@ -49,7 +49,7 @@ def relay_command(config: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "zephon_stream.cli", "relay", "--config", str(config), *extra]
 
 
-def test_relay_killed_at_random_points(regions, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_relay_killed_at_random_points(regions, tmp_path) -> None:
     trainer = regions("trainer", proxy=False)
     child = regions("child", link=Link(bandwidth=1 << 20, latency_s=0.002))  # slow enough to cut mid-version
     direct = child.options | {"endpoint_url": trainer.options["endpoint_url"]}  # the watcher's way in: uncounted
@@ -76,7 +76,7 @@ def test_relay_killed_at_random_points(regions, tmp_path) -> None:  # type: igno
                     assert_same(models[v], replica)
                 await anyio.sleep(0.005)
 
-    async def committed_at(store, prefix: str, v: int) -> bool:  # type: ignore[no-untyped-def]
+    async def committed_at(store, prefix: str, v: int) -> bool:
         return v in await committed(store, prefix)
 
     async def main() -> None:
@@ -128,14 +128,14 @@ def test_relay_killed_at_random_points(regions, tmp_path) -> None:  # type: igno
         log.close()
 
 
-async def _cut(proxy, target: int, proc: subprocess.Popen, store, prefix: str, v: int) -> bool:  # type: ignore[type-arg,no-untyped-def]
+async def _cut(proxy, target: int, proc: subprocess.Popen, store, prefix: str, v: int) -> bool:
     """Time to kill: the relay made `target` requests to the child, or it already has version v."""
     if proc.poll() is not None:
         raise AssertionError(f"relay exited by itself with {proc.returncode}")
     return proxy.statistics(settle=0).requests >= target or v in await committed(store, prefix)
 
 
-def test_sigterm_stops_the_daemon_cleanly(regions, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_sigterm_stops_the_daemon_cleanly(regions, tmp_path) -> None:
     trainer, child = regions("trainer", proxy=False), regions("child")
     config = write_config(tmp_path / "relay.toml", trainer, child, "p/")
 
@@ -161,6 +161,6 @@ def test_sigterm_stops_the_daemon_cleanly(regions, tmp_path) -> None:  # type: i
     anyio.run(main)
 
 
-async def _in(store, prefix: str, v: int) -> bool:  # type: ignore[no-untyped-def]
+async def _in(store, prefix: str, v: int) -> bool:
     return v in await committed(store, prefix)
 

@@ -23,7 +23,7 @@ from zephon_stream.refit import Publisher, Subscriber
 from zephon_stream.relay import Prefix, Relay
 
 
-async def _publish(pub: Publisher, w: dict, versions: range, models: dict) -> dict:  # type: ignore[type-arg]
+async def _publish(pub: Publisher, w: dict, versions: range, models: dict) -> dict:
     for v in versions:
         w = step(w, v, frac=0.2)
         models[v] = snapshot(w)
@@ -34,7 +34,7 @@ async def _publish(pub: Publisher, w: dict, versions: range, models: dict) -> di
 def test_lagging_child_restarts_at_newest_keyframe() -> None:
     async def main() -> None:
         parent, child = MemoryStore(), MemoryStore()
-        models: dict = {}  # type: ignore[type-arg]
+        models: dict = {}
         w = model(5)
         replica = zeros_like(w)
         sub = Subscriber("c/", store=child)
@@ -68,7 +68,7 @@ class _Dies:
     def __init__(self, inner: Store, after: int) -> None:
         self.inner, self.after = inner, after
 
-    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+    def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
     async def put(self, key: str, data: bytes, *, if_none_match: bool = False) -> None:
@@ -82,7 +82,7 @@ class _Dies:
 def test_restart_copies_only_what_is_missing(after: int) -> None:
     async def main() -> None:
         parent, child = MemoryStore(), MemoryStore()
-        models: dict = {}  # type: ignore[type-arg]
+        models: dict = {}
         async with Publisher("p/", store=parent, chunk_bytes=256) as pub:
             await _publish(pub, model(6), range(1, 3), models)
         with pytest.raises(Killed):
@@ -113,7 +113,7 @@ def test_restart_copies_only_what_is_missing(after: int) -> None:
 def test_corrupt_object_at_child_is_replaced() -> None:
     async def main() -> None:
         parent, child = MemoryStore(), MemoryStore()
-        models: dict = {}  # type: ignore[type-arg]
+        models: dict = {}
         async with Publisher("p/", store=parent, chunk_bytes=256) as pub:
             await _publish(pub, model(7), range(1, 2), models)
         key = next(k for k in parent.objects if "/key-" in k)
@@ -186,7 +186,7 @@ class _Bucket(MemoryStore):
 
     async def copy_from(self, source: Store, src_key: str, dst_key: str) -> None:
         self.copied += 1
-        self.objects[dst_key] = source.objects[src_key]  # type: ignore[attr-defined]
+        self.objects[dst_key] = source.objects[src_key]
 
 
 def test_server_side_copy_is_a_protocol_not_a_probe() -> None:
@@ -278,7 +278,7 @@ class _HoldManifest:
         self.inner, self.version = inner, version
         self.waiting, self.release = anyio.Event(), anyio.Event()
 
-    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+    def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
     async def put(self, key: str, data: bytes, *, if_none_match: bool = False) -> None:
@@ -292,7 +292,7 @@ def test_stream_ahead_copies_while_publishing_and_reads_once() -> None:
     async def main() -> None:
         parent, child = MemoryStore(), MemoryStore()
         held = _HoldManifest(parent, 2)
-        models: dict = {}  # type: ignore[type-arg]
+        models: dict = {}
         w = model(13)
         stop = anyio.Event()
         with anyio.fail_after(30):

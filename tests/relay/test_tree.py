@@ -28,7 +28,7 @@ pytestmark = pytest.mark.s3
 CHUNK = 2048
 
 
-def test_tree_end_to_end_bit_exact(regions) -> None:  # type: ignore[no-untyped-def]
+def test_tree_end_to_end_bit_exact(regions) -> None:
     """Ten versions with keyframes and GC through root -> {A, B} and A -> zone (server-side copies):
     every leaf subscriber is bit-exact at every version, no child ever shows a partial version,
     and every child ends with the parent's retention window."""
@@ -83,7 +83,7 @@ def test_tree_end_to_end_bit_exact(regions) -> None:  # type: ignore[no-untyped-
     anyio.run(main)
 
 
-async def _reached(sub: Subscriber, replica: dict, v: int) -> bool:  # type: ignore[type-arg]
+async def _reached(sub: Subscriber, replica: dict, v: int) -> bool:
     return await sub.pull(replica) >= v
 
 
@@ -98,7 +98,7 @@ class _GatedStore:
     def __init__(self, inner: Store, gate: _Gate) -> None:
         self.inner, self.gate, self.waited = inner, gate, False
 
-    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+    def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
     async def put(self, key: str, data: bytes, *, if_none_match: bool = False) -> None:
@@ -111,7 +111,7 @@ class _GatedStore:
         await self.inner.put(key, data, if_none_match=if_none_match)
 
 
-def test_two_relays_racing_on_one_child(regions) -> None:  # type: ignore[no-untyped-def]
+def test_two_relays_racing_on_one_child(regions) -> None:
     trainer, child = regions("trainer", proxy=False), regions("child")
 
     async def main() -> None:
@@ -151,7 +151,7 @@ def test_two_relays_racing_on_one_child(regions) -> None:  # type: ignore[no-unt
     anyio.run(main)
 
 
-def test_corrupt_parent_object_not_propagated_then_retried(regions) -> None:  # type: ignore[no-untyped-def]
+def test_corrupt_parent_object_not_propagated_then_retried(regions) -> None:
     trainer, child = regions("trainer", proxy=False), regions("child")
 
     async def main() -> None:
@@ -205,7 +205,7 @@ async def _committed_at(store: Store, prefix: str, v: int) -> bool:
     return v in await committed(store, prefix)
 
 
-def test_parent_reads_once_whatever_the_number_of_children(regions, seaweed) -> None:  # type: ignore[no-untyped-def]
+def test_parent_reads_once_whatever_the_number_of_children(regions, seaweed) -> None:
     """Bytes read from the parent per version (counted by the parent's proxy) equal the
     version's objects once, for one child and for three."""
     trainer = regions("trainer")  # behind a proxy that counts what the relay reads
@@ -237,7 +237,7 @@ def test_parent_reads_once_whatever_the_number_of_children(regions, seaweed) -> 
     anyio.run(main)
 
 
-def test_child_bucket_on_the_parent_endpoint_is_copied_server_side(regions) -> None:  # type: ignore[no-untyped-def]
+def test_child_bucket_on_the_parent_endpoint_is_copied_server_side(regions) -> None:
     """Another bucket on the same endpoint with the same credentials: CopyObject, no uploads."""
     trainer, other = regions("trainer", proxy=False), regions("other", proxy=False)
 

@@ -13,9 +13,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from zephon_stream.errors import ZephonError
 from zephon_stream.loader.config import Config
 from zephon_stream.loader.state import state_from_bytes, state_to_bytes
-from zephon_stream.errors import ZephonError
 
 __all__ = ["main"]
 

@@ -199,7 +199,7 @@ def main(args: argparse.Namespace) -> int:
     _setup_logging(args.log_format, args.log_level)
     try:
         cfg = load_config(args)
-        parent = cfg.parent.prefix()  # type: ignore[union-attr]
+        parent = cfg.parent.prefix()
         relay = Relay(parent, [c.prefix() for c in cfg.to], workers=cfg.workers, poll_interval=cfg.poll_interval,
                       keep_versions=cfg.keep_versions, verify_existing=cfg.verify_existing,
                       stream_ahead=cfg.stream_ahead)

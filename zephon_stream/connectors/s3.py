@@ -376,7 +376,8 @@ def _create_client(key: _ClientKey, max_connections: int) -> Any:
         # "when_supported" would wrap GET bodies in a checksum that a resumed range cannot use.
         response_checksum_validation="when_required",
     )
-    secret = lambda s: s.value if s is not None else None  # noqa: E731
+    def secret(s):
+        return s.value if s is not None else None
     session = AioSession(profile=key.profile) if key.profile else AioSession()
     session.register_component("data_loader", _shared_loader())  # parse botocore's JSON models once
     client_cm = session.create_client(
@@ -487,7 +488,8 @@ class S3Store:
         if (access_key_id is None) != (secret_access_key is None):
             raise ConfigError("pass access_key_id and secret_access_key together "
                               "(or neither, for the AWS credential chain)")
-        hide = lambda v: _Secret(v) if v is not None else None  # noqa: E731
+        def hide(v):
+            return _Secret(v) if v is not None else None
         s = self.settings
         region = region or ("us-east-1" if endpoint_url else None)
         self._key = _ClientKey(endpoint_url, region, style, profile,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import multiprocessing
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
-
 from typing import Any
 
 import anyio
@@ -21,15 +20,15 @@ import msgspec
 import numpy as np
 
 from zephon_stream import errors as _exceptions
-from zephon_stream.loader.config import Config
-from zephon_stream.loader.state import LaneState
-from zephon_stream.errors import ZephonError
-from zephon_stream.loader.lane import Lanes, TextLane
-from zephon_stream.loader.plan import DataPlan, open_stores
 from zephon_stream.connectors.base import Store
 from zephon_stream.engine.cpu import CpuPolicy
-from zephon_stream.operators.types import Sample
+from zephon_stream.errors import ZephonError
+from zephon_stream.loader.config import Config
+from zephon_stream.loader.lane import Lanes, TextLane
+from zephon_stream.loader.plan import DataPlan, open_stores
+from zephon_stream.loader.state import LaneState
 from zephon_stream.operators.tokenize import Tokenize
+from zephon_stream.operators.types import Sample
 
 __all__ = ["cpu_policy", "run_lanes"]
 

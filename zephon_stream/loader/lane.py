@@ -21,19 +21,19 @@ never fails the check, and the check never changes what a lane yields.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 import functools
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from functools import lru_cache
 from typing import Any
 
 import anyio
 
-from zephon_stream.loader.config import Config
-from zephon_stream.engine.rng import permutation
 from zephon_stream.connectors.base import Store
 from zephon_stream.engine.operator import Operator
+from zephon_stream.engine.rng import permutation
 from zephon_stream.errors import DataError, IncompatibleState
+from zephon_stream.loader.config import Config
 from zephon_stream.loader.plan import DataPlan
 from zephon_stream.loader.state import LaneState, split_at
 from zephon_stream.operators.feed import Feed

@@ -11,14 +11,14 @@ from typing import Any
 import anyio
 import msgspec
 
-from zephon_stream.operators.collate import collate, padding_sample
-from zephon_stream.loader.config import Config
-from zephon_stream.loader.sequencer import check_world, consumed, rank_lanes, rank_slots
-from zephon_stream.loader.state import FORMAT_VERSION, LaneState, LoaderState, StateHeader, check_lane_state
+from zephon_stream.connectors.base import Store
 from zephon_stream.errors import CheckpointError, ConfigError, IncompatibleState, ZephonError, unwrap_groups
 from zephon_stream.loader.backends import run_lanes
+from zephon_stream.loader.config import Config
 from zephon_stream.loader.plan import DataPlan, open_stores, plan_data
-from zephon_stream.connectors.base import Store
+from zephon_stream.loader.sequencer import check_world, consumed, rank_lanes, rank_slots
+from zephon_stream.loader.state import FORMAT_VERSION, LaneState, LoaderState, StateHeader, check_lane_state
+from zephon_stream.operators.collate import collate, padding_sample
 from zephon_stream.operators.tokenize import Tokenize
 from zephon_stream.operators.types import Sample
 
@@ -95,7 +95,8 @@ class Loader:
         check_world(config.lanes, config.global_batch_size, self.dp_size, self.dp_rank)
         self.tokenizer = _tokenizer(config)
         import torch  # noqa: F401  (loaded here, not on the event loop at the first batch)
-        self.order_settings = msgspec.msgpack.decode(msgspec.msgpack.encode(config.order_settings(self.tokenizer.sha256)))
+        order = config.order_settings(self.tokenizer.sha256)
+        self.order_settings = msgspec.msgpack.decode(msgspec.msgpack.encode(order))  # as a checkpoint holds it
         self.order_digest = config.order_digest(self.tokenizer.sha256)
         self.lanes = rank_lanes(config.lanes, self.dp_size, self.dp_rank)
         self.wrap_store = wrap_store

@@ -33,7 +33,10 @@ from zephon_stream.operators.pack import PackState
 from zephon_stream.operators.shuffle import ShuffleState
 from zephon_stream.operators.types import DocRef
 
-__all__ = ["FORMAT_VERSION", "LaneState", "LoaderState", "Refusal", "StateHeader", "check_lane_state", "lane_key", "split_at", "state_from_bytes", "state_to_bytes"]
+__all__ = [
+    "FORMAT_VERSION", "LaneState", "LoaderState", "Refusal", "StateHeader", "check_lane_state", "lane_key",
+    "split_at", "state_from_bytes", "state_to_bytes",
+]
 
 if TYPE_CHECKING:
     from zephon_stream.loader.plan import DataPlan
@@ -225,7 +228,8 @@ def _check_counters(ls: LaneState, config: Config, bad: Refusal) -> None:
 
 def _check_cursors(ls: LaneState, n_sources: int, bad: Refusal) -> None:
     if len(ls.sources) != n_sources:
-        bad("sources", [(c.position, c.offset) for c in ls.sources], f"needs one cursor per source ({n_sources} sources)")
+        bad("sources", [(c.position, c.offset) for c in ls.sources],
+            f"needs one cursor per source ({n_sources} sources)")
     for s, cursor in enumerate(ls.sources):
         position, offset = cursor.position, cursor.offset
         if position < 0 or offset < 0:
@@ -249,8 +253,8 @@ def _check_refs(ls: LaneState, config: Config, bad: Refusal) -> None:
                 "and length >= 1")
         cursor = ls.sources[source]
         if (position, offset + length) > (cursor.position, cursor.offset):
-            bad(field, tuple(ref), f"the document lies past sources[{source}] = {(cursor.position, cursor.offset)}: only documents "
-                "already read can be in the window or carried")
+            bad(field, tuple(ref), f"the document lies past sources[{source}] = {(cursor.position, cursor.offset)}: "
+                "only documents already read can be in the window or carried")
         if (source, position, offset) in seen:
             bad(field, tuple(ref), "the same document is referenced twice")
         seen.add((source, position, offset))

@@ -18,8 +18,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from zephon_stream.engine.operator import Resolve
-from zephon_stream.engine.operator import refuse
+from zephon_stream.engine.operator import Resolve, refuse
 from zephon_stream.operators.types import Doc
 
 __all__ = ["Feed", "FeedState"]

@@ -13,9 +13,8 @@ from collections.abc import Sequence
 
 import msgspec
 
-from zephon_stream.engine.operator import Operator, Resolve
+from zephon_stream.engine.operator import Operator, Resolve, refuse
 from zephon_stream.engine.rng import mix64
-from zephon_stream.engine.operator import refuse
 from zephon_stream.operators.types import Doc
 
 __all__ = ["Mix", "MixState"]

@@ -18,8 +18,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from zephon_stream.engine.operator import Operator, Resolve
-from zephon_stream.engine.operator import refuse
+from zephon_stream.engine.operator import Operator, Resolve, refuse
 from zephon_stream.operators.types import IGNORE, Doc, DocRef, Sample
 
 __all__ = ["IGNORE", "Pack", "PackState"]

@@ -35,9 +35,9 @@ import anyio
 import msgspec
 import numpy as np
 
-from zephon_stream.errors import ConfigError, DataError, IncompatibleState
 from zephon_stream.connectors.base import ObjectInfo, Store
 from zephon_stream.engine.window import ReadWindow, Spawn
+from zephon_stream.errors import ConfigError, DataError, IncompatibleState
 from zephon_stream.formats.jsonl_zst import DECODE_PIECE, ZstdStream, read_seek_table, walk_frames
 
 __all__ = ["BadRecords", "Parser", "SUFFIXES", "ShardPlan", "SourcePlan", "Split", "SplitReader", "plan_source"]
@@ -184,7 +184,8 @@ class SplitReader:
     async def _ranges(self, ranges: list[tuple[int, int]]) -> AsyncIterator[bytes]:
         """The bytes of `ranges` in order: through a window when there is one, else one by one."""
         if self.spawn is not None and self.read_ahead > 1 and len(ranges) > 1:
-            async for data in ReadWindow(functools.partial(self.store.read, self.key), ranges, self.read_ahead, self.spawn):
+            fetch = functools.partial(self.store.read, self.key)
+            async for data in ReadWindow(fetch, ranges, self.read_ahead, self.spawn):
                 yield data
             return
         for start, end in ranges:

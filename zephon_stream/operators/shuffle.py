@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import msgspec
 
-from zephon_stream.engine.operator import Operator, Resolve
+from zephon_stream.engine.operator import Operator, Resolve, refuse
 from zephon_stream.engine.rng import mix64
-from zephon_stream.engine.operator import refuse
 from zephon_stream.operators.types import Doc, DocRef
 
 __all__ = ["Shuffle", "ShuffleState"]

@@ -114,7 +114,7 @@ class ChunkPlan:
         """The chunk's words as a view into local memory, when it is one contiguous CPU slice."""
         if len(self.parts) == 1 and self.parts[0].mode == "same" and self.on_cpu:
             p = self.parts[0]
-            return self.local.words[p.tensor][p.elem0 : p.elem0 + p.nwords]  # type: ignore[return-value]
+            return self.local.words[p.tensor][p.elem0 : p.elem0 + p.nwords]
         return None
 
     def write(self, pos: np.ndarray, values: np.ndarray, *, xor: bool) -> None:

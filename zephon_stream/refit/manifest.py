@@ -217,7 +217,7 @@ def _check(m: Manifest, max_chunk_bytes: int) -> TensorTable:
 
 
 def _check_chunk(m: Manifest, i: int, c: ChunkEntry, e: object) -> None:
-    if (c.rank, c.offset, c.length, c.itemsize) != (e.rank, e.offset, e.length, e.itemsize):  # type: ignore[attr-defined]
+    if (c.rank, c.offset, c.length, c.itemsize) != (e.rank, e.offset, e.length, e.itemsize):
         raise ValueError(f"chunk {i} window {(c.rank, c.offset, c.length, c.itemsize)} is not the layout's {e}")
     bound = 2 * c.length + 4096  # zstd never expands by more than this
     if c.size > bound or c.key_size > bound or c.over_size > bound + c.length * 8:

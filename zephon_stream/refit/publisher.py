@@ -154,7 +154,8 @@ class Publisher(StoreOwner):
         part = Part(self.sharding.rank, entries, sum(e.changes for e in entries))
         committed = await self._commit(version, attempt, keyframe, base, table, part)
         self._shadow_version = version
-        total = lambda f: sum(getattr(e, f) for e in entries)  # noqa: E731
+        def total(f):
+            return sum(getattr(e, f) for e in entries)
         return VersionInfo(
             version, base.version if base else None, keyframe, sum(e.plain for e in entries) & MASK,
             stream.nbytes, total("size"), total("key_size"), total("over_size"), total("changes"), committed,

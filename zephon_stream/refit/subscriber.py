@@ -448,7 +448,7 @@ class _Pull:
         if chain:
             out.append((rec.version, rec.digests))
         target_m = await self.sub._maybe_manifest(rec.target) if torn and rec.target else None
-        if (target_m is not None and rec.target <= self.target and geometry(target_m) == geometry(self.m)  # type: ignore[operator]
+        if (target_m is not None and rec.target <= self.target and geometry(target_m) == geometry(self.m)
                 and await self._try_chain(target_m.version, None)):
             out.append((target_m.version, [c.plain for c in target_m.chunks]))
         if self.doubt:
@@ -557,7 +557,7 @@ class _Pull:
         plan, want = self.plans[i], self.m.chunks[i].plain
         decoded = base, pos, val = self._decode(i, route, objects)
         if base is not None:
-            key_plain = self.sub._manifests[self.key][0].chunks[i].plain  # type: ignore[index]
+            key_plain = self.sub._manifests[self.key][0].chunks[i].plain
             got_key = plan.digest(base)
             if got_key != key_plain:
                 raise DigestMismatch(f"keyframe v{self.key} chunk {i}: digest {got_key:016x} != {key_plain:016x}")
@@ -573,7 +573,7 @@ class _Pull:
         else:
             old = plan.gather(pos)
             new = old ^ val
-            got = (route.digest + plan.change_sum(pos, old, new)) & ((1 << 64) - 1)  # type: ignore[operator]
+            got = (route.digest + plan.change_sum(pos, old, new)) & ((1 << 64) - 1)
             decoded = None, pos, new  # new values: the write is then a plain scatter
         if got != want:
             raise DigestMismatch(

@@ -44,7 +44,7 @@ try:  # Linux/BSD: lets a reset wait until the peer has every byte sent before i
     import fcntl
     import termios
 except ImportError:  # pragma: no cover
-    fcntl = termios = None  # type: ignore[assignment]
+    fcntl = termios = None
 
 __all__ = ["FAULT_KINDS", "FaultProxy", "Faults", "Link", "ProxyStatistics", "RequestRecord"]
 
@@ -80,7 +80,7 @@ class Faults:
     def every_kind(cls, total: float, **kwargs: object) -> Faults:
         """`total` spread evenly over every fault kind."""
         share = total / len(FAULT_KINDS)
-        return cls(**{k: share for k in FAULT_KINDS}, **kwargs)  # type: ignore[arg-type]
+        return cls(**{k: share for k in FAULT_KINDS}, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,7 +340,7 @@ class FaultProxy:
                 self._requests += 1
                 if rec["fault"] is not None:
                     self._faults[rec["fault"]] += 1
-                self._records.append(RequestRecord(**rec))  # type: ignore[arg-type]
+                self._records.append(RequestRecord(**rec))
                 self._active -= 1
                 self._idle.notify_all()
 
@@ -458,7 +458,7 @@ class FaultProxy:
                     return
                 raise _Abort  # upstream broke: pass the break on
             await self._write(writer, data, up=False)
-            rec["body_bytes"] = int(rec["body_bytes"]) + len(data)  # type: ignore[call-overload]
+            rec["body_bytes"] = int(rec["body_bytes"]) + len(data)
             with self._lock:
                 self._body_down += len(data)
             if left is not None:
@@ -468,12 +468,12 @@ class FaultProxy:
                             rec: dict[str, object]) -> None:
         async for frame, payload in _chunks(src):
             await self._write(writer, frame, up=False)
-            rec["body_bytes"] = int(rec["body_bytes"]) + payload  # type: ignore[call-overload]
+            rec["body_bytes"] = int(rec["body_bytes"]) + payload
             with self._lock:
                 self._body_down += payload
 
 
-async def _chunks(src: asyncio.StreamReader):  # noqa: ANN202
+async def _chunks(src: asyncio.StreamReader):
     """Chunked-encoding frames as (raw bytes, payload size), through the final trailer."""
     while True:
         line = await src.readuntil(b"\r\n")

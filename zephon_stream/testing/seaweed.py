@@ -189,7 +189,7 @@ class SeaweedServer:
 
     # -- readiness -------------------------------------------------------------------------
 
-    def client(self, *, limited: bool = False, endpoint_url: str | None = None):  # noqa: ANN201
+    def client(self, *, limited: bool = False, endpoint_url: str | None = None):
         """A new synchronous botocore S3 client (close it) for fixtures and fault-free checks."""
         opts = self.store_options(limited=limited, endpoint_url=endpoint_url)
         return botocore.session.get_session().create_client(
@@ -243,7 +243,7 @@ class SeaweedServer:
 
     # -- bucket helpers --------------------------------------------------------------------
 
-    def _admin(self):  # noqa: ANN202
+    def _admin(self):
         if self._admin_client is None:
             self._admin_client = self.client()
         return self._admin_client
@@ -257,7 +257,7 @@ class SeaweedServer:
         self._admin().delete_bucket(Bucket=name)
 
 
-def empty_bucket(client, bucket: str) -> None:  # noqa: ANN001
+def empty_bucket(client, bucket: str) -> None:
     """Delete every object and unfinished multipart upload in `bucket` (a sync botocore client)."""
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
         for obj in page.get("Contents", []):
