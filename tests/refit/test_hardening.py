@@ -20,13 +20,13 @@ from tests.refit._helpers import assert_same, model, step, zeros_like
 from zephon_stream import ConfigError, DataError, ObjectNotFound, RefitError
 from zephon_stream.cli.refit import add_subparser
 from zephon_stream.connectors import MemoryStore
-from zephon_stream.connectors.base import ObjectInfo, StoreStatistics
 from zephon_stream.connectors.location import location
 from zephon_stream.refit import Publisher, Sharding, Subscriber, safetensors
 from zephon_stream.refit import local as local_mod
 from zephon_stream.refit import manifest as manifest_mod
 from zephon_stream.refit.manifest import encode_manifest
 from zephon_stream.refit.versions import find_latest
+from zephon_stream.testing.stores import WrappedStore
 
 
 def run(fn, *args):
@@ -381,33 +381,16 @@ def test_manifest_chunk_bytes_messages_name_the_real_fault() -> None:
 
 # -- a MANIFEST is read at most to its size limit + 1 byte -----------------------------------------
 
-class RecordingStore:
+class RecordingStore(WrappedStore):
     """A MemoryStore that records each read's (key, start, end)."""
 
     def __init__(self, inner: MemoryStore) -> None:
-        self.inner, self.reads = inner, []  # type: list[tuple[str, int, int | None]]
-
-    async def list(self, prefix: str = "") -> list[ObjectInfo]:
-        return await self.inner.list(prefix)
-
-    async def head(self, key: str) -> ObjectInfo:
-        return await self.inner.head(key)
+        super().__init__(inner)
+        self.reads: list[tuple[str, int, int | None]] = []
 
     async def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         self.reads.append((key, start, end))
         return await self.inner.read(key, start, end)
-
-    async def put(self, key: str, data: bytes, *, if_none_match: bool = False) -> None:
-        await self.inner.put(key, data, if_none_match=if_none_match)
-
-    async def delete(self, key: str) -> None:
-        await self.inner.delete(key)
-
-    async def copy(self, src_key: str, dst_key: str) -> None:
-        await self.inner.copy(src_key, dst_key)
-
-    def statistics(self) -> StoreStatistics:
-        return self.inner.statistics()
 
     async def aclose(self) -> None:
         pass

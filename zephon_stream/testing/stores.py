@@ -1,4 +1,4 @@
-"""Store wrappers for tests: inject seeded read latency, count reads."""
+"""Store wrappers for tests: one that hands every call on (to subclass), and seeded read latency."""
 
 from __future__ import annotations
 
@@ -8,17 +8,48 @@ import anyio
 
 from zephon_stream.connectors.base import ObjectInfo, Store, StoreStatistics
 
-__all__ = ["LatencyStore", "WithLatency"]
+__all__ = ["LatencyStore", "WithLatency", "WrappedStore"]
 
 
-class LatencyStore:
-    """Wraps a store; every read first sleeps a seeded random time in `[0, max_ms]` milliseconds.
+class WrappedStore:
+    """A store that hands every call to `inner`: subclass it and override the calls to watch or slow."""
 
-    Use it to prove that the sample order does not depend on I/O timing.
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+
+    async def list(self, prefix: str = "") -> list[ObjectInfo]:
+        return await self.inner.list(prefix)
+
+    async def head(self, key: str) -> ObjectInfo:
+        return await self.inner.head(key)
+
+    async def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        return await self.inner.read(key, start, end)
+
+    async def put(self, key: str, data: bytes, *, if_none_match: bool = False) -> None:
+        await self.inner.put(key, data, if_none_match=if_none_match)
+
+    async def delete(self, key: str) -> None:
+        await self.inner.delete(key)
+
+    async def copy(self, src_key: str, dst_key: str) -> None:
+        await self.inner.copy(src_key, dst_key)
+
+    def statistics(self) -> StoreStatistics:
+        return self.inner.statistics()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class LatencyStore(WrappedStore):
+    """Wraps a store; every list, head and read first sleeps a seeded random time in `[0, max_ms]`
+    milliseconds. Use it to prove that the sample order does not depend on I/O timing.
     """
 
     def __init__(self, inner: Store, seed: int = 0, max_ms: float = 5.0) -> None:
-        self.inner, self.max_ms = inner, max_ms
+        super().__init__(inner)
+        self.max_ms = max_ms
         self._rng = random.Random(seed)
 
     def __repr__(self) -> str:
@@ -38,21 +69,6 @@ class LatencyStore:
     async def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         await self._delay()
         return await self.inner.read(key, start, end)
-
-    async def put(self, key: str, data: bytes, *, if_none_match: bool = False) -> None:
-        await self.inner.put(key, data, if_none_match=if_none_match)
-
-    async def delete(self, key: str) -> None:
-        await self.inner.delete(key)
-
-    async def copy(self, src_key: str, dst_key: str) -> None:
-        await self.inner.copy(src_key, dst_key)
-
-    def statistics(self) -> StoreStatistics:
-        return self.inner.statistics()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 class WithLatency:
