@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -60,3 +61,12 @@ def regions(seaweed: SeaweedServer) -> Iterator[Callable[..., Region]]:
         yield make
         for bucket in buckets:
             seaweed.delete_bucket(bucket)
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Iterator[None]:
+    """`zephon relay` sets up the package logger; put it back for the next test."""
+    logger = logging.getLogger("zephon_stream")
+    saved = logger.handlers[:], logger.level, logger.propagate
+    yield
+    logger.handlers[:], logger.level, logger.propagate = saved

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -20,14 +19,6 @@ def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="zephon")
     add_subparser(parser.add_subparsers(dest="command", required=True))
     return parser.parse_args(["relay", *argv])
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    logger = logging.getLogger("zephon_stream")
-    saved = logger.handlers[:], logger.level, logger.propagate
-    yield
-    logger.handlers[:], logger.level, logger.propagate = saved
 
 
 def test_endpoint_options_follow_their_prefix() -> None:

@@ -6,9 +6,8 @@ is known."""
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -56,15 +55,6 @@ SAME: dict[str, tuple[Callable[[str], Prefix], Callable[[str], Prefix]]] = {
     "memory-given-store": (lambda d: _p("memory://hard-m/p/"),
                            lambda d: Prefix("p/", store=memory_store("hard-m"))),
 }
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    """`zephon relay` sets up the package logger; put it back for the next test."""
-    logger = logging.getLogger("zephon_stream")
-    saved = logger.handlers[:], logger.level, logger.propagate
-    yield
-    logger.handlers[:], logger.level, logger.propagate = saved
 
 
 @pytest.fixture
