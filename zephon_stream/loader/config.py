@@ -34,6 +34,10 @@ MAX_TIMEOUT_S = 3600.0
 class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
     """A named dataset: every `*.jsonl` and `*.jsonl.zst` object under `uri`, sorted by key.
 
+    `weight` is relative: only the ratios between the sources' weights matter (0.7 and 0.3 mix
+    as 7 and 3 do, and they need not sum to 1). With `mix = "tokens"` a source's share of the
+    tokens tracks `weight / sum(weights)`; with `mix = "documents"`, its share of the documents.
+
     `endpoint_url`, `region`, `addressing_style` and the timeouts (seconds, per request: to
     connect, and between bytes of a response) apply to `s3://` sources only. They are
     execution settings: they never change the order.
@@ -111,6 +115,23 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
 
     @classmethod
     def from_toml(cls, path: str | Path) -> Config:
+        """Read a config from a TOML file: top-level settings, then one `[[sources]]` table per source.
+
+        ```
+        seed = 1234
+        lanes = 12
+        seq_len = 2048
+        global_batch_size = 24
+        tokenizer = "/data/tokenizer.json"
+        [[sources]]
+        name = "web"
+        uri = "file:///data/web/"
+        weight = 0.7
+        ```
+        Unset settings take their defaults (`zephon config FILE` prints them all). A file that
+        cannot be read, is not TOML, or holds an unknown key or a bad value raises `ConfigError`
+        naming the file, the key and the value.
+        """
         try:
             data = Path(path).read_bytes()
         except OSError as exc:
