@@ -34,7 +34,7 @@ from zephon_stream.errors import ConfigError, DataError
 from zephon_stream.refit.layout import WORD
 
 __all__ = ["DENSE_XOR", "FULL", "SPARSE_SET", "SPARSE_XOR", "Decoded", "check_level", "compose_set", "compose_xor",
-           "decode", "diff", "encode_dense", "encode_sparse", "encode_xor"]
+           "decode", "decode_full_into", "diff", "encode_dense", "encode_sparse", "encode_xor"]
 
 SPARSE_XOR, DENSE_XOR, SPARSE_SET, FULL = 1, 2, 3, 4
 KIND_NAMES = {0: "zero", SPARSE_XOR: "sparse-xor", DENSE_XOR: "dense-xor", SPARSE_SET: "overwrite", FULL: "full"}
@@ -171,8 +171,9 @@ def _frame(data: memoryview, expected: int, what: str, key: str, offset: int) ->
     return out
 
 
-def decode(data: bytes, *, kinds: tuple[int, ...], itemsize: int, words: int, key: str) -> Decoded:
-    """Parse and check one object against the chunk it is for. Raises DataError, never more."""
+def _sections(data: bytes, kinds: tuple[int, ...], itemsize: int, words: int, key: str
+              ) -> tuple[int, int, list[memoryview], list[int]]:
+    """(kind, count, sections, their offsets) of an object, its header checked against the chunk."""
     view = memoryview(data)
     if len(view) < _HEAD.size:
         raise DataError(f"{key}: object of {len(view)} bytes is shorter than its header", key=key, offset=0)
@@ -193,8 +194,13 @@ def decode(data: bytes, *, kinds: tuple[int, ...], itemsize: int, words: int, ke
     if at + sum(sizes) != len(view):
         raise DataError(f"{key}: sections total {sum(sizes)} bytes, object holds {len(view) - at}", key=key, offset=at)
     bounds = np.cumsum([at, *sizes]).tolist()
-    sec = [view[bounds[i] : bounds[i + 1]] for i in range(nsec)]
-    if not sparse:
+    return kind, count, [view[bounds[i] : bounds[i + 1]] for i in range(nsec)], bounds
+
+
+def decode(data: bytes, *, kinds: tuple[int, ...], itemsize: int, words: int, key: str) -> Decoded:
+    """Parse and check one object against the chunk it is for. Raises DataError, never more."""
+    kind, count, sec, bounds = _sections(data, kinds, itemsize, words, key)
+    if kind not in (SPARSE_XOR, SPARSE_SET):
         planes = [_frame(sec[i], words, f"plane {i}", key, bounds[i]) for i in range(itemsize)]
         return Decoded(kind, None, _merge(planes, itemsize, words))
     gap8 = np.frombuffer(_frame(sec[0], count, "gaps", key, bounds[0]), dtype=np.uint8)
@@ -210,6 +216,36 @@ def decode(data: bytes, *, kinds: tuple[int, ...], itemsize: int, words: int, ke
                         offset=bounds[0])
     planes = [_frame(sec[2 + i], count, f"plane {i}", key, bounds[2 + i]) for i in range(itemsize)]
     return Decoded(kind, positions, _merge(planes, itemsize, count))
+
+
+def decode_full_into(data: bytes, out: np.ndarray, *, key: str) -> None:
+    """Decode a FULL object straight into `out` (the chunk's words, e.g. a view of the weights).
+
+    Each plane is decompressed and scattered into its byte column of `out` at once, so the
+    chunk is never staged in a second array. Every size is checked before `out` is touched; a
+    frame found corrupt while decompressing (after the object's blake2b matched) raises
+    DataError with the planes before it already written.
+    """
+    itemsize, words = out.dtype.itemsize, len(out)
+    _, _, sec, bounds = _sections(data, (FULL,), itemsize, words, key)
+    for i in range(itemsize):  # sizes first: a hostile header never gets a partial write
+        _frame_size(sec[i], words, f"plane {i}", key, bounds[i])
+    columns = out.view(np.uint8).reshape(words, itemsize)
+    for i in range(itemsize):
+        plane = np.frombuffer(_frame(sec[i], words, f"plane {i}", key, bounds[i]), dtype=np.uint8)
+        if itemsize == 1:
+            out[:] = plane
+        else:
+            columns[:, i] = plane
+
+
+def _frame_size(data: memoryview, expected: int, what: str, key: str, offset: int) -> None:
+    try:
+        size = zstandard.frame_content_size(data) if expected else len(data)
+    except zstandard.ZstdError as exc:
+        raise DataError(f"{key}: {what} section is not a zstd frame ({exc})", key=key, offset=offset) from exc
+    if size != expected:
+        raise DataError(f"{key}: {what} section declares {size} bytes, expected {expected}", key=key, offset=offset)
 
 
 def _merge(planes: list[bytes], itemsize: int, n: int) -> np.ndarray:

@@ -386,6 +386,7 @@ class _Pull:
         self.staged: dict[int, _Staged] = {}
         self.budget = sub.staged_bytes
         self.key: int | None = None
+        self.fresh: set[int] = set()  # chunks that hold no version now: loaded from a keyframe in one pass
 
     # -- planning -------------------------------------------------------------------------
 
@@ -429,12 +430,18 @@ class _Pull:
         torn = same and rec.target is not None
         rehash = torn or (same and self.doubt)
         known = await self._known(chain, torn) if rehash else []
+        blank = rec.version == 0  # a joiner, or one killed while joining: its state holds no version
         for i in self.todo:
             routes: list[Route] = []
             owned = self.plans[i].owned
             if rehash and owned:
                 h = await sub._cpu(lambda i=i: self.plans[i].digest(self.plans[i].read()))
                 routes += [Route("xor", v, h) for v, digests in known if digests[i] == h][:1]
+                blank_chunk = not routes
+            else:
+                blank_chunk = blank
+            if blank_chunk:
+                self.fresh.add(i)
             elif chain and not rehash:
                 routes.append(Route("xor", rec.version, rec.digests[i] if owned else None))
             if same and chain and (owned or not self.doubt):  # a held-in-part chunk in doubt: keyframe only
@@ -510,7 +517,12 @@ class _Pull:
             full = codec.decode(objects[0], kinds=(codec.FULL,), itemsize=c.itemsize, words=c.words, key=key)
             base = full.values.copy()
             deltas = objects[1:]
-        kinds = (codec.SPARSE_SET,) if route.kind == "set" else (codec.SPARSE_XOR, codec.DENSE_XOR)
+        return (base, *self._compose(i, route.kind, first, deltas))
+
+    def _compose(self, i: int, kind: str, first: int, deltas: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        """The delta objects of versions first, first+1, ... for chunk i as one (positions, values)."""
+        c = self.plans[i].chunk
+        kinds = (codec.SPARSE_SET,) if kind == "set" else (codec.SPARSE_XOR, codec.DENSE_XOR)
         parts = []
         for k, data in enumerate(deltas):
             if not data:
@@ -520,9 +532,28 @@ class _Pull:
             pos = d.positions if d.positions is not None else np.flatnonzero(d.values)
             parts.append((pos, d.values if d.positions is not None else d.values[pos]))
         if not parts:
-            return base, np.zeros(0, np.int64), np.zeros(0, WORD[c.itemsize])
-        pos, val = (codec.compose_set if route.kind == "set" else codec.compose_xor)(parts)
-        return base, pos, val
+            return np.zeros(0, np.int64), np.zeros(0, WORD[c.itemsize])
+        return (codec.compose_set if kind == "set" else codec.compose_xor)(parts)
+
+    def _load_key(self, i: int, objects: list[bytes]) -> None:
+        """Keyframe + later deltas for a chunk that holds no version, in one pass: decompress
+        straight into the weights (or one scratch array off CPU), XOR the deltas in, hash once.
+
+        Only for `fresh` chunks: a mismatch leaves a chunk that held nothing holding nothing
+        valid, and the record (at "applying") makes the next pull load it again."""
+        plan, want = self.plans[i], self.m.chunks[i].plain
+        c = plan.chunk
+        view = plan.view()
+        words = view if view is not None else np.empty(c.words, WORD[c.itemsize])
+        codec.decode_full_into(objects[0], words, key=object_label(self.key or 0, "key", i))
+        pos, val = self._compose(i, "xor", (self.key or 0) + 1, objects[1:])
+        words[pos] ^= val
+        got = plan.digest(words)
+        if got != want:
+            raise DigestMismatch(f"chunk {i} loaded from keyframe v{self.key} has digest {got:016x}, version "
+                                 f"{self.target} says {want:016x}: the chunk holds no version; pull again")
+        if view is None:
+            plan.write(np.arange(c.words), words, xor=False)
 
     def ahead(self, i: int, version: int, base: int, data: bytes) -> _Ahead | None:
         """Phase 1 of an owned chunk's single delta, before its MANIFEST (None: undecodable)."""
@@ -602,6 +633,8 @@ class _Pull:
         cpu = self.sub._cpu
 
         async def stage(i: int) -> _Staged:
+            if i in self.fresh and self.routes[i][0].kind == "key":
+                return _Staged(Route("key", await self._keyframe(), None), None)  # one pass, in apply
             errors: list[Exception] = []
             for route in self.routes[i]:
                 ready = self._ready(i, route)
@@ -643,6 +676,9 @@ class _Pull:
             decoded = st.decoded
             if decoded is None:
                 objects = await self._fetch(i, st.route)
+                if st.route.kind == "key" and i in self.fresh:
+                    await cpu(self._load_key, i, objects)
+                    return
                 decoded = await cpu(self._check, i, st.route, objects)
             await cpu(self._write, i, st.route, decoded)
 
