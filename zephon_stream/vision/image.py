@@ -1,0 +1,362 @@
+"""One image from bytes to patch rows, exactly as Qwen2-VL's Hugging Face processor makes them.
+
+```
+bytes ──image_size──▶ (H, W) from the header; refused above max_decoded_pixels (a bomb), before decoding
+      ──load_image──▶ uint8 [H', W', 3] RGB, H' and W' multiples of factor = patch_size * merge_size
+      ──patchify────▶ uint8 [grid_h * grid_w, 3 * temporal_patch_size * patch_size²]
+      (on the device) ──normalize──▶ float32, (x / 255 - mean) / std, the CLIP constants
+```
+
+Worked example with the defaults (patch 14, merge 2, temporal 2, so factor 28): a 500 x 375
+(W x H) photo rounds to 504 x 364, inside [min_pixels, max_pixels] = [3136, 200704], so
+`grid(375, 500) == (26, 36)`: 936 patch rows of 3 * 2 * 14 * 14 = 1176 values, and
+`image_tokens == 936 // 2**2 == 234` placeholders in the text. The rows come in merge order,
+each 2 x 2 block of neighbouring patches consecutive, which is what Qwen2-VL's merger expects.
+
+What is matched, and how (`transformers` 5.x, `Qwen2VLImageProcessorPil`, checked by
+tests/vision/test_image.py for equality):
+
+- RGB conversion as `transformers.image_transforms.convert_to_rgb`: an image with an alpha band
+  or a `transparency` entry (RGBA, LA, PA, P with a transparent index) is composited onto white;
+  every other mode (L, P, CMYK, I;16, I, F, YCbCr) goes through Pillow's `convert("RGB")`. So
+  16-bit and float images are clipped to [0, 255] as the reference clips them, and CMYK uses
+  Pillow's colour-profile-free conversion. The EXIF orientation is not applied (the reference
+  does not apply it to an image it is handed). Of a multi-frame file (GIF, APNG, WebP) the first
+  frame is used.
+- The size is `smart_resize` to the letter (Python's round-half-even included), and the resize
+  is Pillow's BICUBIC with no `reducing_gap`, from the uint8 RGB image.
+- The patch order is the reference's transpose `(gh, gw, mh, mw, C, T, ph, pw)`.
+
+Two refusals the reference does not make, both so that the loader's bounds hold: a source
+image above `max_decoded_pixels` (the reference would decode it), and a size that
+`smart_resize` pushes above `max_pixels` (it can, when the short side floors to zero for an
+extreme aspect ratio under a small `max_pixels`). With the second, `max_pixels // factor**2`
+is a true upper bound on one image's placeholders, which the config checks against `seq_len`.
+
+Design choice: pixels stay uint8 through the loader and are normalised on the device. A
+uint8 row is a quarter of the float32 row, so the bounded buffers hold four times the images
+for the same memory, the lanes' inter-process hand-off and the host-to-device copy move a
+quarter of the bytes, and the batch's `pixels_sha256` digests are over the decoded bytes, not
+over floats. Normalising on the device is one table look-up per value (`normalize`), which
+costs nothing next to the vision encoder; the table is computed in the reference's own float
+arithmetic, so the result is bit-identical to the processor's float32 output, not just close.
+
+Bad input raises `BadImage` (a `ValueError`) with the reason and no location: the caller knows
+the shard, member and offset and wraps it into a `DataError`. Only the formats in `FORMATS`
+are opened, so Pillow's rarer parsers (EPS runs Ghostscript, ICO can hide a larger PNG than
+its directory says) never see the loader's data.
+
+Pillow's own decompression-bomb check (`PIL.Image.MAX_IMAGE_PIXELS`, a warning above it, an
+error above twice it) is process-wide. Here the header is parsed by the format's plugin
+directly, and `max_decoded_pixels` decides; Pillow's limit is raised to at least the largest
+`max_decoded_pixels` in use (never lowered, never disabled), so its checks inside decoders stay
+as a second line that cannot fire on an image this module accepted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import math
+import struct
+import threading
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+
+from zephon_stream.errors import ConfigError
+
+if TYPE_CHECKING:
+    from PIL import Image as PILImage
+
+__all__ = [
+    "FORMATS",
+    "IMAGE_MEAN",
+    "IMAGE_STD",
+    "MAX_ASPECT_RATIO",
+    "BadImage",
+    "ImageSpec",
+    "grid",
+    "image_size",
+    "image_tokens",
+    "load_image",
+    "normalize",
+    "patchify",
+]
+
+#: OpenAI CLIP's per-channel mean and std (transformers' OPENAI_CLIP_MEAN / OPENAI_CLIP_STD), as Qwen2-VL uses.
+IMAGE_MEAN: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)
+IMAGE_STD: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
+
+#: The image formats that are opened (Pillow's format names), tried in this order.
+FORMATS: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
+
+#: Qwen2-VL's smart_resize refuses images whose long side exceeds this multiple of the short side.
+MAX_ASPECT_RATIO = 200
+
+# Errors Pillow raises for data it cannot parse or decode (an unrecognised header is SyntaxError).
+_PILLOW_DATA_ERRORS: tuple[type[BaseException], ...] = (
+    SyntaxError, OSError, ValueError, EOFError, IndexError, TypeError, struct.error,
+)
+
+
+class BadImage(ValueError):
+    """The bytes are not an image this loader can take. The message says why, without location:
+    the caller names the shard, member and offset."""
+
+
+class ImageSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How images are sized and cut (Qwen2-VL conventions); the `[vision]` settings that shape pixels."""
+
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    min_pixels: int = 3136
+    max_pixels: int = 200704
+    max_decoded_pixels: int = 1 << 26  # source width x height, checked from the header before decoding
+
+    def __post_init__(self) -> None:
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                _refuse(name, value, "must be a whole number >= 1")
+        if self.min_pixels > self.max_pixels:
+            _refuse("min_pixels", self.min_pixels, f"must be <= vision.max_pixels = {self.max_pixels}: "
+                    "lower min_pixels or raise max_pixels")
+        if self.max_pixels < self.factor ** 2:
+            _refuse("max_pixels", self.max_pixels, "must hold one merged patch, (patch_size * merge_size)^2 = "
+                    f"{self.factor ** 2}: raise max_pixels or lower patch_size or merge_size")
+
+    @property
+    def factor(self) -> int:
+        """Resized sides are multiples of this: the side of one merged patch."""
+        return self.patch_size * self.merge_size
+
+    @property
+    def row_size(self) -> int:
+        """Values in one patch row of `patchify`: 3 * temporal_patch_size * patch_size^2."""
+        return 3 * self.temporal_patch_size * self.patch_size ** 2
+
+
+def _refuse(name: str, value: object, why: str) -> None:
+    raise ConfigError(f"config vision.{name} = {value!r}: {why}")
+
+
+# ------------------------------------------------------------------------------------ header
+
+
+def image_size(data: bytes, spec: ImageSpec) -> tuple[int, int]:
+    """(height, width) of the image in `data`, read from its header only; refuses a bomb.
+
+    Raises `BadImage` for bytes that no format in `FORMATS` recognises, a header Pillow cannot
+    parse, or a source larger than `spec.max_decoded_pixels` pixels.
+    """
+    with contextlib.closing(_open(data, spec)) as im:
+        return im.size[1], im.size[0]
+
+
+def _open(data: bytes, spec: ImageSpec) -> PILImage.Image:
+    """Parse the header with the plugin of the first format in `FORMATS` that accepts the bytes.
+
+    This is `PIL.Image.open` without its process-wide bomb check: `_check_size` decides instead.
+    """
+    image = _pil()
+    _raise_pillow_limit(spec.max_decoded_pixels)
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"image data must be bytes, got {type(data).__name__}")
+    prefix = bytes(data[:16])
+    if not prefix:
+        raise BadImage("the image is empty (0 bytes)")
+    for fmt in FORMATS:
+        factory, accept = image.OPEN[fmt]
+        if accept is not None and accept(prefix) is not True:  # a str result is Pillow's "not quite"
+            continue
+        try:
+            im = factory(io.BytesIO(data), "")
+        except image.DecompressionBombError as exc:  # raised inside a plugin (GIF frame extents)
+            raise BadImage(f"{fmt} image refused as a decompression bomb: {exc}") from exc
+        except _PILLOW_DATA_ERRORS as exc:
+            raise BadImage(f"unreadable {fmt} header: {_reason(exc)}") from exc
+        _check_size(im, fmt, spec)
+        return im
+    raise BadImage(f"not an image of a known format ({', '.join(FORMATS)}): it starts with {prefix[:8]!r}")
+
+
+def _check_size(im: PILImage.Image, fmt: str, spec: ImageSpec) -> None:
+    width, height = im.size
+    if width < 1 or height < 1:
+        im.close()
+        raise BadImage(f"{fmt} image of size {width}x{height} has no pixels")
+    if width * height > spec.max_decoded_pixels:
+        im.close()
+        raise BadImage(
+            f"{fmt} image is {width}x{height} = {width * height} pixels, more than vision.max_decoded_pixels "
+            f"= {spec.max_decoded_pixels}; refused before decoding as a possible decompression bomb (raise "
+            "vision.max_decoded_pixels if images this large are meant)"
+        )
+
+
+_pillow_limit_lock = threading.Lock()
+
+
+def _raise_pillow_limit(limit: int) -> None:
+    """Keep Pillow's process-wide bomb limit at or above ours, so that only ours refuses."""
+    image = _pil()
+    current = image.MAX_IMAGE_PIXELS
+    if current is None or current >= limit:
+        return
+    with _pillow_limit_lock:  # two specs raising at once must not lower it
+        if image.MAX_IMAGE_PIXELS is not None and image.MAX_IMAGE_PIXELS < limit:
+            image.MAX_IMAGE_PIXELS = limit
+
+
+def _pil() -> Any:
+    """The `PIL.Image` module with every plugin registered (imported on first use, not with this module)."""
+    from PIL import Image
+
+    if not all(fmt in Image.OPEN for fmt in FORMATS):
+        Image.init()
+    return Image
+
+
+def _reason(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+# -------------------------------------------------------------------------------------- size
+
+
+def grid(height: int, width: int, spec: ImageSpec) -> tuple[int, int]:
+    """(grid_h, grid_w): the patches down and across of an image of this source size, resized.
+
+    The resized size is Qwen2-VL's `smart_resize` (same rounding as `transformers`): sides are
+    multiples of `spec.factor`, the pixel count in [min_pixels, max_pixels], the aspect ratio
+    kept as closely as that allows. Raises `BadImage` for an aspect ratio above 200 (as Qwen2-VL)
+    and for one that the rounding would push above `max_pixels` (see the module docstring).
+    """
+    if height < 1 or width < 1:
+        raise BadImage(f"image of size {width}x{height} has no pixels")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise BadImage(f"image of {width}x{height} has an aspect ratio of {max(height, width) / min(height, width):.1f}"
+                       f", above the {MAX_ASPECT_RATIO} that Qwen2-VL accepts")
+    h_bar, w_bar = _smart_resize(height, width, spec)
+    if h_bar * w_bar > spec.max_pixels:
+        raise BadImage(f"image of {width}x{height} would be resized to {w_bar}x{h_bar} = {h_bar * w_bar} pixels, above "
+                       f"vision.max_pixels = {spec.max_pixels} (its short side is under one merged patch of "
+                       f"{spec.factor}): raise vision.max_pixels to take such extreme aspect ratios")
+    return h_bar // spec.patch_size, w_bar // spec.patch_size
+
+
+def _smart_resize(height: int, width: int, spec: ImageSpec) -> tuple[int, int]:
+    """`transformers.models.qwen2_vl.image_processing_qwen2_vl.smart_resize`, line for line."""
+    factor = spec.factor
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > spec.max_pixels:
+        beta = math.sqrt((height * width) / spec.max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < spec.min_pixels:
+        beta = math.sqrt(spec.min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def image_tokens(height: int, width: int, spec: ImageSpec) -> int:
+    """The placeholder tokens an image of this source size takes in the text: one per merged patch."""
+    grid_h, grid_w = grid(height, width, spec)
+    return grid_h * grid_w // spec.merge_size ** 2
+
+
+# ------------------------------------------------------------------------------------ pixels
+
+
+def load_image(data: bytes, spec: ImageSpec) -> np.ndarray:
+    """The image in `data` as uint8 RGB [H', W', 3], resized to `grid(...) * patch_size`.
+
+    The header is checked (`image_size`) before anything is decoded. Raises `BadImage` for a
+    truncated or corrupt image, with Pillow's reason.
+    """
+    image = _pil()
+    with contextlib.closing(_open(data, spec)) as im:
+        fmt = im.format or "image"
+        try:
+            im.load()
+            rgb = _to_rgb(im)
+        except image.DecompressionBombError as exc:
+            raise BadImage(f"{fmt} image refused as a decompression bomb while decoding: {exc}") from exc
+        except _PILLOW_DATA_ERRORS as exc:
+            raise BadImage(f"cannot decode the {fmt} image ({im.mode} {im.size[0]}x{im.size[1]}): "
+                           f"{_reason(exc)}") from exc
+    grid_h, grid_w = grid(rgb.height, rgb.width, spec)
+    size = (grid_w * spec.patch_size, grid_h * spec.patch_size)  # Pillow sizes are (width, height)
+    return np.asarray(rgb.resize(size, image.Resampling.BICUBIC, reducing_gap=None))
+
+
+def _to_rgb(im: PILImage.Image) -> PILImage.Image:
+    """`transformers.image_transforms.convert_to_rgb` for a PIL image: transparency onto white."""
+    image = _pil()
+    if "A" in im.getbands() or im.info.get("transparency") is not None:
+        rgba = im.convert("RGBA")
+        white = image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return image.alpha_composite(white, rgba).convert("RGB")
+    return im.convert("RGB")
+
+
+def patchify(image: np.ndarray, spec: ImageSpec) -> np.ndarray:
+    """uint8 [H', W', 3] (from `load_image`) to patch rows uint8 [grid_h * grid_w, spec.row_size].
+
+    Row order: merge blocks left to right, top to bottom; inside a block its merge_size^2 patches
+    row-major. A row is channel-major, then the frame repeated temporal_patch_size times, then
+    the patch's pixels row-major: the layout of Qwen2-VL's processor for a still image.
+    """
+    p, m, t = spec.patch_size, spec.merge_size, spec.temporal_patch_size
+    if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+        raise ValueError(f"patchify takes uint8 [H, W, 3], got {image.dtype} {list(image.shape)}")
+    height, width = image.shape[:2]
+    if height % spec.factor or width % spec.factor or not height or not width:
+        raise ValueError(f"patchify takes sides that are multiples of {spec.factor}, got {width}x{height}: "
+                         "pass the output of load_image")
+    gh, gw = height // p, width // p
+    blocks = image.reshape(gh // m, m, p, gw // m, m, p, 3)
+    blocks = blocks.transpose(0, 3, 1, 4, 6, 2, 5)  # (gh/m, gw/m, mh, mw, C, ph, pw)
+    frames = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], t, p, p))
+    return frames.reshape(gh * gw, 3 * t * p * p)
+
+
+# ------------------------------------------------------------------------------- normalising
+
+
+def normalize(pixel_values: Any, mean: tuple[float, ...] = IMAGE_MEAN, std: tuple[float, ...] = IMAGE_STD) -> Any:
+    """uint8 patch rows (a torch tensor, on any device) to float32 `(x / 255 - mean) / std`.
+
+    The result equals Hugging Face's processor output (rescale by 1/255 in float64, then
+    normalise in float32) bit for bit: each of the 3 x 256 possible values is computed once
+    in that arithmetic and looked up. The channel of a column is `column // (row_size / 3)`.
+    """
+    import torch
+
+    if pixel_values.dtype != torch.uint8 or pixel_values.ndim != 2 or pixel_values.shape[1] % 3:
+        raise ValueError("normalize takes uint8 patch rows [N, 3 * T * P * P], got "
+                         f"{pixel_values.dtype} {list(pixel_values.shape)}")
+    table = _table(tuple(mean), tuple(std), str(pixel_values.device))
+    rows, width = pixel_values.shape
+    channels = pixel_values.view(rows, 3, width // 3).to(torch.int32)
+    channels += torch.arange(0, 3 * 256, 256, dtype=torch.int32, device=pixel_values.device).view(1, 3, 1)
+    return table[channels].view(rows, width)
+
+
+@functools.lru_cache(maxsize=16)
+def _table(mean: tuple[float, ...], std: tuple[float, ...], device: str) -> Any:
+    """float32 [3 * 256]: the normalised value of byte v in channel c at c * 256 + v."""
+    import torch
+
+    if len(mean) != 3 or len(std) != 3:
+        raise ValueError(f"normalize takes 3 means and 3 stds (RGB), got {mean} and {std}")
+    scaled = (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32)  # transformers' rescale
+    mean32, std32 = np.array(mean, dtype=np.float32), np.array(std, dtype=np.float32)
+    table = (scaled[None, :] - mean32[:, None]) / std32[:, None]  # transformers' normalize, in float32
+    return torch.from_numpy(table.reshape(-1)).to(device)
