@@ -19,7 +19,7 @@ import msgspec
 
 from zephon_stream.errors import ConfigError
 
-__all__ = ["Backend", "Config", "SourceConfig"]
+__all__ = ["Backend", "Config", "SourceConfig", "VisionConfig"]
 
 Backend = Literal["inline", "threads", "processes"]
 
@@ -31,8 +31,75 @@ MAX_BATCH_TOKENS = 1 << 32  # global_batch_size x seq_len: 32 GiB per int64 tens
 MAX_TIMEOUT_S = 3600.0
 
 
+class VisionConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """The `[vision]` table: how images become tokens and pixels (Qwen2-VL conventions).
+
+    An image is resized so that its sides are multiples of `patch_size * merge_size` and its
+    pixel count lies in `[min_pixels, max_pixels]`, cut into `patch_size` patches (repeated
+    `temporal_patch_size` times, as Qwen2-VL does for stills), and stands in the text as
+    `vision_start_token`, one `image_token` per `merge_size x merge_size` patches, then
+    `vision_end_token`. A source image larger than `max_decoded_pixels` (width x height, read
+    from its header) is refused before it is decoded: a decompression bomb.
+
+    `pixel_dtype = "uint8"` (default) hands the batch raw pixels, a quarter of the bytes of
+    float32; normalise them on the device with `zephon_stream.vision.normalize`. `"float32"`
+    normalises on the host (CLIP mean and std), equal to Hugging Face's processor output.
+    `decode_batch` (images per decode call) is an execution setting.
+    """
+
+    image_token: str = "<|image_pad|>"
+    vision_start_token: str | None = None
+    vision_end_token: str | None = None
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    min_pixels: int = 3136
+    max_pixels: int = 200704
+    max_decoded_pixels: int = 1 << 26
+    pixel_dtype: Literal["uint8", "float32"] = "uint8"
+    decode_batch: int = 8
+
+    def __post_init__(self) -> None:
+        for field in ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels",
+                      "max_decoded_pixels", "decode_batch"):
+            _check(getattr(self, field) >= 1, f"vision.{field}", getattr(self, field), "must be >= 1")
+        _check(self.min_pixels <= self.max_pixels, "vision.min_pixels", self.min_pixels,
+               f"must be <= vision.max_pixels = {self.max_pixels}")
+        _check(self.max_pixels >= self.factor ** 2, "vision.max_pixels", self.max_pixels,
+               f"must hold at least one merged patch: >= (patch_size * merge_size)^2 = {self.factor ** 2}")
+        _check(bool(self.image_token), "vision.image_token", self.image_token, "must name a token")
+
+    @property
+    def factor(self) -> int:
+        """Resized sides are multiples of this: one merged patch."""
+        return self.patch_size * self.merge_size
+
+    def max_image_tokens(self) -> int:
+        """The most tokens one image takes in a sample: placeholders plus start and end."""
+        placeholders = self.max_pixels // self.factor ** 2
+        return placeholders + (self.vision_start_token is not None) + (self.vision_end_token is not None)
+
+    def image_spec(self) -> Any:
+        """The `zephon_stream.vision.ImageSpec` of these settings (imports Pillow's side only when called)."""
+        from zephon_stream.vision.image import ImageSpec
+
+        return ImageSpec(patch_size=self.patch_size, merge_size=self.merge_size,
+                         temporal_patch_size=self.temporal_patch_size, min_pixels=self.min_pixels,
+                         max_pixels=self.max_pixels, max_decoded_pixels=self.max_decoded_pixels)
+
+    def order_settings(self) -> list[Any]:
+        """Every vision setting that shapes the samples (all but `decode_batch`)."""
+        return [getattr(self, f) for f in self.__struct_fields__ if f != "decode_batch"]
+
+
 class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
     """A named dataset: every `*.jsonl` and `*.jsonl.zst` object under `uri`, sorted by key.
+
+    With `image_field` it is an image+text source instead: every `*.tar` object under `uri`,
+    WebDataset style (the members of one sample share a key, `000123.png` + `000123.txt`).
+    `image_field` lists the member extensions that hold the image (`"png"`, `"jpg;jpeg;png"`);
+    `text_field` names the text member (`"txt"`) or a JSON member's field (`"json:caption"`).
+    Image sources need a `[vision]` table.
 
     `weight` is relative: only the ratios between the sources' weights matter (0.7 and 0.3 mix
     as 7 and 3 do, and they need not sum to 1). With `mix = "tokens"` a source's share of the
@@ -47,6 +114,7 @@ class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
     uri: str
     weight: float = 1.0
     text_field: str = "text"
+    image_field: str | None = None
     endpoint_url: str | None = None
     region: str | None = None
     addressing_style: Literal["auto", "path", "virtual"] | None = None
@@ -55,12 +123,20 @@ class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         where = f"sources[{self.name}]"
+        if self.image_field is not None:
+            _check(bool(self.image_extensions), f"{where}.image_field", self.image_field,
+                   'must list member extensions, e.g. "png" or "jpg;jpeg;png;webp"')
         if self.endpoint_url is not None:
             _check(_is_http_url(self.endpoint_url), f"{where}.endpoint_url", self.endpoint_url,
                    "is not a URL: use http://host:port or https://host")
         for field in ("connect_timeout", "read_timeout"):
             value = getattr(self, field)
             _check(0 < value <= MAX_TIMEOUT_S, f"{where}.{field}", value, f"must be in (0, {MAX_TIMEOUT_S:g}] seconds")
+
+    @property
+    def image_extensions(self) -> tuple[str, ...]:
+        """The image member extensions, lowercased, in the order given (the first present wins)."""
+        return tuple(e.strip().lower().lstrip(".") for e in (self.image_field or "").split(";") if e.strip())
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True):
@@ -88,6 +164,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     sample_buffer: int = 4  # sample batches buffered per lane
     sample_batch: int = 4  # samples per lane-to-sequencer hand-off
     read_ahead: int = 4  # ranged reads (1 MiB) of a split in flight per lane; 1 = one at a time
+    vision: VisionConfig | None = None  # the [vision] table; needed by sources with image_field
 
     def __post_init__(self) -> None:
         _check(0 <= self.seed < 1 << 64, "seed", self.seed, "must be in [0, 2**64): seeds are 64-bit")
@@ -112,6 +189,20 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         for field in ("workers", "cpu_threads", "tokenize_batch", "doc_buffer", "sample_buffer", "sample_batch",
                       "read_ahead"):
             _check(getattr(self, field) >= 1, field, getattr(self, field), "must be >= 1")
+        self._check_vision()
+
+    def _check_vision(self) -> None:
+        images = [s.name for s in self.sources if s.image_field is not None]
+        if images and self.vision is None:
+            raise ConfigError(f"config sources {images} have image_field but there is no [vision] table: add one "
+                              "(its defaults follow Qwen2-VL)")
+        if self.vision is None:
+            return
+        need = self.vision.max_image_tokens() + 1  # and the EOS after the caption
+        _check(need <= self.seq_len, "seq_len", self.seq_len,
+               f"cannot hold one image: at vision.max_pixels = {self.vision.max_pixels} an image takes up to "
+               f"{need - 1} tokens plus EOS; raise seq_len to >= {need} or lower vision.max_pixels to <= "
+               f"{(self.seq_len - need + self.vision.max_pixels // self.vision.factor ** 2) * self.vision.factor ** 2}")
 
     @classmethod
     def from_toml(cls, path: str | Path) -> Config:
@@ -148,7 +239,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         """The full configuration, defaults included, as TOML that `from_toml` reads back."""
         plain = msgspec.to_builtins(self)
         sources = plain.pop("sources")
+        vision = plain.pop("vision")
         lines = [f"{k} = {_toml_value(v)}" for k, v in plain.items() if v is not None]
+        if vision is not None:
+            lines += ["", "[vision]"] + [f"{k} = {_toml_value(v)}" for k, v in vision.items() if v is not None]
         for src in sources:
             lines += ["", "[[sources]]"] + [f"{k} = {_toml_value(v)}" for k, v in src.items() if v is not None]
         return "\n".join(lines) + "\n"
@@ -164,7 +258,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
                       "shuffle_window", "max_epochs", "mix", "mask_cross_document_labels",
                       "split_bytes", "on_bad_record", "max_record_bytes")
         }
-        order["sources"] = [[s.name, s.weight, s.text_field] for s in self.sources]
+        order["sources"] = [[s.name, s.weight, s.text_field] + ([s.image_field] if s.image_field else [])
+                            for s in self.sources]
+        if self.vision is not None:
+            order["vision"] = self.vision.order_settings()
         order["tokenizer_sha256"] = tokenizer_sha
         return order
 

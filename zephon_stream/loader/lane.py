@@ -37,6 +37,7 @@ from zephon_stream.loader.config import Config
 from zephon_stream.loader.plan import DataPlan
 from zephon_stream.loader.state import LaneState, split_at
 from zephon_stream.operators.feed import Feed
+from zephon_stream.operators.images import ImageParser, TarSplitReader, VisionTokens
 from zephon_stream.operators.mix import Mix
 from zephon_stream.operators.pack import Pack
 from zephon_stream.operators.read import Parser, SplitReader
@@ -56,11 +57,30 @@ class Lanes:
     def __init__(self, config: Config, plan: DataPlan, stores: list[Store], tokenizer: Tokenize,
                  run_cpu: RunCpu) -> None:
         self.config, self.plan, self.stores, self.tokenizer, self.run_cpu = config, plan, stores, tokenizer, run_cpu
-        self.parsers = [Parser(s.text_field, config.on_bad_record) for s in plan.sources]
+        self.images = [s.image_field is not None for s in config.sources]
+        self.parsers = [self._parser(s) for s in range(len(plan.sources))]
+        self.vision = VisionTokens(config.vision, tokenizer, config.seq_len) if any(self.images) else None
         self._perm = lru_cache(maxsize=8)(self._permutation)
         self.spawn: Callable[..., Any] | None = None  # the lanes' task group, for read-ahead requests
         self._has_documents = [False] * len(plan.sources)  # checked once per process, see `check_source`
         self._checking = [anyio.Lock() for _ in plan.sources]  # one check at a time; the others wait for it
+
+    def _parser(self, source: int) -> Parser | ImageParser:
+        cfg, text_field = self.config, self.plan.sources[source].text_field
+        if self.images[source]:
+            return ImageParser(text_field, cfg.sources[source].image_extensions, cfg.on_bad_record,
+                               cfg.max_record_bytes)
+        return Parser(text_field, cfg.on_bad_record)
+
+    def _reader(self, source: int, split: Any, bad: Any, **window: Any) -> SplitReader | TarSplitReader:
+        src = self.plan.sources[source]
+        kind = TarSplitReader if self.images[source] else SplitReader
+        return kind(self.stores[source], src.shards[split.shard], split, self.config.max_record_bytes,
+                    self.run_cpu, bad=bad, **window)
+
+    def batch_size(self, source: int) -> int:
+        """Documents per tokenize (and image decode) call for `source`."""
+        return self.config.vision.decode_batch if self.images[source] else self.config.tokenize_batch
 
     def _permutation(self, source: int, epoch: int) -> list[int]:
         return permutation(len(self.plan.sources[source].splits), self.config.seed, source, epoch)
@@ -72,9 +92,8 @@ class Lanes:
         if at is None:
             return None
         split = src.splits[self._perm(source, at[0])[at[1]]]
-        return SplitReader(self.stores[source], src.shards[split.shard], split, self.config.max_record_bytes,
-                           self.run_cpu, spawn=self.spawn, read_ahead=self.config.read_ahead,
-                           bad=self.parsers[source].bad)
+        return self._reader(source, split, self.parsers[source].bad, spawn=self.spawn,
+                            read_ahead=self.config.read_ahead)
 
     async def check_source(self, source: int) -> None:
         """Raise DataError if no split of `source` yields a document: every epoch would be empty.
@@ -87,11 +106,10 @@ class Lanes:
                 await self._check_source(source)
 
     async def _check_source(self, source: int) -> None:
-        src, cfg = self.plan.sources[source], self.config
-        parser = Parser(src.text_field, cfg.on_bad_record)
+        src = self.plan.sources[source]
+        parser = self._parser(source)
         for split in src.splits:
-            reader = SplitReader(self.stores[source], src.shards[split.shard], split, cfg.max_record_bytes,
-                                 self.run_cpu, bad=parser.bad)
+            reader = self._reader(source, split, parser.bad)
             async for pos, block in reader.blocks():
                 if await self.run_cpu(parser.parse, reader, pos, block):
                     self._has_documents[source] = True
@@ -104,11 +122,16 @@ class Lanes:
     def skipped(self) -> int:
         return sum(p.skipped for p in self.parsers)
 
-    def decode(self, source: int, position: int, reader: SplitReader, pos: int, block: bytes) -> list[Doc]:
+    def decode(self, source: int, position: int, reader: Any, pos: int, block: bytes) -> list[Doc]:
         records = self.parsers[source].parse(reader, pos, block)
         return [((source, position, off, n), text) for off, n, text in records]
 
-    def tokenize(self, docs: list[Doc]) -> list[Doc]:
+    def tokenize(self, source: int, docs: list[Doc], key: str) -> list[Doc]:
+        """Tokenize documents of `source` read from shard `key` (images: decode, resize and tokenize;
+        a bad image is raised or skipped and counted as the source's bad-record policy says)."""
+        if self.images[source]:
+            assert self.vision is not None
+            return self.vision(docs, self.parsers[source].bad, key)
         return [(ref, ids) for (ref, _), ids in zip(docs, self.tokenizer([t for _, t in docs]))]
 
 
@@ -186,7 +209,7 @@ class TextLane:
         by_split: dict[tuple[int, int], set[int]] = {}
         for source, position, offset, _ in refs:
             by_split.setdefault((source, position), set()).add(offset)
-        found: dict[tuple[int, int, int], tuple[int, str]] = {}  # (source, position, offset) -> (length, text)
+        found: dict[tuple[int, int, int], tuple[int, Any]] = {}  # (source, position, offset) -> (length, record)
 
         async def one(source: int, position: int, offsets: set[int]) -> None:
             reader = self.shared.reader(source, self.lane, position)
@@ -211,13 +234,17 @@ class TextLane:
         if missing:
             raise self._refused(f"window or carry = {missing[:3]}: no such documents in the data "
                                 "(a reference's offset or length does not match a record)")
-        tokens = await self.shared.run_cpu(self.shared.tokenizer, [found[r[0], r[1], r[2]][1] for r in refs])
-        return {ref: (ref, ids) for ref, ids in zip(refs, tokens)}
+        docs: dict[DocRef, Doc] = {}
+        for source in sorted({r[0] for r in refs}):
+            mine = [(r, found[r[0], r[1], r[2]][1]) for r in refs if r[0] == source]
+            for ref, payload in await self.shared.run_cpu(self.shared.tokenize, source, mine, "a checkpoint's documents"):
+                docs[ref] = (ref, payload)
+        return docs
 
     async def _read_source(self, source: int, position: int, offset: int, send: anyio.abc.ObjectSendStream) -> None:
         """The producer of `sources[source]`: read, decode and tokenize from the cursor on."""
         shared = self.shared
-        batch = shared.config.tokenize_batch
+        batch = shared.batch_size(source)
         empty = 0  # positions in a row that gave no document
         async with send:
             while (reader := shared.reader(source, self.lane, position)) is not None:
@@ -227,7 +254,8 @@ class TextLane:
                         docs = await shared.run_cpu(shared.decode, source, position, reader, pos, block)
                         found = found or bool(docs)
                         for i in range(0, len(docs), batch):
-                            await send.send(await shared.run_cpu(shared.tokenize, docs[i:i + batch]))
+                            tokens = await shared.run_cpu(shared.tokenize, source, docs[i:i + batch], reader.key)
+                            await send.send(tokens)
                 except IncompatibleState as exc:  # the cursor is not a record start
                     raise self._refused(f"sources[{source}] = {(position, offset)}: {exc}") from None
                 empty = 0 if found else empty + 1

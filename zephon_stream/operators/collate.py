@@ -1,12 +1,25 @@
-"""Collate: a rank's samples of one global batch into a dict of torch tensors."""
+"""Collate: a rank's samples of one global batch into a dict of torch tensors.
+
+With a `[vision]` config the batch also holds the images of its samples, in sample order:
+
+- `pixel_values` `[patches, 3 * temporal_patch_size * patch_size**2]`: every image cut into
+  patches as Qwen2-VL's processor does; uint8 (normalise on the device with
+  `zephon_stream.vision.normalize`) or float32 normalised, as `vision.pixel_dtype` says;
+- `image_grid_thw` `[images, 3]`: each image's grid in patches;
+- `image_sample` `[images]`: the row of the batch that holds each image;
+- `mm_token_type_ids` `[B, seq_len]`: 1 where an image placeholder token stands, else 0.
+"""
 
 from __future__ import annotations
+
+import hashlib
+from typing import Any
 
 import numpy as np
 
 from zephon_stream.operators.types import IGNORE, Sample
 
-__all__ = ["collate", "padding_sample"]
+__all__ = ["collate", "padding_sample", "sample_digests"]
 
 
 def padding_sample(seq_len: int, pad_id: int, lane: int, index: int) -> Sample:
@@ -15,7 +28,7 @@ def padding_sample(seq_len: int, pad_id: int, lane: int, index: int) -> Sample:
                   np.zeros(seq_len, dtype=np.int32), [], 0, lane, index)
 
 
-def collate(samples: list[Sample], step: int, slots: range) -> dict[str, object]:
+def collate(samples: list[Sample], step: int, slots: range, vision: Any = None) -> dict[str, object]:
     """Stack samples into `[B, seq_len]` tensors.
 
     `cu_seqlens` are the document boundaries over the flattened batch (padding is one segment
@@ -32,7 +45,7 @@ def collate(samples: list[Sample], step: int, slots: range) -> dict[str, object]
     import torch  # imported here so lane worker processes never load torch
 
     lengths = np.diff(bounds)
-    return {
+    batch = {
         "input_ids": torch.from_numpy(np.stack([s.input_ids for s in samples]).astype(np.int64)),
         "labels": torch.from_numpy(np.stack([s.labels for s in samples]).astype(np.int64)),
         "position_ids": torch.from_numpy(np.stack([s.position_ids for s in samples]).astype(np.int64)),
@@ -43,3 +56,46 @@ def collate(samples: list[Sample], step: int, slots: range) -> dict[str, object]
         "lanes": torch.tensor([s.lane for s in samples], dtype=torch.int64),
         "step": step,
     }
+    if vision is not None:
+        batch.update(_images(samples, vision))
+    return batch
+
+
+def _images(samples: list[Sample], vision: Any) -> dict[str, object]:
+    import torch
+
+    from zephon_stream.vision.image import normalize, patchify
+
+    spec = vision.image_spec()
+    row = 3 * spec.temporal_patch_size * spec.patch_size ** 2
+    patches = [patchify(image, spec) for s in samples for image in s.images]
+    pixels = torch.from_numpy(np.concatenate(patches) if patches else np.zeros((0, row), np.uint8))
+    seq_len = len(samples[0].input_ids)
+    types = [s.token_types if s.token_types is not None else np.zeros(seq_len, np.uint8) for s in samples]
+    return {
+        "pixel_values": normalize(pixels) if vision.pixel_dtype == "float32" else pixels,
+        "image_grid_thw": torch.tensor([g for s in samples for g in s.grids], dtype=torch.int64).reshape(-1, 3),
+        "image_sample": torch.tensor([b for b, s in enumerate(samples) for _ in s.images], dtype=torch.int64),
+        "mm_token_type_ids": torch.from_numpy(np.stack(types).astype(np.int64)),
+    }
+
+
+def sample_digests(batch: dict[str, Any]) -> list[dict[str, Any]]:
+    """One record per sample of a collated batch: what `zephon stream --digests` prints.
+
+    `sha256` digests the sample's `input_ids` (little-endian uint32); `pixels_sha256` the bytes
+    of its rows of `pixel_values` exactly as in the batch (null without images).
+    """
+    ids = batch["input_ids"].numpy().astype("<u4")
+    per_sample: list[list[bytes]] = [[] for _ in range(len(ids))]
+    if "pixel_values" in batch:
+        pixels = batch["pixel_values"].numpy()
+        counts = batch["image_grid_thw"].prod(dim=1).tolist()
+        starts = np.cumsum([0, *counts])
+        for i, row in enumerate(batch["image_sample"].tolist()):
+            per_sample[row].append(np.ascontiguousarray(pixels[starts[i]:starts[i + 1]]).tobytes())
+    return [{"step": batch["step"], "slot": slot, "lane": lane, "tokens": n,
+             "sha256": hashlib.sha256(row.tobytes()).hexdigest(), "images": len(images),
+             "pixels_sha256": hashlib.sha256(b"".join(images)).hexdigest() if images else None}
+            for row, slot, lane, n, images in zip(ids, batch["slots"].tolist(), batch["lanes"].tolist(),
+                                                  batch["num_tokens"].tolist(), per_sample)]

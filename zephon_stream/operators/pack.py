@@ -11,6 +11,17 @@ Labels are the next token of the stream; with `mask_cross_document` the label of
 last token (its EOS) is -100. `position_ids` restart at every document and at every sample
 start; `segments` are the document pieces inside the sample (for `cu_seqlens`). The only state
 is the document being cut (`carry`) and how many of its tokens were emitted.
+
+An image+text document (`ImageDoc`) starts with its image span, which is never cut: when the
+span does not fit in what is left of a sample, the sample ends there (padded) and the span
+opens the next one. Its caption may run on into the next sample like any text. A label whose
+target lies in an image span is -100, and `token_types` marks the image placeholders.
+
+```
+docs:     [T T E][s i i i e c c E]                 (s, e = vision start/end, i = image, c = caption)
+samples:  [T T E . . .]  [s i i i e c]  [c E ...]  seq_len = 6: the span (5) does not fit after 3
+labels:   [T E - - - -]  [- - - - c c]  [E - ...]
+```
 """
 
 from __future__ import annotations
@@ -19,7 +30,7 @@ import msgspec
 import numpy as np
 
 from zephon_stream.engine.operator import Operator, Resolve, refuse
-from zephon_stream.operators.types import IGNORE, Doc, DocRef, Sample
+from zephon_stream.operators.types import IGNORE, Doc, DocRef, ImageDoc, Sample
 
 __all__ = ["IGNORE", "Pack", "PackState"]
 
@@ -47,6 +58,7 @@ class Pack:
         positions = np.zeros(n, dtype=np.int32)
         segments: list[int] = []
         ends: list[bool] = []
+        spans: list[tuple[int, ImageDoc]] = []  # (where in the sample, document) of each image span
         filled = 0
         while filled < n:
             if self.carry is None:
@@ -54,6 +66,10 @@ class Pack:
                 if self.carry is None:
                     break
             tokens = self.carry[1]
+            if isinstance(tokens, ImageDoc) and self.offset == 0:
+                if tokens.span > n - filled:  # never cut an image span: it opens the next sample
+                    break
+                spans.append((filled, tokens))
             take = min(n - filled, len(tokens) - self.offset)
             ids[filled:filled + take] = tokens[self.offset:self.offset + take]
             positions[filled:filled + take] = self._arange[:take]
@@ -71,11 +87,20 @@ class Pack:
             if self.carry is None:
                 self.carry, self.offset = await self.upstream.next(), 0  # the last label is the next token
             if self.carry is not None:
-                labels[n - 1] = int(self.carry[1][self.offset])
+                nxt = self.carry[1]
+                in_span = isinstance(nxt, ImageDoc) and self.offset < nxt.span
+                labels[n - 1] = IGNORE if in_span else int(nxt[self.offset])
         if self.mask:
             doc_ends = np.cumsum(segments)[np.asarray(ends)] - 1
             labels[doc_ends] = IGNORE
-        return Sample(ids, labels, positions, segments, filled)
+        if not spans:
+            return Sample(ids, labels, positions, segments, filled)
+        types = np.zeros(n, dtype=np.uint8)
+        for at, doc in spans:
+            labels[max(at - 1, 0):at + doc.span - 1] = IGNORE  # targets inside the span
+            types[at + doc.placeholders[0]:at + doc.placeholders[1]] = 1
+        return Sample(ids, labels, positions, segments, filled, images=[d.image for _, d in spans],
+                      grids=[d.grid for _, d in spans], token_types=types)
 
     def state(self) -> PackState:
         return PackState(self.carry[0] if self.carry else None, self.offset if self.carry else 0)
@@ -93,4 +118,7 @@ class Pack:
         if not 0 <= state.offset < len(carry[1]):
             refuse("pack.offset", state.offset, f"the carried document {tuple(state.carry)} has {len(carry[1])} "
                    f"tokens, so it must be in [0, {len(carry[1])})")
+        if isinstance(carry[1], ImageDoc) and 0 < state.offset < carry[1].span:
+            refuse("pack.offset", state.offset, f"it cuts the image span [0, {carry[1].span}) of the carried document "
+                   f"{tuple(state.carry)}, which packing never does")
         self.carry, self.offset = carry, state.offset

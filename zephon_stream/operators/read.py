@@ -52,7 +52,8 @@ class ShardPlan(msgspec.Struct, frozen=True, array_like=True):
     key: str  # the full key in the store
     size: int
     etag: str
-    frames: list[int] = []  # zstd only: compressed offset of every frame, then the end of the frames
+    frames: list[int] = []  # zstd: compressed offset of every frame, then the end of the frames; tar: of every sample
+    bad_tail: str = ""  # tar: why the archive ends before its size (truncated, corrupt), read as one bad record
 
 
 class Split(msgspec.Struct, frozen=True, array_like=True):
@@ -74,17 +75,22 @@ class SourcePlan(msgspec.Struct, frozen=True):
 # ---- planning ------------------------------------------------------------------------------------
 
 async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field: str,
-                      lanes: int, split_bytes: int, on_bad: str) -> SourcePlan:
-    """List a source's shards (sorted by key) and cut them into splits."""
-    objects = [o for o in await store.list(prefix) if o.key.endswith(SUFFIXES)]
+                      lanes: int, split_bytes: int, on_bad: str, *, images: bool = False,
+                      max_record: int = 16 << 20) -> SourcePlan:
+    """List a source's shards (sorted by key) and cut them into splits.
+
+    With `images`, the shards are WebDataset tar files (`*.tar`), indexed by sample.
+    """
+    suffixes, what = ((".tar",), "*.tar") if images else (SUFFIXES, "*.jsonl or *.jsonl.zst")
+    objects = [o for o in await store.list(prefix) if o.key.endswith(suffixes)]
     if not objects:
-        raise ConfigError(f"source {name!r}: no *.jsonl or *.jsonl.zst objects under {uri}")
+        raise ConfigError(f"source {name!r}: no {what} objects under {uri}")
     for obj in objects:
         _check_key(name, obj.key)
     shards, skipped = [], []
     for obj in objects:
         try:
-            shards.append(await _plan_shard(store, obj))
+            shards.append(await (_plan_tar(store, obj, max_record, on_bad) if images else _plan_shard(store, obj)))
         except DataError:
             if on_bad != "skip":
                 raise
@@ -94,6 +100,8 @@ async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field
     total = sum(s.size for s in shards)
     target = max(1024, min(split_bytes, math.ceil(total / lanes)))
     splits = [sp for i, s in enumerate(shards) for sp in _cut(i, s, target)]
+    if not splits:
+        raise DataError(f"source {name!r}: the tar shards under {uri} hold no sample")
     return SourcePlan(name=name, uri=uri, prefix=prefix, text_field=text_field,
                       shards=shards, splits=splits, skipped_shards=skipped)
 
@@ -119,6 +127,17 @@ async def _plan_shard(store: Store, obj: ObjectInfo) -> ShardPlan:
     if frames is None:  # no seek table: walk the frame headers once (reads the whole shard, in parts)
         frames = await walk_frames(store, key, obj.size)
     return ShardPlan(obj.key, obj.size, obj.etag, frames)
+
+
+async def _plan_tar(store: Store, obj: ObjectInfo, max_record: int, on_bad: str) -> ShardPlan:
+    from zephon_stream.formats.tar import tar_index
+
+    index = await tar_index(store, obj.key, obj.size, max_record)
+    if index.bad_tail and (on_bad != "skip" or len(index.starts) < 2):
+        raise DataError(f"tar shard {obj.key!r}: {index.bad_tail}" + (
+            "" if on_bad == "skip" else ' (set on_bad_record = "skip" to keep the samples before it)'),
+            key=obj.key, offset=index.bad_offset)
+    return ShardPlan(obj.key, obj.size, obj.etag, list(index.starts), index.bad_tail or "")
 
 
 def _cut(index: int, shard: ShardPlan, target: int) -> list[Split]:

@@ -31,15 +31,20 @@ class Tokenize:
             raise ConfigError(f"tokenizer {path!r} is not a tokenizer.json file ({exc}): give the path of a "
                               "Hugging Face `tokenizers` JSON file") from exc
         self.path, self.sha256 = path, hashlib.sha256(raw).hexdigest()
-        eos = self._tok.token_to_id(eos_token)
-        if eos is None:
-            raise ConfigError(f"eos_token {eos_token!r} is not in the vocabulary of {path}: "
-                              "set eos_token to one of its special tokens")
-        self.eos_id = eos
+        self.eos_id = self.token_id(eos_token, "eos_token")
         self.vocab_size = self._tok.get_vocab_size()
 
     def __repr__(self) -> str:
         return f"Tokenize({self.path!r}, eos_id={self.eos_id})"
+
+    def token_id(self, token: str, setting: str) -> int:
+        """The id of `token`, named by config `setting`; a ConfigError listing the special tokens if absent."""
+        tid = self._tok.token_to_id(token)
+        if tid is None:
+            special = sorted(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special)
+            raise ConfigError(f"{setting} {token!r} is not in the vocabulary of {self.path}: set {setting} to one of "
+                              f"its special tokens: {', '.join(special) or '(it has none)'}")
+        return tid
 
     def __call__(self, texts: list[str]) -> list[np.ndarray]:
         encodings = self._tok.encode_batch_fast(texts, add_special_tokens=False)

@@ -6,21 +6,54 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["IGNORE", "Doc", "DocRef", "Sample"]
+__all__ = ["IGNORE", "Doc", "DocRef", "ImageDoc", "Sample"]
 
 DocRef = tuple[int, int, int, int]  # (source, split position in the lane, decoded offset, length in bytes)
 Doc = tuple[DocRef, Any]  # (reference, token ids: a uint32 array, or text before tokenizing)
 IGNORE = -100  # the label of a position that is not trained on
 
 
+class ImageDoc:
+    """The tokens of an image+text document, and its image: resized, uint8, height x width x 3.
+
+    Its first `span` ids are the image span (vision start, placeholders, vision end), which
+    packing never cuts and labels never train on; `placeholders` is the `[begin, end)` of the
+    image tokens inside it. `len()` and indexing act on the ids, so the operators that count
+    or cut tokens treat it as they treat a text document's array.
+    """
+
+    __slots__ = ("ids", "image", "grid", "span", "placeholders")
+
+    def __init__(self, ids: np.ndarray, image: np.ndarray, grid: tuple[int, int, int], span: int,
+                 placeholders: tuple[int, int]) -> None:
+        self.ids, self.image, self.grid, self.span, self.placeholders = ids, image, grid, span, placeholders
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.ids[index]
+
+    def __repr__(self) -> str:
+        return f"ImageDoc({len(self.ids)} ids, image {self.image.shape[1]}x{self.image.shape[0]}, grid {self.grid})"
+
+
 class Sample:
     """One packed sample, plus the lane and lane-local index that produced it and the lane state
-    right after it (which becomes the checkpoint once the trainer consumes the sample)."""
+    right after it (which becomes the checkpoint once the trainer consumes the sample).
 
-    __slots__ = ("input_ids", "labels", "position_ids", "segments", "num_tokens", "lane", "index", "state")
+    An image+text sample also has its images (resized uint8 arrays, in token order), their
+    grids `(t, h, w)` in patches, and `token_types` (1 where an image placeholder stands).
+    """
+
+    __slots__ = ("input_ids", "labels", "position_ids", "segments", "num_tokens", "lane", "index", "state",
+                 "images", "grids", "token_types")
 
     def __init__(self, input_ids: np.ndarray, labels: np.ndarray, position_ids: np.ndarray,
-                 segments: list[int], num_tokens: int, lane: int = -1, index: int = -1, state: object = None) -> None:
+                 segments: list[int], num_tokens: int, lane: int = -1, index: int = -1, state: object = None,
+                 images: list[np.ndarray] | None = None, grids: list[tuple[int, int, int]] | None = None,
+                 token_types: np.ndarray | None = None) -> None:
         self.input_ids, self.labels, self.position_ids = input_ids, labels, position_ids
         self.segments, self.num_tokens, self.lane, self.index, self.state = (
             segments, num_tokens, lane, index, state)
+        self.images, self.grids, self.token_types = images or [], grids or [], token_types

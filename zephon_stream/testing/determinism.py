@@ -1,12 +1,12 @@
 """Harnesses that prove determinism: per-sample digests of a whole world of ranks, with resume.
 
 A *record* is `(step, slot, lane, tokens, sha256)` for one sample, where `sha256` is the
-digest of its `input_ids` as little-endian uint32 (what `zephon stream --digests` prints).
+digest of its `input_ids` as little-endian uint32 (what `zephon stream --digests` prints),
+followed by `:<pixels_sha256>` when the sample holds images, so pixels are compared too.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -14,6 +14,7 @@ import numpy as np
 
 from zephon_stream.loader.config import Config
 from zephon_stream.loader.loader import Loader
+from zephon_stream.operators.collate import sample_digests
 
 __all__ = ["Record", "batch_records", "lane_token_streams", "rank_records", "real", "run_world"]
 
@@ -21,9 +22,9 @@ Record = tuple[int, int, int, int, str]
 
 
 def batch_records(batch: dict[str, Any]) -> list[Record]:
-    ids = batch["input_ids"].numpy().astype("<u4")
-    return [(batch["step"], int(slot), int(lane), int(n), hashlib.sha256(row.tobytes()).hexdigest())
-            for row, slot, lane, n in zip(ids, batch["slots"], batch["lanes"], batch["num_tokens"])]
+    return [(d["step"], d["slot"], d["lane"], d["tokens"],
+             d["sha256"] + (f":{d['pixels_sha256']}" if d["pixels_sha256"] else ""))
+            for d in sample_digests(batch)]
 
 
 def rank_records(loader: Loader, steps: int | None) -> list[Record]:

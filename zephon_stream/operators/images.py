@@ -1,0 +1,208 @@
+"""Image+text sources: read WebDataset tar shards, and turn a sample into tokens and pixels.
+
+A tar shard's index (`formats.tar.tar_index`) lists the byte offset of every sample's first
+header, so splits are groups of whole samples, like zstd frames: a split owns the samples that
+start in it, and reads nothing outside them.
+
+```
+shard:   |hdr 000.png|data|hdr 000.txt|data|hdr 001.png|data|hdr 001.txt|data| ...
+index:   ^0                               ^1                               ^2
+split:   [samples 0, 1) -> one document: "<vs> <img>*k <ve> caption EOS" + the resized image
+```
+
+`TarSplitReader.blocks` keeps the read path's contract (`(offset, bytes)` blocks of whole
+records, offsets relative to the split's first sample), so the lane's producer, restore and
+source check are the same for text and images. A document's reference is the sample's offset
+and length: restore re-reads and re-decodes it; pixels are never in a checkpoint.
+
+Pixels stay uint8 and resized (height x width x 3) from decode to collate, which cuts them
+into patches: at most `max_pixels * 3` bytes per image in any buffer.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+
+from zephon_stream.connectors.base import Store
+from zephon_stream.engine.window import ReadWindow, Spawn
+from zephon_stream.errors import DataError, IncompatibleState
+from zephon_stream.operators.read import BadRecords, ShardPlan, Split
+from zephon_stream.operators.types import ImageDoc
+
+__all__ = ["ImageParser", "ImageRecord", "TarSplitReader", "VisionTokens"]
+
+_READ_PART = 1 << 20  # the largest ranged read of a split, unless one sample is larger
+
+
+class TarSplitReader:
+    """Streams the samples a split of a tar shard owns, in blocks of whole samples (<= 1 MiB,
+    or one larger sample), through a `ReadWindow` of `read_ahead` requests when given `spawn`."""
+
+    def __init__(self, store: Store, shard: ShardPlan, split: Split, max_record: int,
+                 run_cpu: Callable[..., Awaitable[Any]] | None = None, *, spawn: Spawn | None = None,
+                 read_ahead: int = 1, bad: BadRecords | None = None) -> None:
+        self.store, self.key, self.shard, self.split = store, shard.key, shard, split
+        self.max_record, self.spawn, self.read_ahead = max_record, spawn, read_ahead
+        self.bad = bad or BadRecords()
+        self.base = shard.frames[split.start]
+
+    def __repr__(self) -> str:
+        return f"TarSplitReader({self.key!r}, {self.split})"
+
+    def where(self, pos: int) -> str:
+        return f"byte {self.base + pos}"
+
+    def _ranges(self, first: int) -> list[tuple[int, int]]:
+        """Reads covering samples [first, split.end): consecutive samples up to _READ_PART together."""
+        starts = self.shard.frames
+        out, lo = [], starts[first]
+        for i in range(first + 1, self.split.end + 1):
+            if starts[i] - lo >= _READ_PART or i == self.split.end:
+                out.append((lo, starts[i]))
+                lo = starts[i]
+        return out
+
+    async def blocks(self, offset: int = 0) -> AsyncIterator[tuple[int, bytes]]:
+        """(offset, bytes) blocks of whole samples from `offset` (a sample start) to the split's end."""
+        starts = self.shard.frames
+        first = next((i for i in range(self.split.start, self.split.end) if starts[i] - self.base == offset), None)
+        if first is None:
+            raise IncompatibleState(f"offset {offset} of {self.key!r} ({self.where(offset)}) is not a sample start "
+                                    f"of split {self.split}")
+        ranges = self._ranges(first)
+        if self.spawn is not None and self.read_ahead > 1 and len(ranges) > 1:
+            parts: AsyncIterator[bytes] = ReadWindow(functools.partial(self.store.read, self.key), ranges,
+                                                     self.read_ahead, self.spawn).__aiter__()
+        else:
+            parts = self._one_by_one(ranges)
+        async for (lo, hi), data in _zip_async(ranges, parts):
+            if len(data) != hi - lo:
+                raise DataError(f"tar shard {self.key!r} changed or was cut while reading: bytes [{lo}, {hi}) "
+                                f"gave {len(data)} bytes", key=self.key, offset=lo)
+            yield lo - self.base, data
+        if self.split.end == len(starts) - 1 and self.shard.bad_tail:  # the split that owns the shard's tail
+            self.bad(DataError(f"tar shard {self.key!r}: {self.shard.bad_tail}", key=self.key, offset=starts[-1]))
+
+    async def _one_by_one(self, ranges: list[tuple[int, int]]) -> AsyncIterator[bytes]:
+        for lo, hi in ranges:
+            yield await self.store.read(self.key, lo, hi)
+
+
+async def _zip_async(items: list[Any], parts: AsyncIterator[bytes]) -> AsyncIterator[tuple[Any, bytes]]:
+    for item in items:
+        yield item, await parts.__anext__()
+
+
+class ImageRecord(msgspec.Struct, frozen=True, array_like=True):
+    """One sample's payload before decoding: its caption, its image bytes and where they came from."""
+
+    text: str
+    image: bytes
+    member: str  # the image member's name, for error messages
+
+
+class ImageParser:
+    """Decodes blocks of tar samples into `(offset, length, ImageRecord)` records.
+
+    `image_exts`: the member extensions that may hold the image, the first present wins;
+    `text_field`: the text member's extension, or `"json:<field>"` for a JSON member's field.
+    A sample without either is a bad record (a DataError, or a counted skip).
+    """
+
+    def __init__(self, text_field: str, image_exts: tuple[str, ...], on_bad: Literal["error", "skip"],
+                 max_record: int) -> None:
+        self.text_field, self.image_exts, self.max_record = text_field, image_exts, max_record
+        self.text_ext, _, self.json_field = text_field.partition(":")
+        self.text_ext = self.text_ext.lower()
+        self.bad = BadRecords(on_bad)
+
+    @property
+    def skipped(self) -> int:
+        return self.bad.count
+
+    def __repr__(self) -> str:
+        return f"ImageParser(text_field={self.text_field!r}, image={';'.join(self.image_exts)!r})"
+
+    def parse(self, reader: TarSplitReader, block_pos: int, block: bytes) -> list[tuple[int, int, ImageRecord]]:
+        from zephon_stream.formats.tar import parse_samples
+
+        out = []
+        for sample in parse_samples(block, block_pos, reader.key, self.max_record):
+            try:
+                out.append((sample.offset, sample.length, self._record(reader, sample)))
+            except DataError as err:
+                self.bad(err)
+        return out
+
+    def _record(self, reader: TarSplitReader, sample: Any) -> ImageRecord:
+        where = f"sample {sample.key!r} of {reader.key!r} at {reader.where(sample.offset)}"
+        image_ext = next((e for e in self.image_exts if e in sample.members), None)
+        if image_ext is None:
+            raise DataError(f"{where} has no image member (looked for {', '.join(self.image_exts)}; it has "
+                            f"{', '.join(sorted(sample.members)) or 'none'})", key=reader.key, offset=sample.offset)
+        if self.text_ext not in sample.members:
+            raise DataError(f"{where} has no caption member {self.text_ext!r} (it has "
+                            f"{', '.join(sorted(sample.members))})", key=reader.key, offset=sample.offset)
+        raw = sample.members[self.text_ext]
+        try:
+            text = (msgspec.json.decode(raw, type=dict[str, Any]).get(self.json_field) if self.json_field
+                    else raw.decode())
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
+            raise DataError(f"{where}: caption member {self.text_ext!r} does not decode: {exc}",
+                            key=reader.key, offset=sample.offset) from exc
+        if not isinstance(text, str):
+            raise DataError(f"{where}: caption {self.text_field!r} is {type(text).__name__}, not a string",
+                            key=reader.key, offset=sample.offset)
+        if not text.strip():
+            raise DataError(f"{where}: empty caption {self.text_field!r}", key=reader.key, offset=sample.offset)
+        return ImageRecord(text, sample.members[image_ext], f"{sample.key}.{image_ext}")
+
+
+class VisionTokens:
+    """Turns image records into documents: the image decoded and resized, the caption tokenized.
+
+    A document's ids are `[vision_start] + [image_token] * k + [vision_end] + caption + [EOS]`,
+    where k is the number of merged patches; the image span (start to end) is never cut by
+    packing and never trained on.
+    """
+
+    def __init__(self, vision: Any, tokenizer: Any, seq_len: int) -> None:
+        self.vision, self.tokenizer, self.seq_len = vision, tokenizer, seq_len
+        self.spec = vision.image_spec()
+        self.image_id = tokenizer.token_id(vision.image_token, "vision.image_token")
+        self.start = [tokenizer.token_id(t, f"vision.{f}") for f, t in
+                      (("vision_start_token", vision.vision_start_token),) if t is not None]
+        self.end = [tokenizer.token_id(t, f"vision.{f}") for f, t in
+                    (("vision_end_token", vision.vision_end_token),) if t is not None]
+
+    def __call__(self, docs: list[tuple[Any, ImageRecord]], bad: BadRecords, key: str) -> list[tuple[Any, ImageDoc]]:
+        """Decode the images of `docs` (read from shard `key`), skipping or raising on a bad one
+        as `bad` says; tokenize the captions."""
+        from zephon_stream.vision.image import BadImage, load_image
+
+        images = []
+        for ref, rec in docs:
+            try:
+                image = load_image(rec.image, self.spec)  # refuses a bomb from its header, before decoding
+                gh, gw = image.shape[0] // self.spec.patch_size, image.shape[1] // self.spec.patch_size
+                if gh * gw // self.spec.merge_size ** 2 + len(self.start) + len(self.end) >= self.seq_len:
+                    raise BadImage(f"it takes {gh * gw // self.spec.merge_size ** 2} image tokens, more than "
+                                   f"seq_len = {self.seq_len} holds")
+                images.append((ref, rec, image, (gh, gw)))
+            except BadImage as exc:
+                bad(DataError(f"bad image {rec.member!r} in {key!r} (sample at byte {ref[2]} of its split): {exc}",
+                              key=key, offset=ref[2]))
+        captions = self.tokenizer([rec.text for _, rec, _, _ in images]) if images else []
+        out = []
+        for (ref, _, image, (gh, gw)), caption in zip(images, captions):
+            k = gh * gw // self.spec.merge_size ** 2
+            head = np.array(self.start + [self.image_id] * k + self.end, dtype=np.uint32)
+            out.append((ref, ImageDoc(np.concatenate([head, caption]), image, (1, gh, gw), len(head),
+                                      (len(self.start), len(self.start) + k))))
+        return out
+
