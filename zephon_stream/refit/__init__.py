@@ -14,9 +14,11 @@ if TYPE_CHECKING:
     from zephon_stream.refit.manifest import ChunkEntry, Manifest
     from zephon_stream.refit.publisher import Publisher, VersionConflict, VersionInfo
     from zephon_stream.refit.subscriber import LocalRecord, Subscriber
+    from zephon_stream.refit.target import Fuse
 
 _HOMES = {
     "ChunkEntry": "manifest",
+    "Fuse": "target",
     "LocalRecord": "subscriber",
     "Manifest": "manifest",
     "Publisher": "publisher",
@@ -28,8 +30,8 @@ _HOMES = {
     "VersionInfo": "publisher",
 }
 
-__all__ = ["ChunkEntry", "LocalRecord", "Manifest", "Publisher", "Sharding", "Subscriber", "TensorSpec", "TensorTable",
-           "VersionConflict", "VersionInfo"]
+__all__ = ["ChunkEntry", "Fuse", "LocalRecord", "Manifest", "Publisher", "Sharding", "Subscriber", "TensorSpec",
+           "TensorTable", "VersionConflict", "VersionInfo"]
 
 
 def __getattr__(name: str) -> object:

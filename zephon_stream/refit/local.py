@@ -10,6 +10,7 @@ it, on CPU by numpy views of the tensors' memory, on CUDA by torch indexing.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import msgspec
 import numpy as np
@@ -19,33 +20,58 @@ from zephon_stream.errors import ConfigError
 from zephon_stream.refit.hashing import MASK, contiguous_sum, element_sum, element_sums
 from zephon_stream.refit.layout import WORD, Chunk, Piece, RankStream, Sharding, TensorTable
 
-__all__ = ["ChunkPlan", "LocalState"]
+__all__ = ["ChunkPlan", "LocalState", "Placed"]
 
 _TORCH_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-class LocalState:
-    """The tensors of one rank, checked against the global table and that rank's sharding."""
+class Placed(NamedTuple):
+    """A tensor of `shape` that lives inside `host` (e.g. q_proj inside a fused qkv_proj):
+    its element e is host element `piece.to_global(e)`, the same affine map a shard uses."""
 
-    def __init__(self, table: TensorTable, sharding: Sharding, tensors: Mapping[str, torch.Tensor]) -> None:
+    host: torch.Tensor
+    piece: Piece
+    shape: tuple[int, ...]
+
+
+class LocalState:
+    """The tensors of one rank, checked against the global table and that rank's sharding.
+
+    A tensor may be given as `Placed` inside a larger host tensor: reads and writes then go
+    through its map into the host's memory."""
+
+    def __init__(self, table: TensorTable, sharding: Sharding,
+                 tensors: Mapping[str, torch.Tensor | Placed]) -> None:
         if set(tensors) != set(table.index):
             missing, extra = sorted(set(table.index) - set(tensors)), sorted(set(tensors) - set(table.index))
             raise ConfigError(f"state_dict does not match the tensor table: missing {missing}, unexpected {extra}")
         self.table, self.sharding = table, sharding
         self.pieces: list[Piece] = []
         self.words: list[np.ndarray | torch.Tensor] = []
+        self.hosts: list[Piece | None] = []  # local element -> host element, for Placed tensors
         for spec in table.specs:
             t = tensors[spec.name]
             want = sharding.local_shape(spec)
-            if str(t.dtype).removeprefix("torch.") != spec.dtype or tuple(t.shape) != want:
+            shape = t.shape if isinstance(t, Placed) else tuple(t.shape)
+            if isinstance(t, Placed):
+                self.hosts.append(t.piece)
+                t = t.host
+            else:
+                self.hosts.append(None)
+            if str(t.dtype).removeprefix("torch.") != spec.dtype or tuple(shape) != want:
                 raise ConfigError(
-                    f"tensor {spec.name!r} is {t.dtype} {tuple(t.shape)}, expected torch.{spec.dtype} {want}"
+                    f"tensor {spec.name!r} is {t.dtype} {tuple(shape)}, expected torch.{spec.dtype} {want}"
                 )
             if not t.is_contiguous():
                 raise ConfigError(f"tensor {spec.name!r} is not contiguous: call .contiguous() before a refit")
             flat = t.detach().reshape(-1).view(_TORCH_WORD[spec.itemsize])
             self.words.append(flat.numpy().view(WORD[spec.itemsize]) if flat.device.type == "cpu" else flat)
             self.pieces.append(sharding.piece(spec))
+
+    def host_index(self, tensor: int, e: np.ndarray) -> np.ndarray:
+        """Where local elements `e` of table tensor `tensor` are in its word array."""
+        host = self.hosts[tensor]
+        return e if host is None else host.to_global(e)
 
 
 class _Part(msgspec.Struct, frozen=True):
@@ -103,7 +129,7 @@ class ChunkPlan:
         """Current values at chunk positions (an owned chunk only)."""
         out = np.empty(len(pos), dtype=WORD[self.chunk.itemsize])
         for p, sel, e in self._split(pos):
-            out[sel] = _take(self.local.words[p.tensor], e)
+            out[sel] = _take(self.local.words[p.tensor], self.local.host_index(p.tensor, e))
         return out
 
     def read(self) -> np.ndarray:
@@ -114,13 +140,17 @@ class ChunkPlan:
         """The chunk's words as a view into local memory, when it is one contiguous CPU slice."""
         if len(self.parts) == 1 and self.parts[0].mode == "same" and self.on_cpu:
             p = self.parts[0]
-            return self.local.words[p.tensor][p.elem0 : p.elem0 + p.nwords]
+            host = self.local.hosts[p.tensor]
+            if host is not None and host.a != 1:
+                return None  # interleaved in its host: reached through the map only
+            start = p.elem0 + (host.lo * host.b if host is not None else 0)
+            return self.local.words[p.tensor][start : start + p.nwords]
         return None
 
     def write(self, pos: np.ndarray, values: np.ndarray, *, xor: bool) -> None:
         """Set (or XOR) the locally held words at chunk positions."""
         for p, sel, e in self._split(pos):
-            _put(self.local.words[p.tensor], e, values[sel], xor)
+            _put(self.local.words[p.tensor], self.local.host_index(p.tensor, e), values[sel], xor)
 
     def change_sum(self, pos: np.ndarray, old: np.ndarray, new: np.ndarray) -> int:
         """sum mix(new) - sum mix(old) over chunk positions: the O(delta) digest update."""

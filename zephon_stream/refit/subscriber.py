@@ -56,9 +56,10 @@ from zephon_stream.errors import (
 from zephon_stream.refit import codec
 from zephon_stream.refit import manifest as _manifest
 from zephon_stream.refit.layout import WORD, RankStream, Sharding, TensorTable, check_count
-from zephon_stream.refit.local import ChunkPlan, LocalState
+from zephon_stream.refit.local import ChunkPlan, LocalState, Placed
 from zephon_stream.refit.manifest import Manifest, object_digest
 from zephon_stream.refit.owner import StoreOwner
+from zephon_stream.refit.target import NameMap, module_state
 from zephon_stream.refit.versions import (
     chunk_key,
     find_latest,
@@ -144,6 +145,10 @@ class Subscriber(StoreOwner):
     identity, so a restarted process trusts an unchanged file without re-hashing it. A record
     loaded without `weights` is re-verified on the first pull. Every `pull` of one subscriber
     must be given the state the record describes (the same tensors, changed only by pulls).
+
+    `module` makes an `nn.Module` the target: `pull()` then writes the module's own parameters
+    and buffers in place (the same tensor objects, on CPU or CUDA; no second copy), with
+    `name_map` for a layout that differs from the trainer's (see `refit.target`).
     """
 
     def __init__(
@@ -158,8 +163,12 @@ class Subscriber(StoreOwner):
         threads: int | None = None,
         staged_bytes: int = 256 << 20,
         lanes: int | None = None,
+        module: torch.nn.Module | None = None,
+        name_map: NameMap | None = None,
     ) -> None:
         workers = resolve_workers(workers, lanes, default=4, owner="Subscriber")
+        if name_map is not None and module is None:
+            raise ConfigError("name_map maps a module's tensors: give module= too")
         check_count("workers", workers, 1)
         check_count("staged_bytes", staged_bytes, 0)
         if threads is not None:
@@ -178,6 +187,8 @@ class Subscriber(StoreOwner):
         self._ahead_bytes = 0
         self._ahead_tried: set[str] = set()
         self._ahead_job: tuple[int, Mapping[str, torch.Tensor], _Pull] | None = None  # plans per version
+        self.module, self.name_map = module, name_map
+        self._views: tuple[str, dict[str, torch.Tensor | Placed]] | None = None  # (table digest, module views)
 
     def __repr__(self) -> str:
         return f"Subscriber({self.uri!r}, version={self.record.version}, sharding={self.sharding})"
@@ -227,9 +238,24 @@ class Subscriber(StoreOwner):
 
     # -- pull -----------------------------------------------------------------------------
 
-    async def pull(self, state: Mapping[str, torch.Tensor], *, sync: Callable[[], None] | None = None) -> int:
+    def _state(self, state: Mapping[str, torch.Tensor] | None, table: TensorTable
+               ) -> Mapping[str, torch.Tensor | Placed]:
+        """The state to write: the one given, or views of `module` named as in `table`."""
+        if state is not None:
+            if self.module is not None:
+                raise ConfigError("this subscriber targets its module: call pull() without a state")
+            return state
+        if self.module is None:
+            raise ConfigError("pull() needs the state_dict to update, or a Subscriber made with module=")
+        if self._views is None or self._views[0] != table.digest:
+            self._views = table.digest, module_state(self.module, table, self.name_map, self.sharding)
+        return self._views[1]
+
+    async def pull(self, state: Mapping[str, torch.Tensor] | None = None, *,
+                   sync: Callable[[], None] | None = None) -> int:
         """Apply every pending version in place; return the version reached (0: none exist).
 
+        `state` is the state_dict to update (omit it for a subscriber made with `module=`).
         `sync`, when given, runs (in a thread) after the writes and before the record says the
         version is complete: e.g. flushing a memory-mapped weights file.
         """
@@ -237,7 +263,7 @@ class Subscriber(StoreOwner):
         if latest == 0:  # nothing here: a record made at another prefix claims nothing here either
             return self.record.version if self.record.prefix == self._where else 0
         m, table = await self._manifest(latest)
-        local = LocalState(table, self.sharding, state)
+        local = LocalState(table, self.sharding, self._state(state, table))
         doubt = self._doubt()
         rec = await self._anchored() if doubt else self.record
         if rec.version == latest and rec.target is None and rec.geometry == geometry(m) and not doubt:
@@ -256,7 +282,7 @@ class Subscriber(StoreOwner):
         self._drop_ahead()
         return latest
 
-    async def prefetch(self, state: Mapping[str, torch.Tensor]) -> int:
+    async def prefetch(self, state: Mapping[str, torch.Tensor] | None = None) -> int:
         """Verify ahead the delta objects of the next version that are already in the store.
 
         Call it while waiting for the next version, from the task that pulls, with the same
@@ -277,6 +303,7 @@ class Subscriber(StoreOwner):
         m, table = await self._manifest(rec.version)
         if geometry(m) != rec.geometry:
             return 0
+        state = self._state(state, table)
         cached = self._ahead_job
         if cached is None or cached[0] != rec.version or cached[1] is not state:
             job = _Pull(self, m, table, LocalState(table, self.sharding, state))
