@@ -32,21 +32,24 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="refit_command", required=True)
     pub = sub.add_parser("publish", help="publish a safetensors file as the next version")
     pub.add_argument("--prefix", required=True, help="file:///dir/, s3://bucket/prefix/ or memory://name/")
-    pub.add_argument("--weights", required=True, help="a .safetensors file")
-    pub.add_argument("--keyframe-every", type=int, default=10, metavar="K")
-    pub.add_argument("--keep-versions", type=int, default=8, metavar="N")
-    pub.add_argument("--chunk-bytes", type=int, default=4 << 20)
+    pub.add_argument("--weights", required=True, metavar="FILE", help="the .safetensors file to publish")
+    pub.add_argument("--keyframe-every", type=int, default=10, metavar="K",
+                     help="publish a full keyframe every K versions, deltas between (default 10)")
+    pub.add_argument("--keep-versions", type=int, default=8, metavar="N",
+                     help="versions kept under the prefix; older ones are deleted (default 8)")
+    pub.add_argument("--chunk-bytes", type=int, default=4 << 20, metavar="B",
+                     help="bytes per chunk, the unit of upload and digest (default 4 MiB)")
     pub.add_argument("--overwrite", action="store_true", help="also publish overwrite objects (for retries)")
     pub.add_argument("--workers", type=int, default=4, metavar="N", help="chunks encoded and uploaded concurrently")
     pub.set_defaults(func=_publish)
     pull = sub.add_parser("pull", help="update a safetensors file in place to the latest version")
-    pull.add_argument("--prefix", required=True)
-    pull.add_argument("--weights", required=True)
-    pull.add_argument("--record", help="local version record (default: FILE.refit beside the weights)")
+    pull.add_argument("--prefix", required=True, metavar="URI", help="where the versions were published")
+    pull.add_argument("--weights", required=True, metavar="FILE", help="the .safetensors file to update in place")
+    pull.add_argument("--record", metavar="FILE", help="local version record (default: FILE.refit beside the weights)")
     pull.add_argument("--workers", type=int, default=4, metavar="N", help="chunks fetched and checked concurrently")
     pull.set_defaults(func=_pull)
     st = sub.add_parser("status", help="list versions, their sizes and keyframes")
-    st.add_argument("--prefix", required=True)
+    st.add_argument("--prefix", required=True, metavar="URI", help="where the versions were published")
     st.set_defaults(func=_status)
     return p
 

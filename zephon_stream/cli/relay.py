@@ -118,8 +118,9 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
                    help="poll with a LIST of the next version and copy its objects while it is being "
                         "published (lower latency; a LIST per poll costs more than a HEAD)")
     p.add_argument("--grace", type=float, metavar="S", help="on SIGTERM, seconds a running sync may finish")
-    p.add_argument("--log-format", choices=["json", "text"], default="json")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", choices=["json", "text"], default="json",
+                   help="json: one JSON object per line (default); text: one line for people, fields as key=value")
+    p.add_argument("--log-level", default="INFO", metavar="LEVEL", help="DEBUG, INFO (default), WARNING or ERROR")
     p.set_defaults(func=main, parent=None, children=None)
     return p
 
@@ -203,6 +204,10 @@ def main(args: argparse.Namespace) -> int:
         relay = Relay(parent, [c.prefix() for c in cfg.to], workers=cfg.workers, poll_interval=cfg.poll_interval,
                       keep_versions=cfg.keep_versions, verify_existing=cfg.verify_existing,
                       stream_ahead=cfg.stream_ahead)
+    except ZephonError as exc:  # a usage error: a plain line, like every other command's, not a log record
+        print(f"zephon relay: error: {exc}", file=sys.stderr)
+        return 2
+    try:
         return anyio.run(_once if args.once else _daemon, relay, cfg)
     except ZephonError as exc:
         log.error("%s", exc, extra={"event": "fatal"})
@@ -306,10 +311,21 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class TextFormatter(logging.Formatter):
+    """`time level logger: message key=value ...`: the fields the JSON lines carry, for people."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        fields = " ".join(f"{k}={v}" for k, v in vars(record).items() if k not in _STANDARD)
+        line = super().formatMessage(record)
+        return f"{line} {fields}" if fields else line
+
+
 def _setup_logging(fmt: str, level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else
-                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger("zephon_stream")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
