@@ -48,7 +48,8 @@ its directory says) never see the loader's data.
 
 Pillow's own decompression-bomb check (`PIL.Image.MAX_IMAGE_PIXELS`, a warning above it, an
 error above twice it) is process-wide. Here the header is parsed by the format's plugin
-directly, and `max_decoded_pixels` decides; Pillow's limit is raised to at least the largest
+directly (a GIF's first frame, which can grow the canvas, is read first), and
+`max_decoded_pixels` decides; Pillow's limit is raised to at least the largest
 `max_decoded_pixels` in use (never lowered, never disabled), so its checks inside decoders stay
 as a second line that cannot fire on an image this module accepted.
 """
@@ -173,6 +174,8 @@ def _open(data: bytes, spec: ImageSpec) -> PILImage.Image:
         factory, accept = image.OPEN[fmt]
         if accept is not None and accept(prefix) is not True:  # a str result is Pillow's "not quite"
             continue
+        if fmt == "GIF":
+            _check_pixels(*_gif_canvas(data), fmt, spec)
         try:
             im = factory(io.BytesIO(data), "")
         except image.DecompressionBombError as exc:  # raised inside a plugin (GIF frame extents)
@@ -185,17 +188,50 @@ def _open(data: bytes, spec: ImageSpec) -> PILImage.Image:
 
 
 def _check_size(im: PILImage.Image, fmt: str, spec: ImageSpec) -> None:
-    width, height = im.size
-    if width < 1 or height < 1:
+    try:
+        _check_pixels(*im.size, fmt, spec)
+    except BadImage:
         im.close()
+        raise
+
+
+def _check_pixels(width: int, height: int, fmt: str, spec: ImageSpec) -> None:
+    if width < 1 or height < 1:
         raise BadImage(f"{fmt} image of size {width}x{height} has no pixels")
     if width * height > spec.max_decoded_pixels:
-        im.close()
         raise BadImage(
             f"{fmt} image is {width}x{height} = {width * height} pixels, more than vision.max_decoded_pixels "
             f"= {spec.max_decoded_pixels}; refused before decoding as a possible decompression bomb (raise "
             "vision.max_decoded_pixels if images this large are meant)"
         )
+
+
+def _gif_canvas(data: bytes) -> tuple[int, int]:
+    """The canvas Pillow makes for a GIF's first frame: the screen, grown to a frame that overflows it.
+
+    Pillow grows it while parsing the header, and checks the grown size against its own
+    process-wide limit only, so this reads the same blocks first (an unreadable GIF gives the
+    screen size, and Pillow's parser says what is wrong with it).
+    """
+    if len(data) < 13:
+        return 1, 1  # no screen to check: Pillow refuses the header
+    width, height, flags = struct.unpack_from("<HHB", data, 6)
+    try:
+        pos = 13 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)  # after the global colour table
+        while pos < len(data) and data[pos] != 0x3B:  # ';' ends the file
+            if data[pos] == 0x21:  # '!' extension: label, then sub-blocks up to an empty one
+                pos += 2
+                while pos < len(data) and data[pos]:
+                    pos += data[pos] + 1
+                pos += 1
+            elif data[pos] == 0x2C:  # ',' the first frame: left, top, width, height
+                left, top, w, h = struct.unpack_from("<HHHH", data, pos + 1)
+                return max(width, left + w), max(height, top + h)
+            else:  # Pillow skips a stray byte
+                pos += 1
+    except struct.error:
+        pass
+    return width, height
 
 
 _pillow_limit_lock = threading.Lock()
