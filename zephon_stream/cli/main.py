@@ -4,50 +4,23 @@ from __future__ import annotations
 
 import argparse
 import errno
-import hashlib
 import json
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from zephon_stream.errors import ZephonError
 from zephon_stream.loader.config import Config
 from zephon_stream.loader.state import state_from_bytes, state_to_bytes
+from zephon_stream.operators.collate import sample_digests
 
 __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="zephon", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("stream", help="stream batches of a config; print digests or progress")
-    p.add_argument("config", type=Path)
-    p.add_argument("--steps", type=int, default=None, help="global batches to stream (default: until the end)")
-    p.add_argument("--dp-rank", type=int, default=0)
-    p.add_argument("--dp-size", type=int, default=1)
-    p.add_argument("--backend", choices=["inline", "threads", "processes"], default=None)
-    p.add_argument("--digests", action="store_true", help="print one JSON line per sample this rank receives")
-    p.add_argument("--save-state", type=Path, help="write the rank's state_dict() here ...")
-    p.add_argument("--save-at", type=int, help="... once this many global steps have been consumed")
-    p.add_argument("--resume", type=Path, nargs="+", help="state files to load first (several when ranks merge)")
-    p.set_defaults(func=_stream)
-
-    p = sub.add_parser("inspect", help="print one global batch decoded back to text")
-    p.add_argument("config", type=Path)
-    p.add_argument("--step", type=int, required=True)
-    p.add_argument("--backend", choices=["inline", "threads", "processes"], default=None)
-    p.set_defaults(func=_inspect)
-
-    p = sub.add_parser("config", help="print a config in full, defaults included")
-    p.add_argument("config", type=Path)
-    p.set_defaults(func=lambda a: print(Config.from_toml(a.config).to_toml(), end="") or 0)
-
-    _add_optional(sub)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except ZephonError as exc:
@@ -65,6 +38,82 @@ def main(argv: list[str] | None = None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line, like every other error (argparse prints the whole usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _count(text: str) -> int:
+    """An argparse type: an integer >= 0 (a step, a count)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative: give a step >= 0")
+    return value
+
+
+_BACKEND_HELP = "where the lanes run (default: the config's backend, threads unless set)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `zephon` command line: every subcommand and option (each with help text)."""
+    from zephon_stream import __version__
+
+    parser = _Parser(prog="zephon", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"zephon-stream {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("stream", help="stream batches of a config; print digests or progress",
+                       description=_STREAM_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", type=Path, help="the config's TOML file")
+    p.add_argument("--steps", type=_count, metavar="N",
+                   help="the global step to stop at: stop once N global batches have been consumed, counted "
+                        "from the start of training (after --resume from step 20, --steps 40 streams 20 more); "
+                        "default: until the data ends")
+    p.add_argument("--dp-rank", type=_count, default=0, metavar="R", help="this data-parallel rank (default 0)")
+    p.add_argument("--dp-size", type=int, default=1, metavar="N",
+                   help="data-parallel ranks in all; must divide lanes and global_batch_size (default 1)")
+    p.add_argument("--backend", choices=["inline", "threads", "processes"], default=None, help=_BACKEND_HELP)
+    p.add_argument("--digests", action="store_true",
+                   help="print one JSON line per sample this rank receives (step, slot, lane, tokens, sha256) "
+                        "instead of progress")
+    p.add_argument("--save-state", type=Path, metavar="FILE",
+                   help="write this rank's state_dict() to FILE once --save-at global steps are consumed")
+    p.add_argument("--save-at", type=_count, metavar="STEP",
+                   help="the global step at which --save-state is written (at most --steps)")
+    p.add_argument("--resume", type=Path, nargs="+", metavar="FILE",
+                   help="state files to load first (several when ranks merge)")
+    p.set_defaults(func=_stream)
+
+    p = sub.add_parser("inspect", help="print one global batch decoded back to text")
+    p.add_argument("config", type=Path, help="the config's TOML file")
+    p.add_argument("--step", type=_count, required=True, help="the global step to print (0 is the first batch)")
+    p.add_argument("--resume", type=Path, nargs="+", metavar="FILE",
+                   help="start from these state files (a checkpoint at or before --step) instead of step 0")
+    p.add_argument("--backend", choices=["inline", "threads", "processes"], default=None, help=_BACKEND_HELP)
+    p.set_defaults(func=_inspect)
+
+    p = sub.add_parser("config", help="print a config in full, defaults included")
+    p.add_argument("config", type=Path, help="the config's TOML file")
+    p.set_defaults(func=lambda a: print(Config.from_toml(a.config).to_toml(), end="") or 0)
+
+    _add_optional(sub)
+    return parser
+
+
+_STREAM_DOC = """Stream the batches of a config on one data-parallel rank.
+
+Progress goes to stderr: a live bar on a terminal, a plain line every 5 s otherwise (a log file,
+a pipe). It shows the step, --steps as the total, the elapsed time, an ETA, the token rate over the
+last 10 s, and how full the lanes' buffers are (prefetch: near 100% the loader is ahead of the
+consumer, near 0% the consumer waits for data).
+"""
 
 
 def _add_optional(sub: Any) -> None:
@@ -108,38 +157,66 @@ def _save_state(loader: Any, path: Path) -> None:
 
 
 def _stream(args: argparse.Namespace) -> int:
-    from zephon_stream.loader.loader import Loader
+    _check_save_options(args)
+    loader = _loader(args, args.dp_rank, args.dp_size)
+    if args.save_at is not None and loader.step > args.save_at:
+        raise ZephonError(f"--save-at {args.save_at} is before the resumed step {loader.step}: the state there is "
+                          f"already the one you resumed from; give --save-at >= {loader.step}")
+    saved = _maybe_save(loader, args)
+    batches = _batches(loader, args.steps)
+    progress = None
+    if not args.digests:
+        from zephon_stream.cli.progress import StreamProgress
 
+        progress = StreamProgress(loader.statistics, total=args.steps, start=loader.step)
+        batches = progress.track(batches)
+    for batch in batches:
+        if args.digests:
+            _write_digests(batch, sys.stdout)
+        saved = _maybe_save(loader, args) or saved
+    if progress:
+        progress.close()
+    if args.save_at is not None and not saved:
+        raise ZephonError(f"the data ended at global step {loader.step}, before --save-at {args.save_at}: "
+                          f"{str(args.save_state)!r} was not written; give a smaller --save-at")
+    return 0
+
+
+def _check_save_options(args: argparse.Namespace) -> None:
+    """Refuse --save-state/--save-at that could never write, before any work."""
     if (args.save_state is None) != (args.save_at is None):
         raise ZephonError("--save-state and --save-at go together")
+    if args.save_at is not None and args.steps is not None and args.save_at > args.steps:
+        raise ZephonError(f"--save-at {args.save_at} is past --steps {args.steps}: the run stops at global step "
+                          f"{args.steps} and would save nothing; give --save-at <= --steps")
     if args.save_state is not None:
         _check_output("--save-state", args.save_state)
-    loader = Loader(Config.from_toml(args.config), dp_rank=args.dp_rank, dp_size=args.dp_size, backend=args.backend)
+
+
+def _maybe_save(loader: Any, args: argparse.Namespace) -> bool:
+    if args.save_at is None or loader.step != args.save_at:
+        return False
+    _save_state(loader, args.save_state)
+    return True
+
+
+def _loader(args: argparse.Namespace, dp_rank: int, dp_size: int) -> Any:
+    """The config's loader for this rank, with the `--resume` files loaded."""
+    from zephon_stream.loader.loader import Loader
+
+    loader = Loader(Config.from_toml(args.config), dp_rank=dp_rank, dp_size=dp_size, backend=args.backend)
     if args.resume:
         states = []
         for f in args.resume:
             with _user_path("--resume", f):
                 states.append(state_from_bytes(f.read_bytes()))
         loader.load_state_dict(states)
-    progress = _Progress(loader) if not args.digests else None
-    if args.save_at is not None and loader.step == args.save_at:
-        _save_state(loader, args.save_state)
-    stop = None if args.steps is None else args.steps
-    out = sys.stdout
-    for batch in _batches(loader, stop):
-        if args.digests:
-            ids = batch["input_ids"].numpy().astype("<u4")
-            for row, slot, lane, n in zip(ids, batch["slots"].tolist(), batch["lanes"].tolist(),
-                                          batch["num_tokens"].tolist()):
-                out.write(json.dumps({"step": batch["step"], "slot": slot, "lane": lane, "tokens": n,
-                                      "sha256": hashlib.sha256(row.tobytes()).hexdigest()}) + "\n")
-        elif progress:
-            progress.update()
-        if args.save_at is not None and loader.step == args.save_at:
-            _save_state(loader, args.save_state)
-    if progress:
-        progress.finish()
-    return 0
+    return loader
+
+
+def _write_digests(batch: dict[str, Any], out: Any) -> None:
+    for record in sample_digests(batch):
+        out.write(json.dumps(record) + "\n")
 
 
 def _batches(loader: Any, stop: int | None) -> Any:
@@ -152,41 +229,16 @@ def _batches(loader: Any, stop: int | None) -> Any:
             return
 
 
-class _Progress:
-    """A live line on a terminal; a line every 5 s otherwise (on stderr, so stdout stays data)."""
-
-    def __init__(self, loader: Any) -> None:
-        self.loader, self.t0, self.last = loader, time.perf_counter(), 0.0
-        self.tty = sys.stderr.isatty()
-
-    def update(self, final: bool = False) -> None:
-        now = time.perf_counter()
-        if not final and now - self.last < (0.2 if self.tty else 5.0):
-            return
-        self.last = now
-        st = self.loader.statistics()
-        rate = st.tokens / max(now - self.t0, 1e-9)
-        line = (f"step {st.step}  samples {st.samples}  tokens {st.tokens}  {rate:,.0f} tok/s  "
-                f"buffers {st.buffered_batches}/{st.buffer_capacity} (peak {st.peak_buffered_batches})  "
-                f"skipped {st.skipped_records + st.skipped_shards}")
-        sys.stderr.write(("\r" + line + "\x1b[K") if self.tty else line + "\n")
-        sys.stderr.flush()
-
-    def finish(self) -> None:
-        self.update(final=True)
-        if self.tty:
-            sys.stderr.write("\n")
-
-
 def _inspect(args: argparse.Namespace) -> int:
-    from zephon_stream.loader.loader import Loader
-
-    loader = Loader(Config.from_toml(args.config), dp_rank=0, dp_size=1, backend=args.backend)
-    for batch in loader:
+    loader = _loader(args, 0, 1)
+    if loader.step > args.step:
+        raise ZephonError(f"--step {args.step} is before the resumed step {loader.step}: resume from a checkpoint "
+                          f"saved at or before step {args.step}, or leave out --resume")
+    for batch in _batches(loader, args.step + 1):
         if batch["step"] == args.step:
             _print_batch(loader, batch)
             return 0
-    raise ZephonError(f"the data ended before step {args.step}")
+    raise ZephonError(f"the data ended at global step {loader.step}, before --step {args.step}")
 
 
 def _print_batch(loader: Any, batch: dict[str, Any]) -> None:

@@ -1,0 +1,175 @@
+"""The command line as a new user meets it: help, --version, refused numbers, --save-at, inspect
+from a checkpoint, plain progress lines off a terminal, and the relay's and refit's edges."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import logging
+from pathlib import Path
+
+import pytest
+
+from zephon_stream import __version__
+from zephon_stream.cli.main import build_parser, main
+from zephon_stream.loader.config import Config, SourceConfig
+
+
+@pytest.fixture()
+def cfg(config: Config, tmp_path: Path) -> Path:
+    path = tmp_path / "c.toml"
+    path.write_text(config.to_toml())
+    return path
+
+
+def _usage_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    """A mistake on the command line: exit 2 and one line on stderr."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2, err
+    assert err.count("\n") == 1 and "error: " in err and "Traceback" not in err, err
+    return err
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.count("\n") == 1 and err.startswith("zephon: error: "), err
+    return err
+
+
+def test_version(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"zephon-stream {__version__}"
+
+
+def _parsers(parser: argparse.ArgumentParser, name: str = "zephon") -> list[tuple[str, argparse.ArgumentParser]]:
+    out = [(name, parser)]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                out += _parsers(sub, f"{name} {sub_name}")
+    return out
+
+
+def test_every_option_has_help_text() -> None:
+    missing = [f"{name} {action.option_strings or action.dest}"
+               for name, parser in _parsers(build_parser()) for action in parser._actions
+               if not isinstance(action, argparse._SubParsersAction) and not action.help]
+    assert not missing, f"options without help text: {missing}"
+
+
+def test_help_says_steps_is_the_global_step_to_stop_at(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["stream", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "the global step to stop at" in out and "--resume from step 20, --steps 40 streams 20 more" in out
+
+
+@pytest.mark.parametrize("argv", [["stream", "C", "--steps", "-1"], ["stream", "C", "--save-at", "-3"],
+                                  ["inspect", "C", "--step", "-1"], ["stream", "C", "--dp-rank", "-1"],
+                                  ["stream", "C", "--steps", "ten"]],
+                         ids=["steps", "save-at", "inspect-step", "dp-rank", "not-a-number"])
+def test_negative_or_malformed_numbers_refused(capsys, cfg, argv) -> None:
+    argv = [str(cfg) if a == "C" else a for a in argv]
+    err = _usage_error(capsys, argv)
+    assert "is negative: give a step >= 0" in err or "is not a whole number" in err, err
+
+
+def test_a_usage_error_is_one_line_in_every_command(capsys) -> None:
+    assert "the following arguments are required" in _usage_error(capsys, ["stream"])
+    assert "--to-endpoint must follow a --to" in _usage_error(capsys, ["relay", "--to-endpoint", "http://x:1"])
+
+
+def test_save_at_past_steps_refused_before_any_work(capsys, cfg, tmp_path) -> None:
+    err = _one_line_error(capsys, ["stream", str(cfg), "--steps", "3", "--save-at", "5",
+                                   "--save-state", str(tmp_path / "s.state")])
+    assert "--save-at 5 is past --steps 3" in err, err
+    assert not (tmp_path / "s.state").exists()
+
+
+def test_save_at_before_the_resumed_step_refused(capsys, cfg, tmp_path) -> None:
+    saved = tmp_path / "s2.state"
+    assert main(["stream", str(cfg), "--steps", "2", "--save-at", "2", "--save-state", str(saved), "--digests"]) == 0
+    capsys.readouterr()
+    err = _one_line_error(capsys, ["stream", str(cfg), "--steps", "4", "--resume", str(saved), "--save-at", "1",
+                                   "--save-state", str(tmp_path / "again.state")])
+    assert "--save-at 1 is before the resumed step 2" in err, err
+
+
+def test_save_at_past_the_end_of_the_data_is_an_error(capsys, dataset, tmp_path) -> None:
+    root, _ = dataset
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "d.jsonl").write_text('{"text": "the loader reads one short document"}\n')
+    config = Config(seed=1, lanes=2, seq_len=16, global_batch_size=2, tokenizer=str(root / "tokenizer.json"),
+                    max_epochs=1, sources=[SourceConfig(name="one", uri=f"file://{tmp_path}/one/")])
+    path = tmp_path / "one.toml"
+    path.write_text(config.to_toml())
+    err = _one_line_error(capsys, ["stream", str(path), "--save-at", "50", "--save-state", str(tmp_path / "s"),
+                                   "--digests"])
+    assert "the data ended at global step" in err and "before --save-at 50" in err, err
+    assert not (tmp_path / "s").exists()
+
+
+def test_inspect_from_a_checkpoint_prints_the_same_batch(capsys, cfg, tmp_path) -> None:
+    saved = tmp_path / "s.state"
+    assert main(["stream", str(cfg), "--steps", "2", "--save-at", "2", "--save-state", str(saved), "--digests"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(cfg), "--step", "3"]) == 0
+    full = capsys.readouterr().out
+    assert main(["inspect", str(cfg), "--step", "3", "--resume", str(saved)]) == 0
+    assert capsys.readouterr().out == full and full.startswith("# global batch 3:")
+    err = _one_line_error(capsys, ["inspect", str(cfg), "--step", "1", "--resume", str(saved)])
+    assert "--step 1 is before the resumed step 2" in err, err
+
+
+def test_progress_off_a_terminal_is_plain_lines(capsys, cfg) -> None:
+    assert main(["stream", str(cfg), "--steps", "3"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == ""  # stdout stays data
+    assert "\r" not in captured.err and "\x1b" not in captured.err, captured.err
+    lines = captured.err.splitlines()
+    assert lines[-1].startswith("step 3/3 (100%)  elapsed ") and " tok/s (last 10 s)" in lines[-1]
+
+
+def test_relay_text_log_keeps_the_fields(monkeypatch) -> None:
+    from zephon_stream.cli.relay import _setup_logging
+
+    root = logging.getLogger("zephon_stream")
+    monkeypatch.setattr(root, "handlers", list(root.handlers))
+    monkeypatch.setattr(root, "propagate", root.propagate)
+    monkeypatch.setattr(root, "level", root.level)
+    err = io.StringIO()
+    monkeypatch.setattr("sys.stderr", err)
+    _setup_logging("text", "INFO")
+    logging.getLogger("zephon_stream.relay.node").info(
+        "version relayed", extra={"event": "version_committed", "child": "file:///c/", "version": 7})
+    line = err.getvalue()
+    assert line.count("\n") == 1 and "INFO zephon_stream.relay.node: version relayed" in line, line
+    assert "event=version_committed child=file:///c/ version=7" in line, line
+
+
+def test_relay_without_a_parent_is_a_plain_error(capsys, monkeypatch) -> None:
+    root = logging.getLogger("zephon_stream")
+    monkeypatch.setattr(root, "handlers", list(root.handlers))
+    monkeypatch.setattr(root, "propagate", root.propagate)
+    assert main(["relay", "--once", "--to", "memory://a/"]) == 2
+    err = capsys.readouterr().err
+    assert err == "zephon relay: error: a relay needs a parent (--from URI) and at least one child (--to URI)\n"
+
+
+def test_refit_publish_creates_a_missing_file_prefix(capsys, tmp_path) -> None:
+    import torch
+
+    from zephon_stream.refit import safetensors
+
+    weights = tmp_path / "w.safetensors"
+    safetensors.save(weights, {"w": torch.arange(16, dtype=torch.float32).reshape(4, 4)})
+    prefix = tmp_path / "not" / "yet" / "there"
+    assert main(["refit", "publish", "--prefix", f"file://{prefix}/", "--weights", str(weights)]) == 0
+    assert capsys.readouterr().out.startswith("version 1 ")
+    assert prefix.is_dir() and any(prefix.rglob("MANIFEST*"))
