@@ -37,8 +37,8 @@ Design choice: pixels stay uint8 through the loader and are normalised on the de
 uint8 row is a quarter of the float32 row, so the bounded buffers hold four times the images
 for the same memory, the lanes' inter-process hand-off and the host-to-device copy move a
 quarter of the bytes, and the batch's `pixels_sha256` digests are over the decoded bytes, not
-over floats. Normalising on the device is one table look-up per value (`normalize`), which
-costs nothing next to the vision encoder; the table is computed in the reference's own float
+over floats. Normalising on the device (`normalize`) is three elementwise operations, which
+cost nothing next to the vision encoder; they are done in the reference's own float
 arithmetic, so the result is bit-identical to the processor's float32 output, not just close.
 
 Bad input raises `BadImage` (a `ValueError`) with the reason and no location: the caller knows
@@ -369,30 +369,27 @@ def patchify(image: np.ndarray, spec: ImageSpec) -> np.ndarray:
 def normalize(pixel_values: Any, mean: tuple[float, ...] = IMAGE_MEAN, std: tuple[float, ...] = IMAGE_STD) -> Any:
     """uint8 patch rows (a torch tensor, on any device) to float32 `(x / 255 - mean) / std`.
 
-    The result equals Hugging Face's processor output (rescale by 1/255 in float64, then
-    normalise in float32) bit for bit: each of the 3 x 256 possible values is computed once
-    in that arithmetic and looked up. The channel of a column is `column // (row_size / 3)`.
+    The arithmetic is the processor's own (transformers' `rescale` multiplies by 1/255 in
+    float64 and rounds to float32, `normalize` subtracts and divides in float32), so the result
+    equals its float32 output bit for bit: every value depends only on (channel, byte), and
+    tests/vision checks all 3 x 256 of them. The channel of a column is `column // (row_size / 3)`.
     """
     import torch
 
     if pixel_values.dtype != torch.uint8 or pixel_values.ndim != 2 or pixel_values.shape[1] % 3:
         raise ValueError("normalize takes uint8 patch rows [N, 3 * T * P * P], got "
                          f"{pixel_values.dtype} {list(pixel_values.shape)}")
-    table = _table(tuple(mean), tuple(std), str(pixel_values.device))
+    mean_t, std_t = _constants(tuple(mean), tuple(std), str(pixel_values.device))
     rows, width = pixel_values.shape
-    channels = pixel_values.view(rows, 3, width // 3).to(torch.int32)
-    channels += torch.arange(0, 3 * 256, 256, dtype=torch.int32, device=pixel_values.device).view(1, 3, 1)
-    return table[channels].view(rows, width)
+    scaled = pixel_values.view(rows, 3, width // 3).to(torch.float64).mul_(1 / 255).to(torch.float32)
+    return scaled.sub_(mean_t).div_(std_t).view(rows, width)
 
 
 @functools.lru_cache(maxsize=16)
-def _table(mean: tuple[float, ...], std: tuple[float, ...], device: str) -> Any:
-    """float32 [3 * 256]: the normalised value of byte v in channel c at c * 256 + v."""
+def _constants(mean: tuple[float, ...], std: tuple[float, ...], device: str) -> tuple[Any, Any]:
+    """mean and std as float32 [1, 3, 1] tensors on the device (rounded to float32 as transformers does)."""
     import torch
 
     if len(mean) != 3 or len(std) != 3:
         raise ValueError(f"normalize takes 3 means and 3 stds (RGB), got {mean} and {std}")
-    scaled = (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32)  # transformers' rescale
-    mean32, std32 = np.array(mean, dtype=np.float32), np.array(std, dtype=np.float32)
-    table = (scaled[None, :] - mean32[:, None]) / std32[:, None]  # transformers' normalize, in float32
-    return torch.from_numpy(table.reshape(-1)).to(device)
+    return tuple(torch.tensor(v, dtype=torch.float32, device=device).view(1, 3, 1) for v in (mean, std))
