@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from zephon_stream.refit.layout import Sharding, TensorSpec, TensorTable
+    from zephon_stream.refit.loop import PublishLoop, PublishStatistics
     from zephon_stream.refit.manifest import ChunkEntry, Manifest
     from zephon_stream.refit.publisher import Publisher, VersionConflict, VersionInfo
     from zephon_stream.refit.subscriber import LocalRecord, Subscriber
@@ -22,6 +23,8 @@ _HOMES = {
     "LocalRecord": "subscriber",
     "Manifest": "manifest",
     "Publisher": "publisher",
+    "PublishLoop": "loop",
+    "PublishStatistics": "loop",
     "Sharding": "layout",
     "Subscriber": "subscriber",
     "TensorSpec": "layout",
@@ -30,8 +33,8 @@ _HOMES = {
     "VersionInfo": "publisher",
 }
 
-__all__ = ["ChunkEntry", "Fuse", "LocalRecord", "Manifest", "Publisher", "Sharding", "Subscriber", "TensorSpec",
-           "TensorTable", "VersionConflict", "VersionInfo"]
+__all__ = ["ChunkEntry", "Fuse", "LocalRecord", "Manifest", "PublishLoop", "PublishStatistics", "Publisher",
+           "Sharding", "Subscriber", "TensorSpec", "TensorTable", "VersionConflict", "VersionInfo"]
 
 
 def __getattr__(name: str) -> object:

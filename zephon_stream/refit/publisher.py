@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
+import anyio
 import msgspec
 import numpy as np
 import torch
@@ -59,11 +60,14 @@ from zephon_stream.refit.versions import (
     write_latest,
 )
 
-__all__ = ["Publisher", "VersionConflict", "VersionInfo"]
+__all__ = ["Publisher", "VersionConflict", "VersionInfo", "copy_state"]
 
 log = logging.getLogger(__name__)
 # A head that cannot be built on: its MANIFEST malformed or oversized, an object gone or corrupt.
 _UNUSABLE = (DataError, RefitError, ObjectNotFound)
+
+
+_PIECE_BYTES = 64 << 20  # one CPU step of a state copy
 
 
 class VersionConflict(RefitError):
@@ -143,8 +147,8 @@ class Publisher(StoreOwner):
         keyframe = base is None or (version - 1) % self.keyframe_every == 0
         attempt = self.session or secrets.token_hex(8)
         self._shadow_version = None  # dirty until this version is written
-        if base is None:
-            self._shadow = {k: t.detach().to("cpu", copy=True) for k, t in state.items()}
+        if base is None:  # the first copy of a 1B model takes ~1 s: in the workers, never on the loop
+            self._shadow = await copy_state(state, self._shadow or {}, self._cpu, _PIECE_BYTES)
         old = LocalState(table, self.sharding, self._shadow or {})
         world, dims = self.sharding.world_size, self.sharding.dims
         first = sum(len(RankStream(table, Sharding(r, world, dims), self.chunk_bytes).chunks)
@@ -305,3 +309,29 @@ class _Encode:
             fields.update(key_size=len(key), key_digest=object_digest(key))
         entry = ChunkEntry(chunk.rank, chunk.offset, chunk.length, chunk.itemsize, plain=plain, **{"kind": 0, **fields})
         return entry, objects
+
+
+async def copy_state(state: Mapping[str, torch.Tensor], into: dict[str, torch.Tensor],
+                     cpu: Callable, piece_bytes: int) -> dict[str, torch.Tensor]:
+    """Copy `state` to CPU tensors, reusing `into`'s where name, shape and dtype match.
+
+    Each piece of at most `piece_bytes` is one CPU step through `cpu` (a CpuPolicy): the copy
+    never holds the event loop, and a thread is never busy for long with one piece."""
+    out = {}
+    for name, t in state.items():
+        t = t.detach()
+        dst = into.get(name)
+        if dst is None or dst.shape != t.shape or dst.dtype != t.dtype:
+            dst = torch.empty(t.shape, dtype=t.dtype)  # pages are touched by the copy, in a thread
+        out[name] = dst
+    async with anyio.create_task_group() as tg:
+        for name, t in state.items():
+            src, dst = t.detach(), out[name]
+            if not src.is_contiguous() or src.numel() == 0:
+                tg.start_soon(cpu, dst.copy_, src)
+                continue
+            flat_src, flat_dst = src.reshape(-1), dst.view(-1)
+            step = max(1, piece_bytes // src.element_size())
+            for lo in range(0, src.numel(), step):
+                tg.start_soon(cpu, flat_dst[lo : lo + step].copy_, flat_src[lo : lo + step])
+    return out
