@@ -31,7 +31,7 @@ import re
 import tarfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import anyio
 import msgspec
@@ -111,17 +111,22 @@ class _Walker:
     that needs bytes beyond it is truncated. Bytes before `limit` but not in `view` raise `_More`.
     """
 
-    def __init__(self, key: str, limit: int, max_member: int, end_what: str) -> None:
+    def __init__(self, key: str, limit: int, max_member: int, end_what: Literal["shard", "block"]) -> None:
         self.key, self.limit, self.max_member, self.end_what = key, limit, max_member, end_what
         self.view, self.base = memoryview(b""), 0
 
     def need(self, lo: int, hi: int, what: str) -> memoryview:
         if hi > self.limit:
-            raise _Bad(f"{self.key!r} ends at byte {self.limit} ({self.end_what}) inside {what}, which needs bytes "
-                       f"{lo}..{hi}: the tar is truncated; rewrite the shard", lo)
+            raise _Bad(f"{what} of {self.key!r} needs bytes {lo}..{hi}, {self._short()}", lo)
         if lo < self.base or hi > self.base + len(self.view):
             raise _More(hi)
         return self.view[lo - self.base:hi - self.base]
+
+    def _short(self) -> str:
+        """Why data ends before `self.limit`, and what to do."""
+        if self.end_what == "shard":
+            return f"but the shard ends at byte {self.limit}: the tar is truncated; rewrite the shard"
+        return f"but the block read ends at byte {self.limit}: parse whole samples, from the offsets of the index"
 
     def member(self, pos: int) -> _Member | None:
         """The member whose headers start at `pos`, or None at the end of the archive."""
@@ -129,7 +134,7 @@ class _Walker:
         while True:
             if at == self.limit and at == pos:
                 return None  # a tar written without its end blocks
-            if at + _BLOCK > self.limit and at == pos and not any(self.need(at, self.limit, "trailing bytes")):
+            if at + _BLOCK > self.limit and at == pos and not any(self.need(at, self.limit, "the end")):
                 return None  # zero padding shorter than a block: the end blocks, cut short
             header = bytes(self.need(at, at + _BLOCK, f"the header at byte {at}"))
             if header == _ZERO:
@@ -162,8 +167,8 @@ class _Walker:
         data = at + _BLOCK
         end = data + _padded(size)
         if end > self.limit:
-            raise _Bad(f"member {name!r} at byte {pos} of {self.key!r} needs bytes up to {end}, but "
-                       f"{self.end_what} ends at byte {self.limit}: the tar is truncated; rewrite the shard", pos, name)
+            raise _Bad(f"member {name!r} at byte {pos} of {self.key!r} needs bytes up to {end}, {self._short()}", pos,
+                       name)
         return _Member(pos, data, size, end, name, kind)
 
     def _check_sum(self, header: bytes, at: int) -> None:
@@ -316,7 +321,7 @@ class _IndexWalk:
     """The index walk, fed ranged reads: `want` is the next (start, end) to read, None once done."""
 
     def __init__(self, key: str, size: int, max_member: int, read: int) -> None:
-        self.walker = _Walker(key, size, max_member, "the shard")
+        self.walker = _Walker(key, size, max_member, "shard")
         self.samples = _Samples(key)
         self.size, self.read, self.pos = size, read, 0
         self.starts: list[int] = []
@@ -391,7 +396,7 @@ def parse_samples(block: bytes, base: int, key: str, max_member: int) -> list[Ta
     header, a member over `max_member` or running past the block, an extension twice in a
     sample) raises a DataError naming the shard, the member and its offset.
     """
-    walker = _Walker(key, base + len(block), max_member, "the block read")
+    walker = _Walker(key, base + len(block), max_member, "block")
     walker.view, walker.base = memoryview(block), base
     samples = _Samples(key)
     out: list[TarSample] = []
