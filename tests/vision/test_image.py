@@ -167,8 +167,12 @@ def test_normalize_is_bit_identical_to_the_hf_processor(name: str, setting: str)
     assert torch.equal(got, torch.from_numpy(expected))  # tolerance 0
 
 
-def test_normalize_covers_every_byte_value_of_every_channel() -> None:
-    """All 3 x 256 (channel, value) pairs, against transformers' own rescale and normalize."""
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
+])
+def test_normalize_covers_every_byte_value_of_every_channel(device: str) -> None:
+    """All 3 x 256 (channel, value) pairs, against transformers' own rescale and normalize: an output
+    value depends on nothing else, so this proves bit-equality on the device for any image."""
     from transformers.image_transforms import normalize as hf_normalize
     from transformers.image_transforms import rescale as hf_rescale
     from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ChannelDimension
@@ -176,8 +180,9 @@ def test_normalize_covers_every_byte_value_of_every_channel() -> None:
     values = np.broadcast_to(np.arange(256, dtype=np.uint8), (3, 256)).copy()  # [C, 256]: a 1 x 256 image
     expected = hf_normalize(hf_rescale(values[:, None, :], 1 / 255), OPENAI_CLIP_MEAN, OPENAI_CLIP_STD,
                             input_data_format=ChannelDimension.FIRST)[:, 0, :]
-    got = normalize(torch.from_numpy(values.reshape(1, 3 * 256)))
-    assert torch.equal(got.view(3, 256), torch.from_numpy(expected))
+    got = normalize(torch.from_numpy(values.reshape(1, 3 * 256)).to(device))
+    assert got.device.type == device
+    assert torch.equal(got.cpu().view(3, 256), torch.from_numpy(expected))
 
 
 def test_normalize_refuses_what_is_not_uint8_rows() -> None:
