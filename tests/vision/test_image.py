@@ -395,10 +395,13 @@ def test_formats_outside_the_list_are_refused_though_pillow_reads_them(fmt: str)
         load_image(data, ImageSpec())
 
 
-def test_an_aspect_ratio_qwen_refuses_is_refused() -> None:
+def test_an_aspect_ratio_qwen_refuses_is_refused_before_decoding() -> None:
     data = encode(Image.new("RGB", (2010, 10)), "PNG")
+    load_image(GENERATED["tiny-png-5x5"], ImageSpec())  # Pillow's plugins loaded
+    allocated = Image.core.get_stats()["new_count"]
     with pytest.raises(BadImage, match="aspect ratio of 201.0, above the 200"):
         load_image(data, ImageSpec())
+    assert Image.core.get_stats()["new_count"] == allocated
 
 
 @settings(max_examples=200, deadline=None)

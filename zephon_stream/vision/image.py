@@ -311,13 +311,14 @@ def image_tokens(height: int, width: int, spec: ImageSpec) -> int:
 
 
 def load_image(data: bytes, spec: ImageSpec) -> np.ndarray:
-    """The image in `data` as uint8 RGB [H', W', 3], resized to `grid(...) * patch_size`.
+    """The image in `data` as uint8 RGB [H', W', 3] (read-only), resized to `grid(...) * patch_size`.
 
-    The header is checked (`image_size`) before anything is decoded. Raises `BadImage` for a
-    truncated or corrupt image, with Pillow's reason.
+    The header is checked (`image_size`, then `grid`) before anything is decoded. Raises
+    `BadImage` for a truncated or corrupt image, with Pillow's reason.
     """
     image = _pil()
     with contextlib.closing(_open(data, spec)) as im:
+        grid_h, grid_w = grid(im.height, im.width, spec)
         fmt = im.format or "image"
         try:
             im.load()
@@ -325,21 +326,25 @@ def load_image(data: bytes, spec: ImageSpec) -> np.ndarray:
         except image.DecompressionBombError as exc:
             raise BadImage(f"{fmt} image refused as a decompression bomb while decoding: {exc}") from exc
         except _PILLOW_DATA_ERRORS as exc:
-            raise BadImage(f"cannot decode the {fmt} image ({im.mode} {im.size[0]}x{im.size[1]}): "
+            raise BadImage(f"cannot decode the {fmt} image ({im.mode} {im.width}x{im.height}): "
                            f"{_reason(exc)}") from exc
-    grid_h, grid_w = grid(rgb.height, rgb.width, spec)
-    size = (grid_w * spec.patch_size, grid_h * spec.patch_size)  # Pillow sizes are (width, height)
-    return np.asarray(rgb.resize(size, image.Resampling.BICUBIC, reducing_gap=None))
+        size = (grid_w * spec.patch_size, grid_h * spec.patch_size)  # Pillow sizes are (width, height)
+        return np.asarray(rgb.resize(size, image.Resampling.BICUBIC, reducing_gap=None))
 
 
 def _to_rgb(im: PILImage.Image) -> PILImage.Image:
-    """`transformers.image_transforms.convert_to_rgb` for a PIL image: transparency onto white."""
+    """`transformers.image_transforms.convert_to_rgb` for a PIL image: transparency onto white.
+
+    The same pixels with fewer full-size copies alive at once (Pillow holds RGB and RGBA in 4
+    bytes a pixel): none for RGB, which it would copy unchanged, and at most three for the rest.
+    """
     image = _pil()
     if "A" in im.getbands() or im.info.get("transparency") is not None:
-        rgba = im.convert("RGBA")
-        white = image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return image.alpha_composite(white, rgba).convert("RGB")
-    return im.convert("RGB")
+        rgba = im if im.mode == "RGBA" else im.convert("RGBA")
+        composite = image.alpha_composite(image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
+        del rgba  # a converted copy goes before the RGB one is made
+        return composite.convert("RGB")
+    return im if im.mode == "RGB" else im.convert("RGB")
 
 
 def patchify(image: np.ndarray, spec: ImageSpec) -> np.ndarray:
