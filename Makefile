@@ -30,3 +30,8 @@ bench: bench-data
 
 clean:
 	rm -rf $(VENV) .pytest_cache data
+
+# Tux Paint's stamps (GPL-2; apt-get download into the cache) as image+caption tar shards in data/stamps.
+.PHONY: vlm-data
+vlm-data: $(STAMP)
+	$(BIN)/python -m tools.stamps data/stamps
