@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 import io
 import struct
+import subprocess
+import sys
 import time
 import warnings
 import zlib
@@ -460,3 +462,20 @@ def test_the_spec_is_frozen_strict_plain_data() -> None:
         setattr(spec, "patch_size", 14)  # noqa: B010 (the point is the assignment)
     with pytest.raises(msgspec.ValidationError, match="max_pixels = 100"):
         msgspec.convert({"max_pixels": 100}, ImageSpec)
+
+
+def test_lane_side_functions_load_neither_torch_nor_pillow_at_import() -> None:
+    """A lane worker decodes and patchifies without torch (its processes must stay free of it); the
+    package itself imports neither, so a config that only names [vision] costs nothing."""
+    code = (
+        "import sys\n"
+        "import zephon_stream.vision as v\n"
+        "assert 'torch' not in sys.modules and 'PIL' not in sys.modules, 'imported at import time'\n"
+        "spec = v.ImageSpec()\n"
+        f"rows = v.patchify(v.load_image({GENERATED['tiny-png-5x5']!r}, spec), spec)\n"
+        "assert rows.shape == (16, 1176), rows.shape  # 5x5 upscaled to min_pixels: 56x56\n"
+        "assert 'torch' not in sys.modules, 'load_image or patchify imported torch'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parents[2], check=False)
+    assert proc.returncode == 0, proc.stderr
