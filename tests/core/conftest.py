@@ -62,3 +62,66 @@ def config(dataset: tuple[Path, dict[str, list[str]]]) -> Config:
                   shuffle_window=8, split_bytes=4096, sample_batch=2,
                   sources=[SourceConfig(name="a", uri=f"file://{root}/a/", weight=0.6),
                            SourceConfig(name="b", uri=f"file://{root}/b/", weight=0.4)])
+
+
+VISION_TOKENS = ["<|endoftext|>", "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"]
+
+
+def make_image(rng: random.Random, fmt: str = "PNG", mode: str = "RGB") -> bytes:
+    """A small generated image: a gradient with noise, of a random size and aspect."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    h, w = rng.randint(8, 96), rng.randint(8, 96)
+    y, x = np.mgrid[0:h, 0:w]
+    base = np.stack([x * 255 // max(w - 1, 1), y * 255 // max(h - 1, 1), (x + y) % 256], axis=-1)
+    noise = np.random.default_rng(rng.randrange(1 << 30)).integers(0, 40, (h, w, 3))
+    im = Image.fromarray(((base + noise) % 256).astype(np.uint8), "RGB").convert(mode)
+    out = io.BytesIO()
+    im.save(out, fmt)
+    return out.getvalue()
+
+
+def build_vision_dataset(root: Path, n: int = 480, shards: int = 3) -> dict[str, list[str]]:
+    """Image+caption tar shards under root/img (generated images, captions from WORDS) and a
+    tokenizer with the vision special tokens at root/vision-tokenizer.json."""
+    from zephon_stream.formats.tar import write_tar_shards
+
+    rng = random.Random(11)
+    captions = make_docs(rng, n, 30)
+    samples = [(f"{i:06d}", {"png": make_image(rng), "txt": captions[i].encode()}) for i in range(n)]
+    (root / "img").mkdir(parents=True)
+    per = -(-n // shards)
+    for s in range(shards):
+        write_tar_shards(samples[s * per:(s + 1) * per], root / "img", prefix=f"img{s}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=VISION_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(captions, trainer=trainer)
+    tok.save(str(root / "vision-tokenizer.json"))
+    return {"img": captions}
+
+
+@pytest.fixture(scope="session")
+def vision_dataset(tmp_path_factory: pytest.TempPathFactory, dataset) -> tuple[Path, dict[str, list[str]]]:
+    root = tmp_path_factory.mktemp("vision")
+    return root, build_vision_dataset(root)
+
+
+@pytest.fixture()
+def vision_config(vision_dataset, dataset) -> Config:
+    """An image+text source mixed with a text-only one, LLaVA style (L = 12)."""
+    from zephon_stream.loader.config import VisionConfig
+
+    root, _ = vision_dataset
+    text_root, _ = dataset
+    return Config(seed=1234, lanes=12, seq_len=64, global_batch_size=24, tokenizer=str(root / "vision-tokenizer.json"),
+                  shuffle_window=8, split_bytes=8192, sample_batch=2,
+                  vision=VisionConfig(vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>",
+                                      min_pixels=784, max_pixels=28 * 28 * 16, decode_batch=3),
+                  sources=[SourceConfig(name="img", uri=f"file://{root}/img/", weight=0.7, image_field="jpg;png",
+                                        text_field="txt"),
+                           SourceConfig(name="a", uri=f"file://{text_root}/a/", weight=0.3)])

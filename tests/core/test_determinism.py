@@ -1,5 +1,8 @@
 """The determinism matrix: byte-identical per-sample digests across world sizes, backends,
-buffer sizes, injected latency and any sequence of checkpoint/resume (L = 12)."""
+buffer sizes, injected latency and any sequence of checkpoint/resume (L = 12).
+
+Every test runs for the text config and for an image+text config (tar shards of images mixed
+with a text source), whose records digest the pixels too."""
 
 from __future__ import annotations
 
@@ -16,11 +19,20 @@ from zephon_stream.testing.stores import WithLatency
 STEPS = 24
 
 
+@pytest.fixture(params=["text", "vision"])
+def config(request):
+    return request.getfixturevalue("config" if request.param == "text" else "vision_config")
+
+
 @pytest.fixture()
 def baseline(config):
     records, _ = run_world(config, 1, STEPS, backend="inline")
     assert len(records) == STEPS * config.global_batch_size
-    assert len({r[4] for r in records}) == len(records), "samples should be distinct"
+    distinct = len({r[4] for r in records})
+    if config.vision is None:
+        assert distinct == len(records), "samples should be distinct"
+    else:  # a sample that opens at an image (a span is never cut) and that the document fills recurs each epoch
+        assert distinct >= 0.99 * len(records), "samples should be distinct, but for a few repeated across epochs"
     return records
 
 

@@ -58,11 +58,15 @@ class TarSplitReader:
         return f"byte {self.base + pos}"
 
     def _ranges(self, first: int) -> list[tuple[int, int]]:
-        """Reads covering samples [first, split.end): consecutive samples up to _READ_PART together."""
+        """Reads covering samples [first, split.end): consecutive samples together, up to _READ_PART,
+        or a `read_ahead`-th of the split when there is a window, so that its requests overlap."""
         starts = self.shard.frames
+        part = _READ_PART
+        if self.spawn is not None and self.read_ahead > 1:
+            part = min(_READ_PART, -(-(starts[self.split.end] - starts[first]) // self.read_ahead))
         out, lo = [], starts[first]
         for i in range(first + 1, self.split.end + 1):
-            if starts[i] - lo >= _READ_PART or i == self.split.end:
+            if starts[i] - lo >= part or i == self.split.end:
                 out.append((lo, starts[i]))
                 lo = starts[i]
         return out
@@ -70,11 +74,11 @@ class TarSplitReader:
     async def blocks(self, offset: int = 0) -> AsyncIterator[tuple[int, bytes]]:
         """(offset, bytes) blocks of whole samples from `offset` (a sample start) to the split's end."""
         starts = self.shard.frames
-        first = next((i for i in range(self.split.start, self.split.end) if starts[i] - self.base == offset), None)
+        first = next((i for i in range(self.split.start, self.split.end + 1) if starts[i] - self.base == offset), None)
         if first is None:
             raise IncompatibleState(f"offset {offset} of {self.key!r} ({self.where(offset)}) is not a sample start "
                                     f"of split {self.split}")
-        ranges = self._ranges(first)
+        ranges = self._ranges(first) if first < self.split.end else []  # a cursor at the end: nothing left
         if self.spawn is not None and self.read_ahead > 1 and len(ranges) > 1:
             parts: AsyncIterator[bytes] = ReadWindow(functools.partial(self.store.read, self.key), ranges,
                                                      self.read_ahead, self.spawn).__aiter__()
@@ -132,15 +136,15 @@ class ImageParser:
         from zephon_stream.formats.tar import parse_samples
 
         out = []
-        for sample in parse_samples(block, block_pos, reader.key, self.max_record):
+        for sample in parse_samples(block, reader.base + block_pos, reader.key, self.max_record):
             try:
-                out.append((sample.offset, sample.length, self._record(reader, sample)))
+                out.append((sample.offset - reader.base, sample.length, self._record(reader, sample)))
             except DataError as err:
                 self.bad(err)
         return out
 
     def _record(self, reader: TarSplitReader, sample: Any) -> ImageRecord:
-        where = f"sample {sample.key!r} of {reader.key!r} at {reader.where(sample.offset)}"
+        where = f"sample {sample.key!r} of {reader.key!r} at byte {sample.offset}"
         image_ext = next((e for e in self.image_exts if e in sample.members), None)
         if image_ext is None:
             raise DataError(f"{where} has no image member (looked for {', '.join(self.image_exts)}; it has "

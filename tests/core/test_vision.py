@@ -1,0 +1,261 @@
+"""Image+text sources end to end: batches, exactly once, checkpoints, bad input, S3, config refusals.
+
+The determinism matrix (tests/core/test_determinism.py) runs for the image+text config too.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+import struct
+import tarfile
+import zlib
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.core.conftest import make_image
+from zephon_stream import ConfigError, DataError
+from zephon_stream.formats.tar import write_tar_shards
+from zephon_stream.loader.config import Config, VisionConfig
+from zephon_stream.loader.loader import Loader
+from zephon_stream.loader.state import state_to_bytes
+from zephon_stream.operators.collate import sample_digests
+from zephon_stream.operators.types import IGNORE
+from zephon_stream.testing.determinism import run_world
+from zephon_stream.vision.image import image_tokens
+
+
+def _ids(config: Config) -> dict[str, int]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(config.tokenizer)
+    return {name: tok.token_to_id(name) for name in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")}
+
+
+def _images_only(config: Config) -> Config:
+    return config.replace(sources=[config.sources[0]])
+
+
+def test_batch_layout_spans_labels_and_types(vision_config):
+    ids = _ids(vision_config)
+    spec = vision_config.vision.image_spec()
+    seen = 0
+    for b, batch in enumerate(Loader(vision_config, backend="threads")):
+        input_ids, labels, types = batch["input_ids"], batch["labels"], batch["mm_token_type_ids"]
+        grids, owner = batch["image_grid_thw"], batch["image_sample"].tolist()
+        assert batch["pixel_values"].dtype.is_floating_point is False
+        assert batch["pixel_values"].shape == (int(grids.prod(dim=1).sum()), 3 * 2 * 14 * 14)
+        assert (types == (input_ids == ids["<|image_pad|>"])).all()
+        for row in range(len(input_ids)):
+            starts = (input_ids[row] == ids["<|vision_start|>"]).nonzero().flatten().tolist()
+            mine = [g for g, r in zip(grids.tolist(), owner) if r == row]
+            assert len(starts) == len(mine)
+            for at, (t, h, w) in zip(starts, mine):  # the whole span is in this row: never cut
+                k = t * h * w // spec.merge_size ** 2
+                assert input_ids[row, at + 1:at + 1 + k].eq(ids["<|image_pad|>"]).all()
+                assert int(input_ids[row, at + 1 + k]) == ids["<|vision_end|>"]
+                assert labels[row, max(at - 1, 0):at + k + 1].eq(IGNORE).all()  # no target inside the span
+                seen += 1
+        if b == 12:
+            break
+    assert seen > 100
+
+
+def test_grid_matches_the_placeholder_count(vision_config):
+    spec = vision_config.vision.image_spec()
+    batch = next(iter(Loader(_images_only(vision_config), backend="inline")))
+    pads = batch["mm_token_type_ids"].sum(dim=1).tolist()
+    per_row = [0] * len(pads)
+    for (t, h, w), row in zip(batch["image_grid_thw"].tolist(), batch["image_sample"].tolist()):
+        per_row[row] += t * h * w // spec.merge_size ** 2
+        assert image_tokens(h * spec.patch_size, w * spec.patch_size, spec) == h * w // spec.merge_size ** 2
+    assert pads == per_row
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_every_image_appears_once_per_epoch(vision_config, vision_dataset, epochs):
+    _, data = vision_dataset
+    cfg = _images_only(vision_config).replace(max_epochs=epochs)
+    images = 0
+    for batch in Loader(cfg, dp_size=2, dp_rank=0, backend="threads"):
+        images += sum(d["images"] for d in sample_digests(batch))
+    for batch in Loader(cfg, dp_size=2, dp_rank=1, backend="threads"):
+        images += sum(d["images"] for d in sample_digests(batch))
+    assert images == epochs * len(data["img"])
+
+
+def test_float32_pixels_are_normalised_uint8_pixels(vision_config):
+    from zephon_stream.vision.image import normalize
+
+    raw = next(iter(Loader(vision_config, backend="inline")))
+    cfg = vision_config.replace(vision=msgspec.structs.replace(vision_config.vision, pixel_dtype="float32"))
+    normed = next(iter(Loader(cfg, backend="inline")))
+    assert normed["pixel_values"].dtype.is_floating_point
+    assert normed["pixel_values"].equal(normalize(raw["pixel_values"]))
+    assert normed["input_ids"].equal(raw["input_ids"])
+
+
+def test_checkpoint_holds_no_pixels_and_stays_small(vision_config):
+    loader = Loader(vision_config, backend="threads")
+    for b, _ in enumerate(loader):
+        if b == 8:
+            break
+    size = len(state_to_bytes(loader.state_dict()))
+    assert size < 16 * 1024, f"checkpoint of 12 lanes is {size} bytes"
+
+
+def test_s3_matches_local(vision_config, vision_dataset, dataset, s3, monkeypatch):
+    root, _ = vision_dataset
+    text_root, _ = dataset
+    client = s3.client()
+    for path in sorted((root / "img").glob("*.tar")) + sorted((text_root / "a").glob("*")):
+        client.put_object(Bucket=s3.bucket, Key=f"data/{path.parent.name}/{path.name}", Body=path.read_bytes())
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.options["access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.options["secret_access_key"])
+    remote = vision_config.replace(sources=[
+        msgspec.structs.replace(src, uri=f"s3://{s3.bucket}/data/{Path(src.uri).name}/",
+                                endpoint_url=s3.options["endpoint_url"], region="us-east-1", addressing_style="path")
+        for src in vision_config.sources])
+    local = run_world(vision_config, 1, 6, backend="inline")[0]
+    assert run_world(remote, 2, 6, backend="threads")[0] == local
+
+
+# ---- config ------------------------------------------------------------------------------------
+
+def test_refuses_a_seq_len_that_cannot_hold_an_image(vision_config):
+    with pytest.raises(ConfigError, match=r"cannot hold one image: .* raise seq_len to >= 19 or lower "
+                                          r"vision.max_pixels to <= 10192"):
+        vision_config.replace(seq_len=16)
+
+
+def test_refuses_image_source_without_vision_table(vision_config):
+    with pytest.raises(ConfigError, match=r"image_field but there is no \[vision\] table"):
+        vision_config.replace(vision=None)
+
+
+def test_unknown_image_token_lists_the_special_tokens(vision_config):
+    cfg = vision_config.replace(vision=msgspec.structs.replace(vision_config.vision, image_token="<image>"))
+    with pytest.raises(ConfigError, match=r"vision.image_token '<image>' is not in the vocabulary .*<\|image_pad\|>"):
+        next(iter(Loader(cfg, backend="inline")))
+
+
+def test_vision_settings_change_the_order_digest(vision_config):
+    other = vision_config.replace(vision=msgspec.structs.replace(vision_config.vision, max_pixels=28 * 28 * 8))
+    fast = vision_config.replace(vision=msgspec.structs.replace(vision_config.vision, decode_batch=1))
+    assert other.order_digest("t") != vision_config.order_digest("t")
+    assert fast.order_digest("t") == vision_config.order_digest("t")
+
+
+def test_toml_round_trip(vision_config, tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(vision_config.to_toml())
+    assert Config.from_toml(path) == vision_config
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+def _bomb_png(width: int = 30000, height: int = 30000) -> bytes:
+    """A PNG whose header declares width x height (the IDAT is a few bytes: never decoded)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    idat = chunk(b"IDAT", zlib.compress(b"\0" * 1024))
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + idat + chunk(b"IEND", b"")
+
+
+def _encoded(mode: str, fmt: str) -> bytes:
+    out = io.BytesIO()
+    Image.new(mode, (40, 30), 3 if mode == "P" else (10, 200, 30, 5)[:len(mode)]).save(out, fmt)
+    return out.getvalue()
+
+
+BAD_SAMPLES = {
+    "bomb": ({"png": _bomb_png(), "txt": b"a bomb"}, r"30000.*30000|decompression"),
+    "truncated image": ({"png": make_image(random.Random(1))[:200], "txt": b"cut"}, r"bad image '00000\d\.png'"),
+    "not an image": ({"png": b"this is text, not a PNG" * 10, "txt": b"text"}, r"bad image '00000\d\.png'"),
+    "no caption": ({"png": make_image(random.Random(2))}, r"has no caption member 'txt'"),
+    "no image": ({"txt": b"a caption alone"}, r"has no image member"),
+    "empty caption": ({"png": make_image(random.Random(3)), "txt": b"  "}, r"empty caption"),
+}
+
+
+def _shard_with(tmp_path: Path, bad: dict[str, bytes], n: int = 8) -> Path:
+    rng = random.Random(5)
+    samples = [(f"{i:06d}", {"png": make_image(rng), "txt": f"caption {i}".encode()}) for i in range(n)]
+    samples[n // 2] = (f"{n // 2:06d}", bad)
+    root = tmp_path / "bad"
+    write_tar_shards(samples, root, prefix="bad")
+    return root
+
+
+def _one_source(config: Config, root: Path, **changes: object) -> Config:
+    src = msgspec.structs.replace(config.sources[0], uri=f"file://{root}/")
+    return config.replace(sources=[src], lanes=1, global_batch_size=1, max_epochs=1, **changes)
+
+
+def _run(cfg: Config) -> tuple[int, int]:
+    loader = Loader(cfg, backend="threads")
+    images = sum(sum(d["images"] for d in sample_digests(b)) for b in loader)
+    return images, loader.statistics().skipped_records
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SAMPLES))
+def test_bad_sample_is_an_error_naming_shard_and_member_or_a_counted_skip(vision_config, tmp_path, case):
+    members, message = BAD_SAMPLES[case]
+    root = _shard_with(tmp_path, members)
+    with pytest.raises(DataError, match=message) as info:
+        _run(_one_source(vision_config, root))
+    assert "bad-00000.tar" in str(info.value) and info.value.key.endswith("bad-00000.tar")
+    assert info.value.offset >= 0
+    assert _run(_one_source(vision_config, root, on_bad_record="skip")) == (7, 1)
+
+
+@pytest.mark.parametrize(("mode", "fmt"), [("CMYK", "JPEG"), ("P", "PNG"), ("LA", "PNG"), ("L", "JPEG")])
+def test_cmyk_palette_and_gray_images_are_converted(vision_config, tmp_path, mode, fmt):
+    root = _shard_with(tmp_path, {"jpg" if fmt == "JPEG" else "png": _encoded(mode, fmt), "txt": b"converted"})
+    assert _run(_one_source(vision_config, root)) == (8, 0)
+
+
+def _tar_bytes(root: Path) -> bytes:
+    return next(root.glob("*.tar")).read_bytes()
+
+
+def test_truncated_tar_is_an_error_or_keeps_the_samples_before(vision_config, tmp_path):
+    root = _shard_with(tmp_path, {"png": make_image(random.Random(4)), "txt": b"fine"})
+    data = _tar_bytes(root)
+    with tarfile.open(next(root.glob("*.tar"))) as tf:
+        cut = tf.getmembers()[-2].offset_data + 100  # inside the last sample's image
+    (root / "bad-00000.tar").write_bytes(data[:cut])
+    with pytest.raises(DataError, match=r"bad-00000.tar"):
+        _run(_one_source(vision_config, root))
+    assert _run(_one_source(vision_config, root, on_bad_record="skip")) == (7, 1)
+
+
+def test_member_over_max_record_bytes(vision_config, tmp_path):
+    big = np.random.default_rng(0).integers(0, 256, (200, 200, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(big).save(out, "PNG")
+    root = _shard_with(tmp_path, {"png": out.getvalue(), "txt": b"large"})
+    limit = len(out.getvalue()) - 1
+    with pytest.raises(DataError, match=r"bad-00000.tar"):
+        _run(_one_source(vision_config, root, max_record_bytes=limit))
+    images, skipped = _run(_one_source(vision_config, root, max_record_bytes=limit, on_bad_record="skip"))
+    assert skipped == 1 and images == 4  # the samples before the oversized member: the index stops there
+
+
+def test_image_larger_than_the_decode_limit_is_refused_before_decoding(vision_config, tmp_path):
+    cfg = vision_config.replace(vision=msgspec.structs.replace(vision_config.vision, max_decoded_pixels=100))
+    root = _shard_with(tmp_path, {"png": make_image(random.Random(6)), "txt": b"x"})
+    with pytest.raises(DataError, match=r"bad image"):
+        _run(_one_source(cfg, root))
+
+
+def test_vision_config_validation():
+    with pytest.raises(ConfigError, match="vision.min_pixels"):
+        VisionConfig(min_pixels=10_000, max_pixels=5_000)
+    with pytest.raises(ConfigError, match=r"vision.max_pixels .* at least one merged patch"):
+        VisionConfig(min_pixels=10, max_pixels=100)
