@@ -5,12 +5,19 @@
   `CapacityLimiter(cpu_threads)`; the default, and the one that keeps the trainer's loop free.
 - `processes`: this rank's lanes split into `workers` spawned processes, each running its lanes
   with the threads policy. Samples come back as msgpack over pipes (never pickle), with
-  per-lane credits so a slow lane never blocks a fast one's pipe.
+  per-lane credits so a slow lane never blocks a fast one's pipe. Each worker publishes its
+  stores' counters in shared memory, so the loader's statistics count the workers' reads.
+
+A spawned process imports the user's script again before it runs anything; a script that
+starts a processes-backend loader outside `if __name__ == "__main__":` would start it again in
+every worker. `check_spawn_allowed` notices (the worker exits with `NO_MAIN_GUARD`) and the
+parent raises one ConfigError that says what to add.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -20,9 +27,9 @@ import msgspec
 import numpy as np
 
 from zephon_stream import errors as _exceptions
-from zephon_stream.connectors.base import Store
+from zephon_stream.connectors.base import Store, StoreStatistics
 from zephon_stream.engine.cpu import CpuPolicy
-from zephon_stream.errors import ZephonError
+from zephon_stream.errors import ConfigError, ZephonError
 from zephon_stream.loader.config import Config
 from zephon_stream.loader.lane import Lanes, TextLane
 from zephon_stream.loader.plan import DataPlan, open_stores
@@ -30,9 +37,13 @@ from zephon_stream.loader.state import LaneState
 from zephon_stream.operators.tokenize import Tokenize
 from zephon_stream.operators.types import Sample
 
-__all__ = ["cpu_policy", "run_lanes"]
+__all__ = ["NO_MAIN_GUARD", "check_spawn_allowed", "cpu_policy", "run_lanes"]
 
 Streams = dict[int, anyio.abc.ObjectReceiveStream[list[Sample]]]
+LaneRun = tuple[Streams, Callable[[int], None], Callable[[], int], Callable[[], StoreStatistics]]
+
+#: The exit status of a spawned worker that found itself importing a script without a main guard.
+NO_MAIN_GUARD = 86
 
 
 def cpu_policy(config: Config) -> CpuPolicy:
@@ -42,17 +53,35 @@ def cpu_policy(config: Config) -> CpuPolicy:
 @asynccontextmanager
 async def run_lanes(config: Config, tokenizer: Tokenize, plan: DataPlan, stores: list[Store],
                     states: dict[int, LaneState], wrap_store: Callable[[Store], Store] | None = None,
-                    ) -> AsyncIterator[tuple[Streams, Callable[[int], None], Callable[[], int]]]:
-    """Run `states`' lanes on `config.backend`; yield (streams, credit, skipped-records).
+                    ) -> AsyncIterator[LaneRun]:
+    """Run `states`' lanes on `config.backend`; yield (streams, credit, skipped-records, worker-stores).
 
-    `stores` serve the lanes run here; worker processes open their own (wrapped by `wrap_store`).
+    `stores` serve the lanes run here; worker processes open their own (wrapped by `wrap_store`),
+    and the last callable sums their counters (all zero when no worker process runs).
     """
     if config.backend == "processes":
         async with _run_processes(config, plan, states, wrap_store) as out:
             yield out
         return
     async with _run_local(config, plan, stores, tokenizer, states) as (streams, shared):
-        yield streams, lambda lane: None, shared.skipped
+        yield streams, lambda lane: None, shared.skipped, StoreStatistics
+
+
+def check_spawn_allowed() -> None:
+    """Called before starting worker processes. In a spawned process that is still importing the
+    user's script (the script starts a loader outside `if __name__ == "__main__":`), exit with
+    `NO_MAIN_GUARD` instead of starting workers of workers; the parent explains."""
+    # `_inheriting` is what multiprocessing itself checks before refusing to start a process there
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise SystemExit(NO_MAIN_GUARD)
+
+
+def _no_main_guard_error() -> ConfigError:
+    script = getattr(sys.modules.get("__main__"), "__file__", None) or "your script"
+    return ConfigError(
+        f'backend "processes" starts its workers with spawn, and each worker imports {script} again: '
+        "the code that starts the loader ran again in them. Put that code under "
+        '`if __name__ == "__main__":` (or in a function called from there), or use backend "threads"')
 
 
 @asynccontextmanager
@@ -114,10 +143,13 @@ def _unpack(msg: _Msg) -> list[Sample]:
 @asynccontextmanager
 async def _run_processes(cfg: Config, plan: DataPlan, states: dict[int, LaneState],
                          wrap_store: Callable[[Store], Store] | None,
-                         ) -> AsyncIterator[tuple[Streams, Callable[[int], None], Callable[[], int]]]:
+                         ) -> AsyncIterator[LaneRun]:
     lanes = sorted(states)
     groups = [lanes[w::cfg.workers] for w in range(min(cfg.workers, len(lanes)))]
+    check_spawn_allowed()
     ctx = multiprocessing.get_context("spawn")
+    # each worker's store counters, in shared memory (which creates a file: not on the event loop)
+    counters = await anyio.to_thread.run_sync(lambda: [ctx.RawArray("q", len(_COUNTERS)) for _ in groups])
     streams: Streams = {}
     sends: dict[int, Any] = {}
     for lane in lanes:
@@ -128,7 +160,7 @@ async def _run_processes(cfg: Config, plan: DataPlan, states: dict[int, LaneStat
             data_r, data_w = ctx.Pipe(duplex=False)
             ctrl_r, ctrl_w = ctx.Pipe(duplex=False)
             payload = msgspec.msgpack.encode((cfg, plan, [states[lane] for lane in group]))
-            proc = ctx.Process(target=_worker_main, args=(payload, data_w, ctrl_r, wrap_store),
+            proc = ctx.Process(target=_worker_main, args=(payload, data_w, ctrl_r, wrap_store, counters[w]),
                                name=f"zephon-lanes-{w}", daemon=True)
             await anyio.to_thread.run_sync(proc.start)  # spawning takes long enough to stall the loop
             data_w.close()
@@ -142,10 +174,10 @@ async def _run_processes(cfg: Config, plan: DataPlan, states: dict[int, LaneStat
                     ctrl_w.send_bytes(lane.to_bytes(4, "little"))
 
         async with anyio.create_task_group() as tg:
-            for w, (_proc, data_r, _ctrl, group) in enumerate(workers):
-                tg.start_soon(_receive, data_r, {lane: sends[lane] for lane in group}, skipped, w)
+            for w, (proc, data_r, _ctrl, group) in enumerate(workers):
+                tg.start_soon(_receive, data_r, {lane: sends[lane] for lane in group}, skipped, w, proc)
             try:
-                yield streams, credit, lambda: sum(skipped)
+                yield streams, credit, lambda: sum(skipped), lambda: _read_counters(counters)
             finally:
                 tg.cancel_scope.cancel()
                 for lane in lanes:
@@ -153,12 +185,15 @@ async def _run_processes(cfg: Config, plan: DataPlan, states: dict[int, LaneStat
                     streams[lane].close()
 
 
-async def _receive(conn: Any, sends: dict[int, Any], skipped: list[int], w: int) -> None:
+async def _receive(conn: Any, sends: dict[int, Any], skipped: list[int], w: int, proc: Any) -> None:
     open_lanes = set(sends)
     while open_lanes:
         try:
             raw = await anyio.to_thread.run_sync(conn.recv_bytes, abandon_on_cancel=True)
         except EOFError:
+            await anyio.to_thread.run_sync(proc.join, 5)
+            if proc.exitcode == NO_MAIN_GUARD:
+                raise _no_main_guard_error() from None
             raise ZephonError(f"lane worker process {w} died (lanes {sorted(open_lanes)}): see its stderr") from None
         msg = _dec.decode(raw)
         if msg.kind == "batch":
@@ -185,13 +220,14 @@ async def _stop_worker(proc: Any, data_r: Any, ctrl_w: Any) -> None:
             await anyio.to_thread.run_sync(proc.join, 5)
 
 
-def _worker_main(payload: bytes, data_w: Any, ctrl_r: Any, wrap_store: Callable[[Store], Store] | None) -> None:
+def _worker_main(payload: bytes, data_w: Any, ctrl_r: Any, wrap_store: Callable[[Store], Store] | None,
+                 counters: Any) -> None:
     cfg_raw, plan_raw, states_raw = msgspec.msgpack.decode(payload)
     cfg = msgspec.convert(cfg_raw, Config)
     plan = msgspec.convert(plan_raw, DataPlan)
     states = [msgspec.convert(s, LaneState) for s in states_raw]
     try:
-        anyio.run(_worker, cfg, plan, states, data_w, ctrl_r, wrap_store)
+        anyio.run(_worker, cfg, plan, states, data_w, ctrl_r, wrap_store, counters)
     except BaseException as exc:  # report, then exit: the parent raises it
         err = _exceptions.root_error(exc)
         try:
@@ -201,7 +237,7 @@ def _worker_main(payload: bytes, data_w: Any, ctrl_r: Any, wrap_store: Callable[
 
 
 async def _worker(cfg: Config, plan: DataPlan, states: list[LaneState], data_w: Any, ctrl_r: Any,
-                  wrap_store: Callable[[Store], Store] | None) -> None:
+                  wrap_store: Callable[[Store], Store] | None, counters: Any) -> None:
     tokenizer = Tokenize(cfg.tokenizer, cfg.eos_token)
     credits = {s.lane: anyio.Semaphore(cfg.sample_buffer) for s in states}
     out_send, out_recv = anyio.create_memory_object_stream[bytes](len(states))
@@ -214,17 +250,33 @@ async def _worker(cfg: Config, plan: DataPlan, states: list[LaneState], data_w: 
                 tg.start_soon(_send_all, out_recv, data_w)
                 async with anyio.create_task_group() as lanes_tg:
                     for lane, recv in streams.items():
-                        lanes_tg.start_soon(_forward, lane, recv, credits[lane], out_send.clone(), shared)
+                        lanes_tg.start_soon(_forward, lane, recv, credits[lane], out_send.clone(), shared, counters)
                 out_send.close()
 
 
-async def _forward(lane: int, recv: Any, credit: anyio.Semaphore, out: Any, shared: Lanes) -> None:
+async def _forward(lane: int, recv: Any, credit: anyio.Semaphore, out: Any, shared: Lanes, counters: Any) -> None:
     async with out:
         async for batch in recv:
             await credit.acquire()
+            _write_counters(shared.stores, counters)  # before the batch leaves: the parent sees its reads
             await out.send(_pack(lane, batch))
             await out.send(_enc.encode(_Msg("skipped", count=shared.skipped())))
+        _write_counters(shared.stores, counters)
         await out.send(_enc.encode(_Msg("end", lane)))
+
+
+_COUNTERS = ("requests", "retries", "bytes_read")  # the store counters a worker shares with the parent
+
+
+def _write_counters(stores: list[Store], counters: Any) -> None:
+    stats = [s.statistics() for s in stores]
+    for i, name in enumerate(_COUNTERS):
+        counters[i] = sum(getattr(st, name) for st in stats)
+
+
+def _read_counters(counters: list[Any]) -> StoreStatistics:
+    """The workers' store counters, summed (each a shared array that only its worker writes)."""
+    return StoreStatistics(**{name: sum(c[i] for c in counters) for i, name in enumerate(_COUNTERS)})
 
 
 async def _send_all(recv: Any, conn: Any) -> None:

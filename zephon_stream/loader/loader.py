@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -11,9 +12,9 @@ from typing import Any
 import anyio
 import msgspec
 
-from zephon_stream.connectors.base import Store
+from zephon_stream.connectors.base import Store, StoreStatistics
 from zephon_stream.errors import CheckpointError, ConfigError, IncompatibleState, ZephonError, unwrap_groups
-from zephon_stream.loader.backends import run_lanes
+from zephon_stream.loader.backends import check_spawn_allowed, run_lanes
 from zephon_stream.loader.config import Config
 from zephon_stream.loader.plan import DataPlan, open_stores, plan_data
 from zephon_stream.loader.sequencer import check_world, consumed, rank_lanes, rank_slots
@@ -43,15 +44,41 @@ class LoaderStatistics(msgspec.Struct, frozen=True):
     store_bytes_read: int
 
 
+#: Steps back that `Loader.state_dict(step=...)` can still give: more than a trainer prefetches.
+HISTORY = 16
+
+
 class Frontier:
     """The consumed frontier of one rank: the step, each lane's state after its last consumed
-    sample, and counters. `Loader.state_dict()` is this; a `BatchStream` advances it."""
+    sample, and counters. `Loader.state_dict()` is this; a `BatchStream` advances it.
+
+    It also remembers the lane states of the last `HISTORY` steps (references to immutable
+    states: a few KB), for trainers that fetch batches ahead of the one they train on.
+    """
 
     def __init__(self, lanes: list[int], n_sources: int) -> None:
         self.step = 0
         self.lanes = {lane: LaneState.initial(lane, n_sources) for lane in lanes}
         self.samples = self.tokens = 0
         self.peak_buffered = 0  # sample batches held at once, lane buffers and the batch in hand
+        self.history: collections.deque[tuple[int, dict[int, LaneState]]] = collections.deque(maxlen=HISTORY)
+
+    def advance(self) -> None:
+        """One more global batch consumed: count it and remember the lane states there."""
+        self.step += 1
+        self.history.append((self.step, dict(self.lanes)))
+
+    def lanes_at(self, step: int) -> dict[int, LaneState]:
+        """The lane states once `step` global batches were consumed (the current step or a recent one)."""
+        if step == self.step:
+            return self.lanes
+        for seen, lanes in self.history:
+            if seen == step:
+                return lanes
+        recent = [seen for seen, _ in self.history if seen < self.step] or [self.step]
+        raise CheckpointError(f"state_dict(step={step}): this rank is at step {self.step} and remembers steps "
+                              f"{recent[0]}..{self.step} only; ask for a step in that range (the step after the "
+                              "batch you trained on last: batch[\"step\"] + 1)")
 
     def consume(self, sample: Sample) -> None:
         """Advance past `sample`; a padding sample (no state) means its lane has ended."""
@@ -79,6 +106,19 @@ class Loader:
     ```
     The sample at every global slot is a pure function of (config, seed, data): it does not
     depend on dp_size, backend, buffer sizes or resume points.
+
+    Steps: `batch["step"]` is the global step of a batch (0 for the first); `loader.step` counts
+    the global batches consumed, so right after receiving a batch `loader.step == batch["step"] + 1`,
+    and `state_dict()` then resumes with the next batch. A trainer that fetches ahead of the batch
+    it trains on (Lightning prefetches one) saves `state_dict(step=batch["step"] + 1)` of the
+    batch it trained on last.
+
+    torch: a Loader is a torch `IterableDataset` (it already batches): `DataLoader(loader,
+    batch_size=None)` iterates it, with `num_workers=0` (the loader runs its own workers:
+    `backend = "processes"`). It is Stateful (`state_dict`/`load_state_dict`), for
+    `torch.distributed.checkpoint` and StatefulDataLoader-style trainers.
+
+    `close()` (or `with Loader(...) as loader:`) stops its streams for good; see there.
     """
 
     def __init__(self, config: Config, *, dp_rank: int | None = None, dp_size: int | None = None,
@@ -106,9 +146,16 @@ class Loader:
         self._streams: dict[int, Any] = {}
         self._store_stats: list[Any] = []
         self._skipped: Callable[[], int] = lambda: 0
+        self._worker_stores: Callable[[], StoreStatistics] = StoreStatistics
+        self._opened = 0  # streams open now (an `open()` block, a `for` loop in progress)
+        self._batch_streams: set[BatchStream] = set()
+        self._iterators: weakref.WeakSet[Iterator[dict[str, Any]]] = weakref.WeakSet()
+        self._closed = False
+        _register_iterable_dataset()
 
     @classmethod
     def from_toml(cls, path: str | Path, **kwargs: Any) -> Loader:
+        """`Loader(Config.from_toml(path), **kwargs)`: the loader of a TOML config file."""
         return cls(Config.from_toml(path), **kwargs)
 
     def __repr__(self) -> str:
@@ -117,19 +164,32 @@ class Loader:
 
     # ---- checkpoint -------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, bytes]:
+    def state_dict(self, step: int | None = None) -> dict[str, bytes]:
         """The consumed frontier of this rank: `{"meta": ..., "lane_0003": ..., ...}` (torch Stateful).
 
         One entry per lane this rank owns; save every rank's dict (with torch.distributed.checkpoint,
         or `state_to_bytes` per rank) and any world size that divides `lanes` can load them.
+
+        `step` (default: `self.step`) asks for the state once `step` global batches were consumed,
+        one of the last `HISTORY` steps: a trainer that fetched batches ahead of the one it trained
+        on saves `state_dict(step=batch["step"] + 1)` of that batch.
         """
-        states = [self.frontier.lanes[lane] for lane in self.lanes]
+        at = self.step if step is None else step
+        lanes = self.frontier.lanes_at(at)
         header = StateHeader(FORMAT_VERSION, self.order_digest, self._fingerprint or self._data_fingerprint(),
-                             self.config.lanes, self.config.global_batch_size, self.step, self.order_settings)
-        return LoaderState(header, states).to_dict()
+                             self.config.lanes, self.config.global_batch_size, at, self.order_settings)
+        return LoaderState(header, [lanes[lane] for lane in self.lanes]).to_dict()
 
     def load_state_dict(self, state_dict: dict[str, bytes] | list[dict[str, bytes]]) -> None:
-        """Load one rank's state, or several ranks' states (a list) that together hold our lanes."""
+        """Load one rank's state, or several ranks' states (a list) that together hold our lanes.
+
+        Only while no stream of this loader is open: load first, then iterate (or load into a new
+        Loader). The next batch is then the one after the saved step.
+        """
+        if self._opened:
+            raise CheckpointError("load_state_dict() while a stream of this loader is open (a `for batch in "
+                                  "loader` loop or an `open()` block): leave it first (break, or close the "
+                                  "iterator), or load the state into a new Loader")
         parts = state_dict if isinstance(state_dict, list) else [state_dict]
         decoded = [LoaderState.from_dict(p) for p in parts]
         if not decoded:
@@ -153,6 +213,7 @@ class Loader:
         self.frontier.step = head.step
         self._fingerprint = head.data_fingerprint
         self.frontier.lanes = {lane: lanes[lane] for lane in self.lanes}
+        self.frontier.history.clear()
 
     def _merge_lanes(self, decoded: list[LoaderState]) -> dict[int, LaneState]:
         """The lane states of every part, each checked against the config; a lane given twice must agree."""
@@ -193,7 +254,11 @@ class Loader:
 
     @property
     def step(self) -> int:
-        """Global batches this rank has consumed (the next batch's `batch["step"]`)."""
+        """Global batches this rank has consumed: the next batch's `batch["step"]`.
+
+        Inside `for batch in loader:` it is already `batch["step"] + 1`. `state_dict()` saves this
+        position; a run resumed from it continues with batch `step`.
+        """
         return self.frontier.step
 
     def _data_fingerprint(self) -> str:
@@ -219,9 +284,14 @@ class Loader:
     @asynccontextmanager
     async def open(self) -> AsyncIterator[BatchStream]:
         """Start this rank's lanes; yield a stream of batches. Leaving the block stops them."""
-        with unwrap_groups():
-            async with self._open() as stream:
-                yield stream
+        self._check_usable()
+        self._opened += 1
+        try:
+            with unwrap_groups():
+                async with self._open() as stream:
+                    yield stream
+        finally:
+            self._opened -= 1
 
     @asynccontextmanager
     async def _open(self) -> AsyncIterator[BatchStream]:
@@ -231,15 +301,28 @@ class Loader:
             plan = await self.plan(stores)
             states = {lane: self.frontier.lanes[lane] for lane in self.lanes}
             async with run_lanes(self.config, self.tokenizer, plan, stores, states, self.wrap_store) as (
-                    streams, credit, skipped):
-                self._streams, self._skipped = streams, skipped
+                    streams, credit, skipped, worker_stores):
+                self._streams, self._skipped, self._worker_stores = streams, skipped, worker_stores
+                stream = BatchStream(self.frontier, streams, credit, self.config, self.dp_rank, self.dp_size,
+                                     self.tokenizer.eos_id)
+                self._batch_streams.add(stream)
                 try:
-                    yield BatchStream(self.frontier, streams, credit, self.config, self.dp_rank, self.dp_size,
-                                      self.tokenizer.eos_id)
+                    yield stream
                 finally:
+                    self._batch_streams.discard(stream)
                     self._streams = {}
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        """Batches in step order, the pipeline run in a helper thread (torch IterableDataset semantics)."""
+        self._check_usable()
+        _check_not_in_torch_worker()
+        if self.config.backend == "processes":
+            check_spawn_allowed()
+        it = self._iterate()
+        self._iterators.add(it)
+        return it
+
+    def _iterate(self) -> Iterator[dict[str, Any]]:
         with anyio.from_thread.start_blocking_portal() as portal:
             cm = portal.wrap_async_context_manager(self.open())
             stream = cm.__enter__()
@@ -257,9 +340,39 @@ class Loader:
         """`async for` over a pipeline run in a helper thread; `open()` runs it on your loop instead."""
         return _ThreadedAsyncIterator(iter(self))
 
+    # ---- closing -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop this loader for good; calling it again does nothing.
+
+        A `for batch in loader` loop that is paused between batches is closed now (its lanes and
+        worker processes stop); one running in another thread, and an `open()` stream, end at their
+        next batch (`StopIteration` / `StopAsyncIteration`). The state stays readable:
+        `state_dict()` after `close()` is the position of the last batch handed out. Iterating or
+        opening a closed loader raises `ZephonError`.
+        """
+        self._closed = True
+        for stream in list(self._batch_streams):
+            stream.stop()
+        for it in list(self._iterators):
+            if not getattr(it, "gi_running", False):  # a generator running in another thread stops at its next batch
+                it.close()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ZephonError("this Loader is closed: create a new one (load_state_dict(state_dict()) of this one "
+                              "continues where it stopped)")
+
     def statistics(self) -> LoaderStatistics:
+        """Progress and buffers now. The store counters include the reads of worker processes."""
         buffered = sum(s.statistics().current_buffer_used for s in self._streams.values())
-        stores = [s.statistics() for s in self._store_stats]
+        stores = [s.statistics() for s in self._store_stats] + [self._worker_stores()]
         skipped_shards = sum(len(s.skipped_shards) for s in self._plan.sources) if self._plan else 0
         return LoaderStatistics(
             step=self.step, samples=self.frontier.samples, tokens=self.frontier.tokens,
@@ -280,11 +393,18 @@ class BatchStream:
         self.pending: dict[int, collections.deque] = {lane: collections.deque() for lane in streams}
         self.done = {lane: frontier.lanes[lane].done for lane in streams}
         self.pad_id = eos_id if config.pad_token_id is None else config.pad_token_id
+        self.stopped = False
+
+    def stop(self) -> None:
+        """End the stream at its next batch (`Loader.close()`); the frontier stays where it is."""
+        self.stopped = True
 
     def __aiter__(self) -> BatchStream:
         return self
 
     async def __anext__(self) -> dict[str, Any]:
+        if self.stopped:
+            raise StopAsyncIteration
         cfg, frontier = self.config, self.frontier
         slots = rank_slots(frontier.step, cfg.global_batch_size, self.dp_size, self.dp_rank)
         samples = [await self._sample(i % cfg.lanes, i // cfg.lanes) for i in slots]
@@ -293,12 +413,12 @@ class BatchStream:
                 frontier.end(lane)
             raise StopAsyncIteration
         if cfg.backend == "inline":
-            batch = collate(samples, frontier.step, slots)
+            batch = collate(samples, frontier.step, slots, cfg.vision)
         else:  # stacking seq_len x batch tensors is CPU work: keep it off the trainer's loop
-            batch = await anyio.to_thread.run_sync(collate, samples, frontier.step, slots)
+            batch = await anyio.to_thread.run_sync(collate, samples, frontier.step, slots, cfg.vision)
         for s in samples:
             frontier.consume(s)
-        frontier.step += 1
+        frontier.advance()
         return batch
 
     def _ended(self) -> bool:
@@ -341,6 +461,27 @@ class _ThreadedAsyncIterator:
 
 
 _END: Any = object()
+
+
+def _register_iterable_dataset() -> None:
+    """Make Loader a torch `IterableDataset` (a virtual subclass), so that `DataLoader(loader,
+    batch_size=None)` iterates it instead of asking for `len()`. Done when a Loader is built, not
+    at import: importing the package must not import torch (the relay never loads it)."""
+    from torch.utils.data import IterableDataset
+
+    if not issubclass(Loader, IterableDataset):
+        IterableDataset.register(Loader)
+
+
+def _check_not_in_torch_worker() -> None:
+    from torch.utils.data import get_worker_info
+
+    info = get_worker_info()
+    if info is not None:
+        raise ConfigError(
+            f"a Loader iterated in torch DataLoader worker {info.id} of {info.num_workers} would hand every worker "
+            "the same batches: use DataLoader(loader, batch_size=None, num_workers=0); the loader batches and "
+            'runs its own workers (backend = "processes", workers = N)')
 
 
 def _tokenizer(config: Config) -> Tokenize:

@@ -1,0 +1,193 @@
+"""The Python API as a new user meets it: load_state_dict while streaming, close(), torch's
+DataLoader, the state of a recent step for trainers that fetch ahead, the processes backend from
+a script without a main guard, and its statistics."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+
+from zephon_stream import CheckpointError, ConfigError, Loader, ZephonError
+from zephon_stream.loader.config import Config, SourceConfig
+from zephon_stream.testing.determinism import batch_records
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _records(batches) -> list:
+    return [r for b in batches for r in batch_records(b)]
+
+
+def _first(loader: Loader, steps: int) -> list:
+    out = []
+    for batch in loader:
+        out.append(batch)
+        if loader.step == steps:
+            break
+    return out
+
+
+def test_load_state_dict_while_a_loop_is_open_is_refused_at_the_call(config) -> None:
+    loader = Loader(config, backend="inline")
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    with pytest.raises(CheckpointError, match=r"load_state_dict\(\) while a stream of this loader is open"):
+        loader.load_state_dict(state)
+    assert next(it)["step"] == 1  # the refused call changed nothing
+    it.close()
+    loader.load_state_dict(state)  # once the loop is left it works, and the stream continues from there
+    assert next(iter(loader))["step"] == 1
+
+
+def test_load_state_dict_inside_open_is_refused(config) -> None:
+    async def main() -> None:
+        loader = Loader(config, backend="inline")
+        async with loader.open() as stream:
+            await stream.__anext__()
+            with pytest.raises(CheckpointError, match="leave it first"):
+                loader.load_state_dict(loader.state_dict())
+
+    anyio.run(main)
+
+
+def test_close_stops_a_paused_loop_keeps_the_state_and_is_idempotent(config) -> None:
+    loader = Loader(config, backend="threads")
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    state = loader.state_dict()
+    loader.close()
+    loader.close()
+    with pytest.raises(StopIteration):
+        next(it)
+    assert loader.state_dict() == state and loader.step == 3
+    with pytest.raises(ZephonError, match="this Loader is closed"):
+        iter(loader)
+    resumed = Loader(config, backend="threads")
+    resumed.load_state_dict(loader.state_dict())
+    with resumed:
+        assert next(iter(resumed))["step"] == 3
+    with pytest.raises(ZephonError, match="closed"):
+        iter(resumed)
+
+
+def test_close_ends_an_open_stream_at_its_next_batch(config) -> None:
+    async def main() -> list[int]:
+        loader = Loader(config, backend="inline")
+        steps = []
+        async with loader.open() as stream:
+            async for batch in stream:
+                steps.append(batch["step"])
+                if batch["step"] == 1:
+                    loader.close()
+        return steps
+
+    assert anyio.run(main) == [0, 1]
+
+
+def test_a_torch_dataloader_iterates_the_loader(config) -> None:
+    from torch.utils.data import DataLoader, IterableDataset
+
+    direct = _records(_first(Loader(config, backend="threads"), 5))
+    loader = Loader(config, backend="threads")
+    assert isinstance(loader, IterableDataset)
+    via_torch = []
+    for batch in DataLoader(loader, batch_size=None):
+        via_torch.append(batch)
+        if len(via_torch) == 3:
+            break
+    assert _records(via_torch) == direct[:3 * config.global_batch_size]
+    state = loader.state_dict()  # num_workers=0 fetches nothing ahead: this is the state after batch 2
+    resumed = Loader(config, backend="threads")
+    resumed.load_state_dict(state)
+    assert _records(_first(resumed, 5)) == direct[3 * config.global_batch_size:]
+
+
+def test_torch_dataloader_workers_are_refused_with_what_to_do(config, monkeypatch) -> None:
+    import torch.utils.data
+
+    class Info:
+        id, num_workers = 0, 2
+
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: Info())
+    with pytest.raises(ConfigError, match=r"num_workers=0.*backend = \"processes\""):
+        iter(Loader(config, backend="inline"))
+
+
+def test_the_state_of_a_recent_step_for_a_trainer_that_fetches_ahead(config) -> None:
+    loader = Loader(config, backend="inline")
+    saved = {}
+    for _ in loader:
+        saved[loader.step] = loader.state_dict()
+        if loader.step == 20:
+            break
+    for step in range(5, 21):  # the last HISTORY (16) steps
+        assert loader.state_dict(step=step) == saved[step], step
+    with pytest.raises(CheckpointError, match=r"state_dict\(step=2\): this rank is at step 20 and remembers steps "
+                                              r"5\.\.20 only"):
+        loader.state_dict(step=2)
+    resumed = Loader(config, backend="inline")
+    resumed.load_state_dict(loader.state_dict(step=17))
+    assert next(iter(resumed))["step"] == 17
+
+
+SCRIPT = """
+import sys
+from zephon_stream import Config, Loader
+
+loader = Loader(Config.from_toml(sys.argv[1]), backend="processes")
+for batch in loader:
+    break
+print("streamed step", batch["step"])
+"""
+
+
+@pytest.mark.parametrize("guarded", [False, True], ids=["no-main-guard", "main-guard"])
+def test_processes_backend_from_a_script(config, tmp_path, guarded) -> None:
+    toml = tmp_path / "c.toml"
+    toml.write_text(config.replace(workers=2).to_toml())
+    body = SCRIPT
+    if guarded:
+        body = 'if __name__ == "__main__":\n' + "".join(f"    {line}\n" for line in SCRIPT.strip().splitlines())
+    script = tmp_path / "train.py"
+    script.write_text(body)
+    proc = subprocess.run([sys.executable, str(script), str(toml)], capture_output=True, text=True, timeout=240,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
+    if guarded:
+        assert proc.returncode == 0 and proc.stdout == "streamed step 0\n", proc.stderr
+        return
+    assert proc.returncode == 1 and proc.stdout == ""
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("zephon_stream.errors.ConfigError: backend \"processes\" starts its workers with spawn, "
+                           f"and each worker imports {script} again"), proc.stderr
+    assert 'Put that code under `if __name__ == "__main__":`' in last
+    assert "bootstrapping phase" not in proc.stderr and proc.stderr.count("Traceback") == 1, proc.stderr
+
+
+def test_processes_statistics_count_the_workers_store_reads(config) -> None:
+    def reads(backend: str) -> tuple[int, int]:
+        loader = Loader(config.replace(max_epochs=1), backend=backend)
+        for _ in loader:
+            pass
+        st = loader.statistics()
+        return st.store_requests, st.store_bytes_read
+
+    on_disk = sum(p.stat().st_size for s in config.sources for p in Path(s.uri.removeprefix("file://")).iterdir())
+    threads, processes = reads("threads"), reads("processes")
+    # one epoch reads every byte at least once, wherever the lanes run
+    assert threads[1] >= on_disk and processes[1] >= on_disk, (threads, processes, on_disk)
+    assert processes[0] >= threads[0] // 2, (threads, processes)
+
+
+def test_the_api_a_user_reads_has_docstrings() -> None:
+    for obj in (Loader.from_toml, Config.from_toml, Loader.close, Loader.state_dict, Loader.load_state_dict,
+                Loader.statistics, Loader.open, Loader.__iter__):
+        assert obj.__doc__ and len(obj.__doc__) > 40, obj
+    assert 'batch["step"] + 1' in Loader.step.__doc__
+    assert "`weight` is relative" in SourceConfig.__doc__
