@@ -342,6 +342,21 @@ def test_extensions_compare_lowercased_and_a_repeated_one_is_malformed() -> None
     assert "two 'png' members" in idx.bad_tail and _pairs(_parse(data, idx)) == [("a", {"png": b"p"})]
 
 
+def test_a_member_with_a_megabyte_of_extension_headers_is_malformed() -> None:
+    first = _tar([("a.txt", b"1")])[:1024]
+    link = tarfile.TarInfo("././@LongLink")
+    link.type, link.size = tarfile.GNUTYPE_LONGLINK, 1000
+    chain = (link.tobuf(tarfile.GNU_FORMAT) + b"x" * 1024) * 700  # ~1 MiB of long-link headers, then a member
+    data = first + chain + _tar([("b.txt", b"2")])
+    idx, store = _index(data, read=4096)
+    assert "more than 1048576 bytes" in idx.bad_tail and idx.bad_offset == 1024
+    assert idx.starts == []  # the chain's member has no name yet: it may have been a member of sample "a"
+    assert store.statistics().bytes_read < 24 << 20  # the chain is re-read a bounded number of times
+    with pytest.raises(DataError, match="extension headers") as err:
+        parse_samples(data, 0, "s.tar", MAX)
+    assert err.value.offset == 1024
+
+
 def test_pax_global_headers_are_skipped_unless_they_set_a_path_or_size() -> None:
     data = _tar([("a.txt", b"1"), ("b.txt", b"2")], tarfile.PAX_FORMAT, pax_headers={"comment": "git commit"})
     idx, _ = _index(data)

@@ -44,6 +44,7 @@ __all__ = ["INDEX_READ", "TarIndex", "TarSample", "parse_samples", "tar_index", 
 
 INDEX_READ = 64 << 10  # bytes per ranged read of the index walk: small members cost no extra request
 _BLOCK = 512
+_MAX_EXTENSIONS = 1 << 20  # bytes of extension headers ('L', 'K', 'x', 'g') one member may have: names are short
 _ZERO = bytes(_BLOCK)
 _FILE_TYPES = frozenset(b"07\0")  # regular, contiguous, old-style regular
 _NO_DATA_TYPES = frozenset(b"123456")  # links, devices, directories, FIFOs: tarfile reads no data after them
@@ -113,9 +114,10 @@ class _Walker:
 
     def __init__(self, key: str, limit: int, max_member: int, end_what: Literal["shard", "block"]) -> None:
         self.key, self.limit, self.max_member, self.end_what = key, limit, max_member, end_what
-        self.view, self.base = memoryview(b""), 0
+        self.view: bytes | bytearray | memoryview = b""  # shard bytes from offset `base` on
+        self.base = 0
 
-    def need(self, lo: int, hi: int, what: str) -> memoryview:
+    def need(self, lo: int, hi: int, what: str) -> bytes | bytearray | memoryview:
         if hi > self.limit:
             raise _Bad(f"{what} of {self.key!r} needs bytes {lo}..{hi}, {self._short()}", lo)
         if lo < self.base or hi > self.base + len(self.view):
@@ -145,7 +147,7 @@ class _Walker:
             self._check_sum(header, at)
             kind, own_size = header[156], self._number(header, 124, 136, at, "size")
             if kind in b"LKxg":
-                content = self._extension(header, at, own_size)
+                content = self._extension(header, pos, at, own_size)
                 name, size = self._apply(kind, content, at, name, size)
                 at += _BLOCK + _padded(own_size)
                 continue
@@ -206,10 +208,12 @@ class _Walker:
             name = prefix + b"/" + name if prefix else name
         return name
 
-    def _extension(self, header: bytes, at: int, size: int) -> bytes:
-        if size > self.max_member:
-            raise _Bad(f"the extension header ({chr(header[156])!r}) at byte {at} of {self.key!r} holds {size} "
-                       f"bytes, more than max_member={self.max_member}: the shard is corrupt; rewrite it", at)
+    def _extension(self, header: bytes, pos: int, at: int, size: int) -> bytes:
+        """The content of the extension header at `at`, of the member whose headers start at `pos`."""
+        if at + _BLOCK + size - pos > _MAX_EXTENSIONS:  # bounds memory, and the index's re-reads of a long chain
+            raise _Bad(f"the extension headers at byte {pos} of {self.key!r} take more than {_MAX_EXTENSIONS} bytes "
+                       f"(the {chr(header[156])!r} header at byte {at} holds {size}): names and pax records are "
+                       "never that long; the shard is corrupt; rewrite it", pos)
         return bytes(self.need(at + _BLOCK, at + _BLOCK + size, f"the extension header at byte {at}"))
 
     def _apply(self, kind: int, content: bytes, at: int, name: str | None, size: int | None
@@ -322,6 +326,7 @@ class _IndexWalk:
 
     def __init__(self, key: str, size: int, max_member: int, read: int) -> None:
         self.walker = _Walker(key, size, max_member, "shard")
+        self.walker.view = bytearray()
         self.samples = _Samples(key)
         self.size, self.read, self.pos = size, read, 0
         self.starts: list[int] = []
@@ -329,13 +334,23 @@ class _IndexWalk:
         self.bad: _Bad | None = None
         self.want: tuple[int, int] | None = (0, min(size, read))
 
-    def feed(self, base: int, data: bytes) -> None:
-        self.walker.view, self.walker.base = memoryview(data), base
+    def feed(self, start: int, data: bytes) -> None:
+        """Walk on with the bytes read from shard offset `start` (`want`), after those held if they follow."""
+        w = self.walker
+        del w.view[:self.pos - w.base]  # bytes before the current member are never needed again
+        w.base = self.pos
+        if start == w.base + len(w.view):
+            w.view += data  # a member's headers longer than one read: read on, never read again
+        else:
+            w.view, w.base = bytearray(data), start
         while True:
             try:
-                m = self.walker.member(self.pos)
+                m = w.member(self.pos)
             except _More as more:
-                self.want = (self.pos, min(self.size, max(more.upto, self.pos + self.read)))
+                held = w.base + len(w.view)
+                frm = held if w.base <= self.pos < held else self.pos  # else: a member's content was skipped
+                grow = max(self.read, held - self.pos)  # a long run of headers is walked again O(log n) times
+                self.want = (frm, min(self.size, max(more.upto, frm + grow)))
                 return
             except _Bad as bad:
                 self._stop(bad)
@@ -397,7 +412,7 @@ def parse_samples(block: bytes, base: int, key: str, max_member: int) -> list[Ta
     sample) raises a DataError naming the shard, the member and its offset.
     """
     walker = _Walker(key, base + len(block), max_member, "block")
-    walker.view, walker.base = memoryview(block), base
+    walker.view, walker.base = block, base
     samples = _Samples(key)
     out: list[TarSample] = []
     members: dict[str, bytes] = {}
