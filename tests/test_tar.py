@@ -378,6 +378,13 @@ def test_malformed_numbers_and_pax_records_are_data_errors() -> None:
     with pytest.raises(DataError, match="malformed record") as err:
         parse_samples(broken, 0, "s.tar", MAX)
     assert err.value.offset == 0
+    info = tarfile.TarInfo("b.txt")
+    info.pax_headers = {"size": "9" * 5000}
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        tf.addfile(info, io.BytesIO(b""))
+    with pytest.raises(DataError, match="malformed size"):  # not int()'s ValueError over 4300 digits
+        parse_samples(buf.getvalue(), 0, "s.tar", MAX)
 
 
 def _fix_checksum(data: bytes, at: int) -> bytes:
@@ -471,6 +478,10 @@ def test_fuzz_index_and_parse_agree_with_tarfile(shard: tuple[bytes, list[Sample
         data[at] ^= flip[1]
     idx, _ = _index(bytes(data), read=read)
     got = _parse(bytes(data), idx)  # the indexed ranges parse without error, whatever the bytes
+    try:
+        parse_samples(bytes(data), 0, "s.tar", MAX)  # all of it, bad tail included: a DataError at most
+    except DataError as err:
+        assert idx.bad_tail is not None and err.offset == idx.bad_offset
     if flip is None:
         assert _pairs(got) == _expected(complete, cut)
         ends = _ends(complete)

@@ -238,7 +238,7 @@ class _Walker:
             name = self._text(records["path"], at, "pax path")
         if size is None and "size" in records:
             raw = records["size"]
-            if not raw.isdigit():
+            if not raw.isdigit() or len(raw) > 20:  # (int() refuses a string of over 4300 digits)
                 raise _Bad(f"the pax header at byte {at} of {self.key!r} has a malformed size {raw!r}: the shard is "
                            "corrupt; rewrite it", at)
             size = int(raw)
