@@ -9,7 +9,12 @@ against the full checkpoint, dense XOR+zstd and positions+overwrite values. Thro
 bytes per second twice over: per CPU-second of the whole process (all threads: the per-core
 figure, robust to other load on a shared machine) and per wall-clock second.
 
+Joiner: a fresh subscriber pulls the newest keyframe (`--join-runs` times, `--join-workers`
+worker threads), the figure a rollout worker that starts late waits for. Run it against the
+code before a change with PYTHONPATH=<a git worktree of that commit>.
+
     .venv/bin/python bench/refit.py [--params 1073741824] [--steps 3] [--scenario A B]
+    .venv/bin/python bench/refit.py --params 268435456 --scenario --join-runs 5 --join-workers 1 2
 """
 
 from __future__ import annotations
@@ -124,17 +129,51 @@ async def run(args: argparse.Namespace, scenario: str) -> None:
           f"encode {spread(enc)} GB/s/core; decode+apply {spread(dec)} GB/s/core")
 
 
+async def join(args: argparse.Namespace) -> None:
+    """Keyframe pull by a new joiner: model bytes per CPU-second and per wall second."""
+    model = make_model(args.params, args.tensors, seed=1)
+    nbytes = sum(t.numel() * 2 for t in model.values())
+    store = MemoryStore()
+    pub = Publisher("bench/", store=store, chunk_bytes=args.chunk_bytes, keyframe_every=1000, workers=2, threads=2)
+    await pub.publish(model)
+    print(f"\n== joiner: keyframe of {nbytes // 2:,} bf16 params ({nbytes / 1e9:.2f} GB), "
+          f"chunks of {args.chunk_bytes >> 20} MiB")
+    replica = {k: torch.zeros_like(v) for k, v in model.items()}
+    for workers in args.join_workers:
+        per_core, wall = [], []
+        for _ in range(args.join_runs):
+            for t in replica.values():
+                t.zero_()
+            sub = Subscriber("bench/", store=store, workers=workers, threads=workers)
+            t, c = time.perf_counter(), time.process_time()
+            await sub.pull(replica)
+            tw, tc = time.perf_counter() - t, time.process_time() - c
+            assert same_bytes(model, replica), "joiner's pull is not bit-exact"
+            per_core.append(nbytes / tc / 1e9)
+            wall.append(nbytes / tw / 1e9)
+        print(f"joiner keyframe pull, {workers} worker thread(s), {args.join_runs} runs, bit-exact: "
+              f"{spread(per_core)} GB/s per CPU-second; {spread(wall)} GB/s wall")
+
+
+def spread(xs: list[float]) -> str:
+    return f"median {statistics.median(xs):.3f} (min {min(xs):.3f}, max {max(xs):.3f})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=int, default=1 << 30)
     ap.add_argument("--tensors", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--chunk-bytes", type=int, default=4 << 20)
-    ap.add_argument("--scenario", nargs="+", default=["A", "B"])
+    ap.add_argument("--scenario", nargs="*", default=["A", "B"])
+    ap.add_argument("--join-runs", type=int, default=0, help="joiner keyframe pulls to time (0: none)")
+    ap.add_argument("--join-workers", type=int, nargs="+", default=[1, 2])
     args = ap.parse_args()
     torch.set_num_threads(1)
     for scenario in args.scenario:
         anyio.run(run, args, scenario)
+    if args.join_runs:
+        anyio.run(join, args)
 
 
 if __name__ == "__main__":
