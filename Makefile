@@ -18,6 +18,8 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# The first run fetches two Debian documentation packages (about 50 MB, with apt-get download) into
+# the cache below and says so, with the size, before it starts; later runs reuse them.
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
@@ -28,8 +30,14 @@ bench-data: $(STAMP)
 bench: bench-data
 	$(BIN)/python bench/loader.py
 
+# The download cache is tools/corpus.py's cache_dir(): $ZEPHON_DATA_CACHE, else $XDG_CACHE_HOME/zephon-stream,
+# else ~/.cache/zephon-stream. `clean` keeps it (it saves a download) and says where it is.
+CACHE = $(or $(ZEPHON_DATA_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/zephon-stream)
+
 clean:
 	rm -rf $(VENV) .pytest_cache data
+	@if [ -d "$(CACHE)" ]; then echo "kept the download cache $(CACHE) ($$(du -sh "$(CACHE)" | cut -f1)): rm -rf $(CACHE) to remove it"; \
+	else echo "no download cache at $(CACHE)"; fi
 
 # Tux Paint's stamps (GPL-2; apt-get download into the cache) as image+caption tar shards in data/stamps.
 .PHONY: vlm-data

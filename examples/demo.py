@@ -3,8 +3,8 @@
 1. Builds a small dataset of real documentation (Debian's kernel and Python manuals when apt can
    fetch them, else the standard library's docstrings) plus stdlib source code, and trains a BPE
    tokenizer on it: no model hub.
-2. Streams 40 global batches on one rank with a live progress line, saving a checkpoint file at
-   step 20.
+2. Streams 40 global batches on one rank with progress on stderr (a live bar on a terminal,
+   plain lines otherwise), saving a checkpoint file at step 20.
 3. Resumes from that file on two ranks with the processes backend and checks that steps 20..39
    are byte-identical to the uninterrupted run.
 """
@@ -12,13 +12,15 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/ (not in the wheel)
-from tools.corpus import build_demo
+from tools.corpus import build_demo, debian_fetch_notice
 from zephon_stream import Config, Loader, SourceConfig, state_from_bytes, state_to_bytes
+from zephon_stream.cli.progress import StreamProgress
 from zephon_stream.testing.determinism import batch_records
 
 STEPS, CUT = 40, 20
@@ -26,6 +28,10 @@ STEPS, CUT = 40, 20
 
 def main() -> int:
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "data/demo").resolve()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the dataset build's steps, off a terminal
+    notice = debian_fetch_notice()
+    if notice:
+        print(notice, flush=True)
     t = time.perf_counter()
     demo = build_demo(root)
     print(f"dataset: {root} ({', '.join(f'{k}: {v} docs' for k, v in demo.docs.items())}; "
@@ -40,30 +46,30 @@ def main() -> int:
 
     loader = Loader(config)
     records, state = [], None
-    t0 = time.perf_counter()
-    for batch in loader:
+    progress = StreamProgress(loader.statistics, total=STEPS)
+    for batch in progress.track(loader):
         records += batch_records(batch)
-        st = loader.statistics()
-        rate = st.tokens / (time.perf_counter() - t0)
-        print(f"\rstep {st.step:3d}/{STEPS}  tokens {st.tokens:,}  {rate:,.0f} tok/s  "
-              f"buffers {st.buffered_batches}/{st.buffer_capacity}", end="", flush=True)
         if loader.step == CUT:
             state = loader.state_dict()
         if loader.step == STEPS:
             break
+    progress.close()
+    loader.close()
     ckpt = root / f"loader-step{CUT}.state"
     ckpt.write_bytes(state_to_bytes(state))
-    print(f"\ncheckpoint at step {CUT}: {ckpt} ({ckpt.stat().st_size} bytes for {config.lanes} lanes)")
+    print(f"checkpoint at step {CUT}: {ckpt} ({ckpt.stat().st_size} bytes for {config.lanes} lanes)")
     state = state_from_bytes(ckpt.read_bytes())  # resume from the file, as a restarted job would
 
     resumed = []
     for rank in range(2):
-        part = Loader(config, dp_rank=rank, dp_size=2, backend="processes")
-        part.load_state_dict(state)
-        for batch in part:
-            resumed += batch_records(batch)
-            if part.step == STEPS:
-                break
+        t = time.perf_counter()
+        with Loader(config, dp_rank=rank, dp_size=2, backend="processes") as part:
+            part.load_state_dict(state)
+            for batch in part:
+                resumed += batch_records(batch)
+                if part.step == STEPS:
+                    break
+        print(f"rank {rank} of 2 resumed at step {CUT}, streamed to step {STEPS} in {time.perf_counter() - t:.1f} s")
     resumed.sort(key=lambda r: r[1])
     want = [r for r in records if r[0] >= CUT]
     digest = hashlib.sha256("".join(r[4] for r in want).encode()).hexdigest()[:16]

@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import msgspec
+from tqdm import tqdm
 
 from zephon_stream.formats.jsonl_zst import atomic_write, write_jsonl_shards
 
@@ -52,6 +53,8 @@ __all__ = [
     "cache_dir",
     "collect_documents",
     "debian_documents",
+    "debian_download_bytes",
+    "debian_fetch_notice",
     "ensure_debian_docs",
     "html_to_text",
     "stdlib_docstring_documents",
@@ -98,6 +101,30 @@ def _locked(lock_path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+class _Progress:
+    """A tqdm bar on a terminal; one log line per finished piece anywhere else (never a `\\r` in a log)."""
+
+    def __init__(self, desc: str, total: float | None, unit: str = "step") -> None:
+        self.desc = desc
+        self.bar = tqdm(desc=desc, total=total, unit=unit, unit_scale=unit == "B", disable=None, file=sys.stderr,
+                        leave=False, dynamic_ncols=True)
+
+    def doing(self, what: str) -> None:
+        """Say what runs now (a terminal shows it beside the bar)."""
+        if not self.bar.disable:
+            self.bar.set_postfix_str(what)
+
+    def done(self, what: str, n: float = 1) -> None:
+        if self.bar.disable:
+            log.info("%s: %s", self.desc, what)
+        else:
+            self.bar.set_postfix_str(what, refresh=False)
+            self.bar.update(n)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 # ------------------------------------------------------------------------------------- text handling
@@ -333,6 +360,39 @@ def _apt_download(apt: str, package: str, dest: Path) -> bool:
     return _run([apt, "update"], dest) and _run([apt, "download", package], dest)
 
 
+def debian_download_bytes(packages: Sequence[str] = DEBIAN_DOC_PACKAGES) -> dict[str, int]:
+    """Each package's download size in bytes, as ``apt-get download --print-uris`` says (no network,
+    no download); empty when apt cannot say (no apt, or the packages are unknown)."""
+    apt = shutil.which("apt-get")
+    if not apt:
+        return {}
+    try:
+        out = subprocess.run([apt, "download", "--print-uris", *packages], capture_output=True, text=True,
+                             timeout=60, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    sizes: dict[str, int] = {}
+    for line in out.splitlines():  # 'URI' name_version_all.deb SIZE SHA256:...
+        parts = line.split()
+        if len(parts) >= 3 and parts[2].isdigit():
+            sizes[parts[1].split("_", 1)[0]] = int(parts[2])
+    return sizes
+
+
+def debian_fetch_notice(packages: Sequence[str] = DEBIAN_DOC_PACKAGES) -> str | None:
+    """What the first build will fetch, and where it goes; None when the documents are already cached."""
+    if have_debian_docs():
+        return None
+    sizes = debian_download_bytes(packages)
+    if not sizes:
+        return (f"The Debian documentation packages ({', '.join(packages)}) cannot be fetched here (apt-get "
+                "cannot see them): the demo uses the Python standard library's text instead.")
+    return (f"Fetching the Debian documentation packages {', '.join(sizes)} once with apt-get download "
+            f"({sum(sizes.values()) / 1e6:.1f} MB from the Debian mirrors), unpacked into {_debian_root()} "
+            "(about 41 MB kept). Set ZEPHON_DATA_CACHE to put it elsewhere; `make clean` leaves it, "
+            "delete that directory to remove it.")
+
+
 def _prune_to_unique_docs(tree: Path) -> None:
     """Delete every file of ``tree`` but the wanted documents, and of identical texts all but the first
     by path (the kernel's Documentation/*.rst and its html/_sources copies)."""
@@ -386,7 +446,7 @@ def _ensure_debian_docs(packages: Sequence[str]) -> Path | None:
             debs, tree = Path(tmp, "debs"), Path(tmp, "tree")
             debs.mkdir()
             debs.chmod(0o777)  # apt's sandbox user must be able to write there, or apt warns
-            got = [p for p in packages if _apt_download(apt, p, debs)]
+            got = _download(apt, packages, debs)
             unpacked = [
                 d.name for d in sorted(debs.glob("*.deb")) if _run([dpkg, "-x", str(d), str(tree)], debs)
             ]
@@ -404,6 +464,22 @@ def _ensure_debian_docs(packages: Sequence[str]) -> Path | None:
             os.replace(tree, root)
         log.info("Debian docs %s unpacked to %s in %.1f s", " ".join(got), root, time.monotonic() - t0)
         return root
+
+
+def _download(apt: str, packages: Sequence[str], dest: Path) -> list[str]:
+    """``apt-get download`` each package into ``dest``, with progress; the names that succeeded."""
+    sizes = debian_download_bytes(packages)
+    progress = _Progress("Debian docs download", sum(sizes.values()) or None, unit="B" if sizes else "package")
+    got = []
+    try:
+        for p in packages:
+            progress.doing(f"apt-get download {p}")
+            if _apt_download(apt, p, dest):
+                got.append(p)
+                progress.done(f"{p} ({sizes.get(p, 0) / 1e6:.1f} MB)", sizes.get(p, 1))
+    finally:
+        progress.close()
+    return got
 
 
 def _debian_source(download: bool = True) -> _FileSource | None:
@@ -609,29 +685,27 @@ def build_demo(
         if found is not None:
             return found
         marker.unlink(missing_ok=True)  # whatever is there now is not a finished build of this request
-        prose_budget = int(min_bytes * _DEMO_SOURCES["prose"][0])
-        debian = _debian_source() if debian_docs else None
-        prose, n_prose = debian.sample(prose_budget) if debian else ([], 0)
-        origin = {"prose": "debian-docs", "code": "stdlib"}
-        if n_prose < prose_budget:
-            more, n_more = _stdlib_docstring_source().sample(prose_budget - n_prose)
-            origin["prose"] = "debian-docs+stdlib-docstrings" if prose else "stdlib-docstrings"
-            prose, n_prose = prose + more, n_prose + n_more
-        code, n_code = _stdlib_source().sample(min_bytes - n_prose)
-        chosen = {"prose": (prose, n_prose), "code": (code, n_code)}
-        sources: dict[str, str] = {}
-        shard_paths: dict[str, list[str]] = {}
-        for src, (_, n_shards, compress) in _DEMO_SOURCES.items():
-            d = root / src
-            if d.exists():
-                shutil.rmtree(d)
-            docs = chosen[src][0]
-            paths = write_jsonl_shards(
-                docs, d, name=src, shards=min(n_shards, max(1, len(docs))), compress=compress
-            )
-            sources[src] = str(d)
-            shard_paths[src] = [str(p) for p in paths]
-        tokenizer = train_tokenizer(prose + code, root / "tokenizer.json")
+        progress = _Progress("demo dataset", 5)
+        try:
+            chosen, origin = _choose_demo_docs(min_bytes, debian_docs, progress)
+            sources: dict[str, str] = {}
+            shard_paths: dict[str, list[str]] = {}
+            for src, (_, n_shards, compress) in _DEMO_SOURCES.items():
+                d = root / src
+                if d.exists():
+                    shutil.rmtree(d)
+                docs = chosen[src][0]
+                paths = write_jsonl_shards(
+                    docs, d, name=src, shards=min(n_shards, max(1, len(docs))), compress=compress
+                )
+                sources[src] = str(d)
+                shard_paths[src] = [str(p) for p in paths]
+                progress.done(f"{src}: {len(paths)} shards written")
+            progress.doing("training the tokenizer")
+            tokenizer = train_tokenizer(chosen["prose"][0] + chosen["code"][0], root / "tokenizer.json")
+            progress.done("tokenizer trained")
+        finally:
+            progress.close()
         result = DemoPaths(
             root=str(root),
             tokenizer=tokenizer,
@@ -645,6 +719,25 @@ def build_demo(
             marker, [msgspec.json.format(msgspec.json.encode({"request": request, "paths": result}))]
         )
         return result
+
+
+def _choose_demo_docs(
+    min_bytes: int, debian_docs: bool, progress: _Progress
+) -> tuple[dict[str, tuple[list[tuple[str, str]], int]], dict[str, str]]:
+    """The demo's documents per source (and their bytes), and where each source's text came from."""
+    prose_budget = int(min_bytes * _DEMO_SOURCES["prose"][0])
+    progress.doing("Debian documentation")
+    debian = _debian_source() if debian_docs else None
+    prose, n_prose = debian.sample(prose_budget) if debian else ([], 0)
+    origin = {"prose": "debian-docs", "code": "stdlib"}
+    if n_prose < prose_budget:
+        more, n_more = _stdlib_docstring_source().sample(prose_budget - n_prose)
+        origin["prose"] = "debian-docs+stdlib-docstrings" if prose else "stdlib-docstrings"
+        prose, n_prose = prose + more, n_prose + n_more
+    progress.done(f"prose: {len(prose)} documents from {origin['prose']}")
+    code, n_code = _stdlib_source().sample(min_bytes - n_prose)
+    progress.done(f"code: {len(code)} documents from the standard library")
+    return {"prose": (prose, n_prose), "code": (code, n_code)}, origin
 
 
 def _read_demo_marker(marker: Path, request: dict[str, object]) -> DemoPaths | None:

@@ -4,9 +4,14 @@ buffers, plain lines off a terminal, a tqdm bar on one, and a display for the fi
 from __future__ import annotations
 
 import io
+import logging
+import shutil
 import threading
 from collections.abc import Iterator
 
+import pytest
+
+from tools import corpus
 from zephon_stream.cli.progress import RecentRate, StreamProgress, prefetch_text
 from zephon_stream.loader.loader import LoaderStatistics
 
@@ -148,3 +153,21 @@ def test_on_a_terminal_a_tqdm_bar_with_total_eta_and_the_recent_rate() -> None:
     assert "waiting for the first batch (listing the sources, filling the lanes): 00:0" in text
     assert "stream:   4%|" in text and "2/50 [" in text  # tqdm's bar: the total, elapsed<eta
     assert "tok/s (last 10 s), prefetch 83% (loader ahead)  skipped 1" in text
+
+
+def test_the_demo_build_reports_its_steps_as_plain_log_lines_off_a_terminal(tmp_path, caplog, capfd) -> None:
+    with caplog.at_level(logging.INFO, logger="zephon_stream.datasets"):
+        corpus.build_demo(tmp_path / "demo", min_bytes=200_000, debian_docs=False)
+    steps = [r.getMessage() for r in caplog.records if r.getMessage().startswith("demo dataset: ")]
+    assert [m.split(": ", 2)[1] for m in steps] == ["prose", "code", "prose", "code", "tokenizer trained"], steps
+    assert "\r" not in capfd.readouterr().err
+
+
+def test_the_debian_download_is_announced_with_its_size_before_it_starts(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("ZEPHON_DATA_CACHE", str(tmp_path / "cache"))
+    if shutil.which("apt-get") is None or not corpus.debian_download_bytes():
+        pytest.skip("apt-get cannot see the Debian documentation packages here")
+    notice = corpus.debian_fetch_notice()
+    assert notice is not None and " MB from the Debian mirrors" in notice and str(tmp_path / "cache") in notice
+    monkeypatch.setattr(corpus, "have_debian_docs", lambda: True)
+    assert corpus.debian_fetch_notice() is None  # nothing to fetch, nothing to say

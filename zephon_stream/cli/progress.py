@@ -87,6 +87,7 @@ class StreamProgress:
         self.started = self.t0 = self.last_line = clock()
         self.first_step: int | None = None  # the step after the first batch, when it came (at t0)
         self.bar: tqdm | None = None
+        self.last: Any = None  # the statistics at the last batch
         self.closed = False
 
     def track(self, batches: Iterable[T]) -> Iterator[T]:
@@ -119,7 +120,7 @@ class StreamProgress:
 
     def update(self) -> None:
         """Record the batch just received; redraw the bar, or write a line every `every` seconds."""
-        st = self.statistics()
+        st = self.last = self.statistics()
         now = self.clock()
         self.recent.add(now, st.tokens)
         if self.tty:
@@ -133,7 +134,7 @@ class StreamProgress:
         if self.closed:
             return
         self.closed = True
-        st = self.statistics()
+        st = self.last if self.last is not None else self.statistics()  # as of the last batch: the stream may be shut
         if self.bar is not None:
             self._draw(st)
             self.bar.close()
