@@ -33,7 +33,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from tools.corpus import _apt_download, _locked, _run, cache_dir
+from tools.corpus import _apt_download, _locked, _run, cache_dir, debian_download_bytes
 from zephon_stream.formats.tar import write_tar_shards
 
 __all__ = ["STAMPS_PACKAGE", "Stamps", "build_stamp_shards", "ensure_stamps", "find_stamps", "stamp_samples"]
@@ -98,18 +98,8 @@ def _ensure_stamps() -> Path | None:
 
 
 def _package_size() -> int:
-    """The .deb's size in bytes as apt-cache reports it (a Debian 12 figure if it cannot)."""
-    apt_cache = shutil.which("apt-cache")
-    if apt_cache:
-        try:
-            out = subprocess.run([apt_cache, "show", "--no-all-versions", STAMPS_PACKAGE], capture_output=True,
-                                 text=True, timeout=60, check=False).stdout
-        except (OSError, subprocess.SubprocessError):
-            out = ""
-        for line in out.splitlines():
-            if line.startswith("Size:") and line[5:].strip().isdigit():
-                return int(line[5:])
-    return _SIZE_GUESS
+    """The .deb's size in bytes as apt says (a Debian 12 figure if it cannot)."""
+    return debian_download_bytes([STAMPS_PACKAGE]).get(STAMPS_PACKAGE, _SIZE_GUESS)
 
 
 def _prune(tree: Path) -> None:
