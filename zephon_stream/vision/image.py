@@ -44,7 +44,10 @@ arithmetic, so the result is bit-identical to the processor's float32 output, no
 Bad input raises `BadImage` (a `ValueError`) with the reason and no location: the caller knows
 the shard, member and offset and wraps it into a `DataError`. Only the formats in `FORMATS`
 are opened, so Pillow's rarer parsers (EPS runs Ghostscript, ICO can hide a larger PNG than
-its directory says) never see the loader's data.
+its directory says, TIFF meets damaged tags with warnings) never see the loader's data.
+Likewise a JPEG's Exif, XMP and MPF segments are dropped before Pillow opens it: they do not
+change the pixels, and damage in them would come out as a warning, whose effect depends on
+the process's warning filters (the MPF also makes a file an MPO; its first frame is the JPEG).
 
 Pillow's own decompression-bomb check (`PIL.Image.MAX_IMAGE_PIXELS`, a warning above it, an
 error above twice it) is process-wide. Here the header is parsed by the format's plugin
@@ -92,7 +95,7 @@ IMAGE_MEAN: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)
 IMAGE_STD: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
 
 #: The image formats that are opened (Pillow's format names), tried in this order.
-FORMATS: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
+FORMATS: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 
 #: Qwen2-VL's smart_resize refuses images whose long side exceeds this multiple of the short side.
 MAX_ASPECT_RATIO = 200
@@ -172,13 +175,16 @@ def _open(data: bytes, spec: ImageSpec) -> PILImage.Image:
         raise BadImage("the image is empty (0 bytes)")
     for fmt in FORMATS:
         factory, accept = image.OPEN[fmt]
-        if accept is not None and accept(prefix) is not True:  # a str result is Pillow's "not quite"
+        accepted = accept is None or accept(prefix)
+        if not accepted or isinstance(accepted, str):  # a str is Pillow's "nearly, but not this format"
             continue
         if fmt == "GIF":
             _check_pixels(*_gif_canvas(data), fmt, spec)
+        if fmt == "JPEG":
+            data = _jpeg_without_metadata(data)
         try:
             im = factory(io.BytesIO(data), "")
-        except image.DecompressionBombError as exc:  # raised inside a plugin (GIF frame extents)
+        except image.DecompressionBombError as exc:  # a plugin's own check, the second line
             raise BadImage(f"{fmt} image refused as a decompression bomb: {exc}") from exc
         except _PILLOW_DATA_ERRORS as exc:
             raise BadImage(f"unreadable {fmt} header: {_reason(exc)}") from exc
@@ -232,6 +238,34 @@ def _gif_canvas(data: bytes) -> tuple[int, int]:
     except struct.error:
         pass
     return width, height
+
+
+def _jpeg_without_metadata(data: bytes) -> bytes:
+    """The JPEG without its APP1 (Exif, XMP) and MPF (APP2 "MPF") segments, which decoding never reads.
+
+    Pillow parses them while opening (the Exif for a resolution, the MPF to tell an MPO) and
+    meets damage in them with a Python warning, not an error: the same file would then decode
+    or fail as the process's warning filters say, and differ between lanes run as threads and
+    as processes. Without them the first frame decodes to the same pixels, warning-free. An
+    unreadable segment ends the walk; what follows is left for Pillow's decoder to judge.
+    """
+    kept, pos = [data[:2]], 2
+    while pos + 4 <= len(data) and data[pos] == 0xFF:
+        marker = data[pos + 1]
+        if marker == 0xFF:  # a fill byte before a marker
+            kept.append(data[pos:pos + 1])
+            pos += 1
+            continue
+        if marker == 0xDA or marker in (0x01, 0xD8, 0xD9) or 0xD0 <= marker <= 0xD7:  # scan, or no length
+            break
+        end = pos + 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+        if end > len(data):
+            break
+        if not (marker == 0xE1 or (marker == 0xE2 and data[pos + 4:pos + 8] == b"MPF\0")):
+            kept.append(data[pos:end])
+        pos = end
+    kept.append(data[pos:])
+    return b"".join(kept)
 
 
 _pillow_limit_lock = threading.Lock()
