@@ -1,0 +1,131 @@
+"""A joiner's one-pass keyframe load: decompress into the weights, XOR the deltas, hash once.
+
+Only a state that holds no version takes it (a joiner, or one killed while joining); a state
+that holds a version keeps verify-then-write, so a refused pull leaves it as it was."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+
+from tests.refit._helpers import assert_same, model, step, zeros_like
+from zephon_stream.errors import DigestMismatch
+from zephon_stream.refit import Publisher, Subscriber, codec
+from zephon_stream.refit import subscriber as subscriber_mod
+
+SHAPES = None  # the helpers' default mix of dtypes and sizes
+
+
+class Killed(Exception):
+    pass
+
+
+async def publish_chain(store, n: int, *, keyframe_every: int, keep_versions: int = 8):
+    states = [model(1, SHAPES)]
+    async with Publisher("p/", store=store, chunk_bytes=256, keyframe_every=keyframe_every,
+                         keep_versions=keep_versions) as pub:
+        for v in range(1, n + 1):
+            if v > 1:
+                states.append(step(states[-1], seed=v, frac=0.3))
+            await pub.publish(states[-1])
+    return states
+
+
+def flip_one_bit(monkeypatch) -> list[int]:
+    """Make the keyframe decoder write one wrong bit (a decoder bug or bad memory)."""
+    real, calls = codec.decode_full_into, []
+
+    def wrong(data, out, *, key):
+        real(data, out, key=key)
+        calls.append(1)
+        if len(calls) == 2:
+            out.view(np.uint8)[0] ^= 1
+
+    monkeypatch.setattr(codec, "decode_full_into", wrong)
+    return calls
+
+
+def test_joiner_at_a_delta_version_is_bit_exact(store) -> None:
+    async def main() -> None:
+        states = await publish_chain(store, 6, keyframe_every=4)  # keyframes 1 and 5, then a delta
+        replica = zeros_like(states[-1])
+        sub = Subscriber("p/", store=store)
+        assert await sub.pull(replica) == 6
+        assert_same(states[-1], replica)
+
+    anyio.run(main)
+
+
+def test_a_wrong_keyframe_chunk_is_refused_and_the_next_pull_repairs_it(store, monkeypatch, tmp_path) -> None:
+    async def main() -> None:
+        states = await publish_chain(store, 3, keyframe_every=10)
+        replica = zeros_like(states[-1])
+        calls = flip_one_bit(monkeypatch)
+        sub = Subscriber("p/", store=store, record=tmp_path / "rec")
+        with pytest.raises(DigestMismatch, match="holds no version"):
+            await sub.pull(replica)
+        assert len(calls) >= 2
+        assert sub.version == 0 and sub.record.target == 3  # it knows the state holds no version
+        monkeypatch.undo()
+        again = Subscriber("p/", store=store, record=tmp_path / "rec")  # a restart: loads the record
+        assert await again.pull(replica) == 3
+        assert_same(states[-1], replica)
+
+    anyio.run(main)
+
+
+def test_a_joiner_killed_mid_load_resumes_bit_exact(store, monkeypatch, tmp_path) -> None:
+    async def main() -> None:
+        states = await publish_chain(store, 4, keyframe_every=3)
+        replica = zeros_like(states[-1])
+        real, done = subscriber_mod._Pull._load_key, []
+
+        def killed(self, i, objects):
+            if len(done) == 3:
+                raise Killed  # stands in for SIGKILL: the apply stops where it is
+            real(self, i, objects)
+            done.append(i)
+
+        monkeypatch.setattr(subscriber_mod._Pull, "_load_key", killed)
+        with pytest.raises(Killed):
+            await Subscriber("p/", store=store, record=tmp_path / "rec", workers=1).pull(replica)
+        monkeypatch.undo()
+        restarted = Subscriber("p/", store=store, record=tmp_path / "rec")
+        assert restarted.version == 0 and restarted.record.target == 4
+        assert await restarted.pull(replica) == 4
+        assert_same(states[-1], replica)
+
+    anyio.run(main)
+
+
+def test_a_held_version_is_not_overwritten_by_a_keyframe_that_fails(store, monkeypatch) -> None:
+    """A subscriber at v1 whose delta chain was collected falls back to the keyframe route; a
+    keyframe that does not verify is refused before anything is written."""
+    async def main() -> None:
+        v1 = model(1, SHAPES)
+        replica = zeros_like(v1)
+        sub = Subscriber("p/", store=store)
+        async with Publisher("p/", store=store, chunk_bytes=256, keyframe_every=3, keep_versions=1) as pub:
+            await pub.publish(v1)
+            assert await sub.pull(replica) == 1
+            state = v1
+            for v in range(2, 8):  # v4 and v7 are keyframes; v1's chain to v7 is gone
+                state = step(state, seed=v, frac=0.3)
+                await pub.publish(state)
+
+        real = codec.decode
+
+        def wrong(data, *, kinds, itemsize, words, key):
+            got = real(data, kinds=kinds, itemsize=itemsize, words=words, key=key)
+            if codec.FULL in kinds:
+                got.values.view(np.uint8)[0] ^= 1
+            return got
+
+        monkeypatch.setattr(codec, "decode", wrong)
+        with pytest.raises(DigestMismatch):
+            await sub.pull(replica)
+        assert_same(v1, replica)  # nothing written
+        assert sub.version == 1 and sub.record.target is None
+
+    anyio.run(main)
