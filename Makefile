@@ -43,3 +43,8 @@ clean:
 .PHONY: vlm-data
 vlm-data: $(STAMP)
 	$(BIN)/python -m tools.stamps data/stamps
+
+# Publishing from the trainer loop: steps/s on vs off (tiny and 256M GPT), loop lag while a 1B version publishes.
+.PHONY: bench-rl
+bench-rl: $(STAMP)
+	$(BIN)/python bench/rl_loop.py
