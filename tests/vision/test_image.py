@@ -99,6 +99,8 @@ def generated_images() -> dict[str, bytes]:
         "webp-lossless": encode(Image.fromarray(gradient(123, 77, 7)), "WEBP", lossless=True),
         "bmp": encode(Image.fromarray(gradient(61, 59, 8)), "BMP"),
         "jpeg-exif": encode(Image.fromarray(gradient(64, 48, 9)), "JPEG", exif=exif()),
+        "apng-2-frames": encode(Image.fromarray(gradient(40, 30, 12)), "PNG", save_all=True,
+                                append_images=[Image.fromarray(gradient(40, 30, 13))]),
         "mpo-2-frames": encode(Image.fromarray(gradient(96, 64, 10)), "MPO", save_all=True,
                                append_images=[Image.fromarray(gradient(96, 64, 11))]),
     }
@@ -385,6 +387,21 @@ def test_a_jpeg_with_damaged_exif_decodes_without_a_warning() -> None:
     np.testing.assert_array_equal(load_image(bytes(data), ImageSpec()), load_image(GENERATED["jpeg-exif"], ImageSpec()))
 
 
+def test_a_png_with_a_damaged_animation_control_decodes_its_default_image_without_a_warning() -> None:
+    data = bytearray(GENERATED["apng-2-frames"])
+    actl = data.index(b"acTL")
+    data[actl + 4: actl + 8] = bytes(4)  # 0 frames
+    data[actl + 12: actl + 16] = struct.pack(">I", zlib.crc32(bytes(data[actl: actl + 12])))
+    with pytest.warns(UserWarning, match="Invalid APNG"):  # what Pillow alone makes of it
+        Image.open(io.BytesIO(bytes(data)))
+    with Image.open(io.BytesIO(GENERATED["apng-2-frames"])) as first:
+        assert first.n_frames == 2
+        expected = np.asarray(first.convert("RGB"))
+    spec = ImageSpec(min_pixels=28 * 28, max_pixels=56 * 28)  # 40x30 becomes 28x28
+    np.testing.assert_array_equal(load_image(bytes(data), spec), np.asarray(
+        Image.fromarray(expected).resize((28, 28), Image.Resampling.BICUBIC)))
+
+
 def test_a_png_with_a_bad_checksum_is_refused() -> None:
     data = bytearray(GENERATED["rgb-png-500x375"])
     idat = data.index(b"IDAT")
@@ -426,7 +443,7 @@ def test_an_aspect_ratio_qwen_refuses_is_refused_before_decoding() -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(st.sampled_from(["rgb-png-500x375", "gif", "rgb-jpeg-640x480", "webp-lossless", "bmp", "jpeg-exif",
-                        "mpo-2-frames", "palette-transparent-png", "cmyk-jpeg"]),
+                        "mpo-2-frames", "apng-2-frames", "palette-transparent-png", "cmyk-jpeg"]),
        st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)), min_size=1, max_size=8),
        st.booleans(), st.floats(0.05, 1))
 def test_damaged_bytes_give_an_image_or_bad_image_and_nothing_else(

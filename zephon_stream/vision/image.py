@@ -45,9 +45,10 @@ Bad input raises `BadImage` (a `ValueError`) with the reason and no location: th
 the shard, member and offset and wraps it into a `DataError`. Only the formats in `FORMATS`
 are opened, so Pillow's rarer parsers (EPS runs Ghostscript, ICO can hide a larger PNG than
 its directory says, TIFF meets damaged tags with warnings) never see the loader's data.
-Likewise a JPEG's Exif, XMP and MPF segments are dropped before Pillow opens it: they do not
-change the pixels, and damage in them would come out as a warning, whose effect depends on
-the process's warning filters (the MPF also makes a file an MPO; its first frame is the JPEG).
+Likewise a JPEG's Exif, XMP and MPF segments and an APNG's animation chunks are dropped
+before Pillow opens the file: they do not change the first frame's pixels, and damage in them
+would come out as a warning, whose effect depends on the process's warning filters (the MPF
+also makes a file an MPO, whose first frame is the JPEG).
 
 Pillow's own decompression-bomb check (`PIL.Image.MAX_IMAGE_PIXELS`, a warning above it, an
 error above twice it) is process-wide. Here the header is parsed by the format's plugin
@@ -168,7 +169,7 @@ def _open(data: bytes, spec: ImageSpec) -> PILImage.Image:
     """
     image = _pil()
     _raise_pillow_limit(spec.max_decoded_pixels)
-    if not isinstance(data, (bytes, bytearray, memoryview)):
+    if not isinstance(data, (bytes, bytearray)):
         raise TypeError(f"image data must be bytes, got {type(data).__name__}")
     prefix = bytes(data[:16])
     if not prefix:
@@ -182,6 +183,8 @@ def _open(data: bytes, spec: ImageSpec) -> PILImage.Image:
             _check_pixels(*_gif_canvas(data), fmt, spec)
         if fmt == "JPEG":
             data = _jpeg_without_metadata(data)
+        elif fmt == "PNG":
+            data = _png_without_animation(data)
         try:
             im = factory(io.BytesIO(data), "")
         except image.DecompressionBombError as exc:  # a plugin's own check, the second line
@@ -262,6 +265,31 @@ def _jpeg_without_metadata(data: bytes) -> bytes:
         if end > len(data):
             break
         if not (marker == 0xE1 or (marker == 0xE2 and data[pos + 4:pos + 8] == b"MPF\0")):
+            kept.append(data[pos:end])
+        pos = end
+    kept.append(data[pos:])
+    return b"".join(kept)
+
+
+_APNG_CHUNKS = (b"acTL", b"fcTL", b"fdAT")
+
+
+def _png_without_animation(data: bytes) -> bytes:
+    """An animated PNG without its animation chunks: the still PNG whose image is the default one.
+
+    The default image (IDAT) is the first frame Pillow shows, so the pixels are the same; but
+    Pillow meets a damaged `acTL` with a warning (see `_jpeg_without_metadata` for why that
+    matters). A PNG without `acTL` before its first IDAT is returned as it is, uncopied.
+    """
+    first_idat = data.find(b"IDAT")
+    if first_idat < 0 or data.find(b"acTL", 0, first_idat) < 0:
+        return data
+    kept, pos = [data[:8]], 8
+    while pos + 12 <= len(data):
+        end = pos + 12 + int.from_bytes(data[pos:pos + 4], "big")
+        if end > len(data):  # a cut chunk: left for Pillow to judge
+            break
+        if data[pos + 4:pos + 8] not in _APNG_CHUNKS:
             kept.append(data[pos:end])
         pos = end
     kept.append(data[pos:])
