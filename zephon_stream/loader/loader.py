@@ -101,8 +101,8 @@ class Loader:
     loader = Loader.from_toml("stream.toml")           # dp_rank/dp_size from torch.distributed
     for batch in loader:                                # or: async with loader.open() as s: async for ...
         loss = model(batch["input_ids"], labels=batch["labels"])
-        if step % 100 == 0:
-            torch.save(...); state = loader.state_dict()
+        if loader.step % 100 == 0:                      # loader.step == batch["step"] + 1 here
+            torch.save({"loader": loader.state_dict(), ...}, path)
     ```
     The sample at every global slot is a pure function of (config, seed, data): it does not
     depend on dp_size, backend, buffer sizes or resume points.
