@@ -13,6 +13,7 @@ mode the decoder meets), under several settings:
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import io
 import struct
@@ -520,3 +521,13 @@ def test_lane_side_functions_load_neither_torch_nor_pillow_at_import() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).parents[2], check=False)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_decoding_in_threads_gives_the_sequential_bytes() -> None:
+    """Lanes decode in worker threads: no shared state may leak between concurrent decodes."""
+    spec = SPECS["small-max"]
+    names = [n for n in GENERATED if n != "noise-png-37x1001"] * 3  # that one is refused under small-max
+    expected = {n: patchify(load_image(GENERATED[n], spec), spec).tobytes() for n in set(names)}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda n: patchify(load_image(GENERATED[n], spec), spec).tobytes(), names))
+    assert got == [expected[n] for n in names]
