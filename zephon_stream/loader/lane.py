@@ -5,6 +5,10 @@ Feed 0: SplitReader -> parse -> tokenize --[doc_buffer]--\\
 Feed 1: SplitReader -> parse -> tokenize --[doc_buffer]---> Mix -> Shuffle -> Pack --[sample_buffer]--> sequencer
 ```
 
+The reader and parser of a source depend on its format (`operators.sources`: JSONL and zstd
+text, or WebDataset tar image+text, whose "tokenize" also decodes and resizes the image); the
+rest of the lane is the same for all.
+
 Each source's feed runs ahead in its own producer task, bounded by `doc_buffer` batches. Mix,
 Shuffle and Pack are pulled in one task, so the lane state right after each sample is one consistent snapshot;
 it travels with the sample and becomes the checkpoint once the trainer consumes the sample.
@@ -37,11 +41,12 @@ from zephon_stream.loader.config import Config
 from zephon_stream.loader.plan import DataPlan
 from zephon_stream.loader.state import LaneState, split_at
 from zephon_stream.operators.feed import Feed
-from zephon_stream.operators.images import ImageParser, TarSplitReader, VisionTokens
+from zephon_stream.operators.images import VisionTokens
 from zephon_stream.operators.mix import Mix
 from zephon_stream.operators.pack import Pack
-from zephon_stream.operators.read import Parser, SplitReader
+from zephon_stream.operators.read import SplitReader
 from zephon_stream.operators.shuffle import Shuffle
+from zephon_stream.operators.sources import make_parser, make_reader
 from zephon_stream.operators.tokenize import Tokenize
 from zephon_stream.operators.types import Doc, DocRef, Sample
 
@@ -65,18 +70,12 @@ class Lanes:
         self._has_documents = [False] * len(plan.sources)  # checked once per process, see `check_source`
         self._checking = [anyio.Lock() for _ in plan.sources]  # one check at a time; the others wait for it
 
-    def _parser(self, source: int) -> Parser | ImageParser:
-        cfg, text_field = self.config, self.plan.sources[source].text_field
-        if self.images[source]:
-            return ImageParser(text_field, cfg.sources[source].image_extensions, cfg.on_bad_record,
-                               cfg.max_record_bytes)
-        return Parser(text_field, cfg.on_bad_record)
+    def _parser(self, source: int) -> Any:
+        return make_parser(self.config, source, self.plan.sources[source])
 
-    def _reader(self, source: int, split: Any, bad: Any, **window: Any) -> SplitReader | TarSplitReader:
-        src = self.plan.sources[source]
-        kind = TarSplitReader if self.images[source] else SplitReader
-        return kind(self.stores[source], src.shards[split.shard], split, self.config.max_record_bytes,
-                    self.run_cpu, bad=bad, **window)
+    def _reader(self, source: int, split: Any, bad: Any, **window: Any) -> Any:
+        return make_reader(self.config, source, self.plan.sources[source], self.stores[source], split, self.run_cpu,
+                           bad, **window)
 
     def batch_size(self, source: int) -> int:
         """Documents per tokenize (and image decode) call for `source`."""
@@ -237,8 +236,8 @@ class TextLane:
         docs: dict[DocRef, Doc] = {}
         for source in sorted({r[0] for r in refs}):
             mine = [(r, found[r[0], r[1], r[2]][1]) for r in refs if r[0] == source]
-            for ref, payload in await self.shared.run_cpu(self.shared.tokenize, source, mine, "a checkpoint's documents"):
-                docs[ref] = (ref, payload)
+            tokens = await self.shared.run_cpu(self.shared.tokenize, source, mine, "a checkpoint's documents")
+            docs.update((ref, (ref, payload)) for ref, payload in tokens)
         return docs
 
     async def _read_source(self, source: int, position: int, offset: int, send: anyio.abc.ObjectSendStream) -> None:
