@@ -180,9 +180,9 @@ def test_processes_statistics_count_the_workers_store_reads(config) -> None:
 
     on_disk = sum(p.stat().st_size for s in config.sources for p in Path(s.uri.removeprefix("file://")).iterdir())
     threads, processes = reads("threads"), reads("processes")
-    # one epoch reads every byte at least once, wherever the lanes run
-    assert threads[1] >= on_disk and processes[1] >= on_disk, (threads, processes, on_disk)
-    assert processes[0] >= threads[0] // 2, (threads, processes)
+    # one epoch reads every byte at least once, and the same reads wherever the lanes run (the parent
+    # alone, which only plans, read 6 requests / 52 KB of the 188 / 546 KB here)
+    assert threads[1] >= on_disk and processes == threads, (threads, processes, on_disk)
 
 
 def test_the_api_a_user_reads_has_docstrings() -> None:

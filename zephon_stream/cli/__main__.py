@@ -4,4 +4,5 @@ import sys
 
 from zephon_stream.cli.main import main
 
-sys.exit(main())
+if __name__ == "__main__":  # spawned worker processes may import this module again: they must not run it
+    sys.exit(main())
