@@ -253,7 +253,7 @@ async def train(args: argparse.Namespace, regions: dict[str, dict], run: Run, wo
     tmp.rename(args.work / "setup.json")  # whole or absent: the workers wait for it
 
     def published(info, at: float) -> None:
-        sha = weights_sha(publishing._buffer) if args.verify_bytes else None
+        sha = weights_sha(publishing.snapshot) if args.verify_bytes else None
         run.published[info.version] = Published(info.version, at, info.model_digest, info.keyframe, sha)
         kind = "keyframe" if info.keyframe else "delta"
         print(f"v{info.version:<3} published at step {run.steps}: {kind}, {info.delta_bytes + info.key_bytes:,} bytes "

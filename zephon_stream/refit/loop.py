@@ -98,6 +98,12 @@ class PublishLoop:
         await self._idle.wait()
         return self._last
 
+    @property
+    def snapshot(self) -> Mapping[str, torch.Tensor]:
+        """The CPU copy last submitted: the version being (or last) published. Read it, never
+        write it; the next `submit` overwrites it once the publish in flight is done."""
+        return self._buffer
+
     def statistics(self) -> PublishStatistics:
         return PublishStatistics(self._published, not self._idle.is_set(), self._last, self._snapshot_s,
                                  self._publish_s, self._waited_s)

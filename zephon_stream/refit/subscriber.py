@@ -188,7 +188,7 @@ class Subscriber(StoreOwner):
         self._ahead_tried: set[str] = set()
         self._ahead_job: tuple[int, Mapping[str, torch.Tensor], _Pull] | None = None  # plans per version
         self.module, self.name_map = module, name_map
-        self._views: tuple[str, dict[str, torch.Tensor | Placed]] | None = None  # (table digest, module views)
+        self._views: tuple[object, dict[str, torch.Tensor | Placed]] | None = None  # (what they were made from, views)
 
     def __repr__(self) -> str:
         return f"Subscriber({self.uri!r}, version={self.record.version}, sharding={self.sharding})"
@@ -247,8 +247,10 @@ class Subscriber(StoreOwner):
             return state
         if self.module is None:
             raise ConfigError("pull() needs the state_dict to update, or a Subscriber made with module=")
-        if self._views is None or self._views[0] != table.digest:
-            self._views = table.digest, module_state(self.module, table, self.name_map, self.sharding)
+        own = self.module.state_dict(keep_vars=True)
+        made_from = (table.digest, [(k, id(t), t.data_ptr()) for k, t in own.items()])
+        if self._views is None or self._views[0] != made_from:  # a new layout, or the module moved (.to(device))
+            self._views = made_from, module_state(self.module, table, self.name_map, self.sharding)
         return self._views[1]
 
     async def pull(self, state: Mapping[str, torch.Tensor] | None = None, *,
