@@ -42,7 +42,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import msgspec
-from tqdm import tqdm
+
+try:
+    from tqdm import tqdm
+except ImportError:  # the `progress` extra is not installed: the build logs its steps instead
+    tqdm = None
 
 from zephon_stream.formats.jsonl_zst import atomic_write, write_jsonl_shards
 
@@ -108,23 +112,26 @@ class _Progress:
 
     def __init__(self, desc: str, total: float | None, unit: str = "step") -> None:
         self.desc = desc
-        self.bar = tqdm(desc=desc, total=total, unit=unit, unit_scale=unit == "B", disable=None, file=sys.stderr,
-                        leave=False, dynamic_ncols=True)
+        self.bar = None  # off a terminal (disable=None), or without tqdm: log lines
+        if tqdm is not None and sys.stderr.isatty():
+            self.bar = tqdm(desc=desc, total=total, unit=unit, unit_scale=unit == "B", file=sys.stderr, leave=False,
+                            dynamic_ncols=True)
 
     def doing(self, what: str) -> None:
         """Say what runs now (a terminal shows it beside the bar)."""
-        if not self.bar.disable:
+        if self.bar is not None:
             self.bar.set_postfix_str(what)
 
     def done(self, what: str, n: float = 1) -> None:
-        if self.bar.disable:
+        if self.bar is None:
             log.info("%s: %s", self.desc, what)
         else:
             self.bar.set_postfix_str(what, refresh=False)
             self.bar.update(n)
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 # ------------------------------------------------------------------------------------- text handling

@@ -155,6 +155,16 @@ def test_on_a_terminal_a_tqdm_bar_with_total_eta_and_the_recent_rate() -> None:
     assert "tok/s (last 10 s), prefetch 83% (loader ahead)  skipped 1" in text
 
 
+def test_without_tqdm_a_terminal_gets_the_plain_lines(monkeypatch) -> None:
+    from zephon_stream.cli import progress as module
+
+    monkeypatch.setattr(module, "tqdm", None)
+    clock, stats, file = Clock(), Stats(), io.StringIO()
+    _run(StreamProgress(stats, total=4, file=file, tty=True, clock=clock), stats, clock, 4, 1.0)
+    assert file.getvalue() == ("step 4/4 (100%)  elapsed 00:04  1.00k tok/s (last 10 s)  tokens 4.00k  "
+                               "prefetch 83% (loader ahead)  skipped 1\n")
+
+
 def test_the_demo_build_reports_its_steps_as_plain_log_lines_off_a_terminal(tmp_path, caplog, capfd) -> None:
     with caplog.at_level(logging.INFO, logger="zephon_stream.datasets"):
         corpus.build_demo(tmp_path / "demo", min_bytes=200_000, debian_docs=False)

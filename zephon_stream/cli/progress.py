@@ -15,6 +15,9 @@ the lanes' sample buffers are: near 100% the loader is ahead of whoever consumes
 
 The wait for the first batch has a display of its own (`waiting for the first batch`, with a
 clock on a terminal), since planning the sources and filling every lane can take a while.
+
+tqdm is an optional dependency (`pip install zephon-stream[progress]`); without it a terminal
+gets the plain lines too.
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TextIO, TypeVar
 
-from tqdm import tqdm
+try:
+    from tqdm import tqdm
+except ImportError:  # the `progress` extra is not installed: plain lines everywhere
+    tqdm = None
 
 __all__ = ["RecentRate", "StreamProgress", "prefetch_text"]
 
@@ -81,12 +87,12 @@ class StreamProgress:
                  wait_delay: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.statistics, self.total, self.start = statistics, total, start
         self.file = file if file is not None else sys.stderr
-        self.tty = self.file.isatty() if tty is None else tty
+        self.tty = (self.file.isatty() if tty is None else tty) and tqdm is not None  # a live bar needs tqdm
         self.every, self.wait_delay, self.clock = every, wait_delay, clock
         self.recent = RecentRate(window)
         self.started = self.t0 = self.last_line = clock()
         self.first_step: int | None = None  # the step after the first batch, when it came (at t0)
-        self.bar: tqdm | None = None
+        self.bar: Any = None  # the tqdm bar, once drawn
         self.last: Any = None  # the statistics at the last batch
         self.closed = False
 
@@ -146,10 +152,10 @@ class StreamProgress:
         parts = [f"step {st.step}"]
         if self.total is not None:
             parts = [f"step {st.step}/{self.total} ({st.step / max(self.total, 1):.0%})"]
-        parts.append(f"elapsed {tqdm.format_interval(now - self.started)}")
+        parts.append(f"elapsed {_interval(now - self.started)}")
         eta = self._eta(st.step, now)
         if eta is not None:
-            parts.append(f"eta {tqdm.format_interval(eta)}")
+            parts.append(f"eta {_interval(eta)}")
         parts += [self._rate_text(), f"tokens {_amount(st.tokens)}", self._tail(st)]
         return "  ".join(parts)
 
@@ -185,8 +191,23 @@ class StreamProgress:
 
 
 def _amount(n: float) -> str:
-    """1.32M, 14.6k, 29: short, and a small count stays a whole number."""
-    return tqdm.format_sizeof(n) if n >= 1000 else f"{n:.0f}"
+    """1.32M, 14.6k, 29: three significant digits, and a small count stays a whole number."""
+    if n < 1000:
+        return f"{n:.0f}"
+    units = iter("kMGT")
+    unit = next(units)
+    n /= 1000
+    while n >= 999.5 and unit != "T":
+        n, unit = n / 1000, next(units)
+    digits = 0 if n >= 99.95 else 1 if n >= 9.995 else 2
+    return f"{n:.{digits}f}{unit}"
+
+
+def _interval(seconds: float) -> str:
+    """00:05, 12:34, 1:02:03 (as tqdm writes times)."""
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h:d}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
 
 
 class _Waiting:
@@ -194,7 +215,7 @@ class _Waiting:
 
     def __init__(self, file: TextIO, tty: bool, what: str) -> None:
         self.file, self.tty, self.what = file, tty, what
-        self.bar: tqdm | None = None
+        self.bar: Any = None
         self.shown = False
 
     def tick(self) -> None:
