@@ -257,5 +257,5 @@ def test_image_larger_than_the_decode_limit_is_refused_before_decoding(vision_co
 def test_vision_config_validation():
     with pytest.raises(ConfigError, match="vision.min_pixels"):
         VisionConfig(min_pixels=10_000, max_pixels=5_000)
-    with pytest.raises(ConfigError, match=r"vision.max_pixels .* at least one merged patch"):
+    with pytest.raises(ConfigError, match=r"vision.max_pixels .* must hold one merged patch"):
         VisionConfig(min_pixels=10, max_pixels=100)

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from zephon_stream.errors import ConfigError
+from zephon_stream.vision.image import ImageSpec
 
 __all__ = ["Backend", "Config", "SourceConfig", "VisionConfig"]
 
@@ -31,61 +32,42 @@ MAX_BATCH_TOKENS = 1 << 32  # global_batch_size x seq_len: 32 GiB per int64 tens
 MAX_TIMEOUT_S = 3600.0
 
 
-class VisionConfig(msgspec.Struct, forbid_unknown_fields=True):
+class VisionConfig(ImageSpec, frozen=True, forbid_unknown_fields=True):
     """The `[vision]` table: how images become tokens and pixels (Qwen2-VL conventions).
 
     An image is resized so that its sides are multiples of `patch_size * merge_size` and its
     pixel count lies in `[min_pixels, max_pixels]`, cut into `patch_size` patches (repeated
     `temporal_patch_size` times, as Qwen2-VL does for stills), and stands in the text as
     `vision_start_token`, one `image_token` per `merge_size x merge_size` patches, then
-    `vision_end_token`. A source image larger than `max_decoded_pixels` (width x height, read
-    from its header) is refused before it is decoded: a decompression bomb.
+    `vision_end_token` (start and end are optional). A source image larger than
+    `max_decoded_pixels` (width x height, read from its header) is refused before it is decoded.
+    These sizing settings are `zephon_stream.vision.ImageSpec`'s, which this table extends.
 
     `pixel_dtype = "uint8"` (default) hands the batch raw pixels, a quarter of the bytes of
     float32; normalise them on the device with `zephon_stream.vision.normalize`. `"float32"`
-    normalises on the host (CLIP mean and std), equal to Hugging Face's processor output.
+    normalises on the host, bit-identical to Hugging Face's processor output.
     `decode_batch` (images per decode call) is an execution setting.
     """
 
     image_token: str = "<|image_pad|>"
     vision_start_token: str | None = None
     vision_end_token: str | None = None
-    patch_size: int = 14
-    merge_size: int = 2
-    temporal_patch_size: int = 2
-    min_pixels: int = 3136
-    max_pixels: int = 200704
-    max_decoded_pixels: int = 1 << 26
     pixel_dtype: Literal["uint8", "float32"] = "uint8"
     decode_batch: int = 8
 
     def __post_init__(self) -> None:
-        for field in ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels",
-                      "max_decoded_pixels", "decode_batch"):
-            _check(getattr(self, field) >= 1, f"vision.{field}", getattr(self, field), "must be >= 1")
-        _check(self.min_pixels <= self.max_pixels, "vision.min_pixels", self.min_pixels,
-               f"must be <= vision.max_pixels = {self.max_pixels}")
-        _check(self.max_pixels >= self.factor ** 2, "vision.max_pixels", self.max_pixels,
-               f"must hold at least one merged patch: >= (patch_size * merge_size)^2 = {self.factor ** 2}")
+        super().__post_init__()
+        _check(self.decode_batch >= 1, "vision.decode_batch", self.decode_batch, "must be >= 1")
         _check(bool(self.image_token), "vision.image_token", self.image_token, "must name a token")
-
-    @property
-    def factor(self) -> int:
-        """Resized sides are multiples of this: one merged patch."""
-        return self.patch_size * self.merge_size
 
     def max_image_tokens(self) -> int:
         """The most tokens one image takes in a sample: placeholders plus start and end."""
         placeholders = self.max_pixels // self.factor ** 2
         return placeholders + (self.vision_start_token is not None) + (self.vision_end_token is not None)
 
-    def image_spec(self) -> Any:
-        """The `zephon_stream.vision.ImageSpec` of these settings (imports Pillow's side only when called)."""
-        from zephon_stream.vision.image import ImageSpec
-
-        return ImageSpec(patch_size=self.patch_size, merge_size=self.merge_size,
-                         temporal_patch_size=self.temporal_patch_size, min_pixels=self.min_pixels,
-                         max_pixels=self.max_pixels, max_decoded_pixels=self.max_decoded_pixels)
+    def image_spec(self) -> ImageSpec:
+        """The sizing settings alone."""
+        return ImageSpec(**{f: getattr(self, f) for f in ImageSpec.__struct_fields__})
 
     def order_settings(self) -> list[Any]:
         """Every vision setting that shapes the samples (all but `decode_batch`)."""

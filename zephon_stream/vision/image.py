@@ -120,10 +120,10 @@ class ImageSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     temporal_patch_size: int = 2
     min_pixels: int = 3136
     max_pixels: int = 200704
-    max_decoded_pixels: int = 1 << 26  # source width x height, checked from the header before decoding
+    max_decoded_pixels: int = 1 << 25  # source width x height (33.5 Mpx), checked from the header before decoding
 
     def __post_init__(self) -> None:
-        for name in self.__struct_fields__:
+        for name in ImageSpec.__struct_fields__:  # a subclass (the loader's VisionConfig) checks its own fields
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 _refuse(name, value, "must be a whole number >= 1")
