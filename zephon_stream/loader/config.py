@@ -20,7 +20,7 @@ import msgspec
 from zephon_stream.errors import ConfigError
 from zephon_stream.vision.image import ImageSpec
 
-__all__ = ["Backend", "Config", "SourceConfig", "VisionConfig"]
+__all__ = ["Backend", "Config", "ScheduleEntry", "SourceConfig", "VisionConfig"]
 
 Backend = Literal["inline", "threads", "processes"]
 
@@ -121,6 +121,24 @@ class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
         return tuple(e.strip().lower().lstrip(".") for e in (self.image_field or "").split(";") if e.strip())
 
 
+class ScheduleEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A `[[schedule]]` table: from global step `step` on, the sources mix by `weights`
+    (one relative weight > 0 per source, by name), until the next entry.
+
+    ```
+    [[schedule]]
+    step = 2000
+    weights = { web = 0.3, code = 0.7 }
+    ```
+    Mix counts restart at a change: the steps after it track the new weights, not a cumulative
+    mix of old and new. The change applies to the documents drawn for the samples of step
+    `step` on (see `operators.mix`). `Loader.set_weights` logs entries of the same shape.
+    """
+
+    step: int
+    weights: dict[str, float]
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True):
     seed: int
     lanes: int
@@ -147,6 +165,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     sample_batch: int = 4  # samples per lane-to-sequencer hand-off
     read_ahead: int = 4  # ranged reads (1 MiB) of a split in flight per lane; 1 = one at a time
     vision: VisionConfig | None = None  # the [vision] table; needed by sources with image_field
+    schedule: list[ScheduleEntry] = []  # [[schedule]] tables: weights from given global steps on (an order setting)
 
     def __post_init__(self) -> None:
         _check(0 <= self.seed < 1 << 64, "seed", self.seed, "must be in [0, 2**64): seeds are 64-bit")
@@ -172,6 +191,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
                       "read_ahead"):
             _check(getattr(self, field) >= 1, field, getattr(self, field), "must be >= 1")
         self._check_vision()
+        self._check_schedule()
 
     def _check_vision(self) -> None:
         images = [s.name for s in self.sources if s.image_field is not None]
@@ -185,6 +205,39 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
                f"cannot hold one image: at vision.max_pixels = {self.vision.max_pixels} an image takes up to "
                f"{need - 1} tokens plus EOS; raise seq_len to >= {need} or lower vision.max_pixels to <= "
                f"{(self.seq_len - need + self.vision.max_pixels // self.vision.factor ** 2) * self.vision.factor ** 2}")
+
+    def _check_schedule(self) -> None:
+        steps = [e.step for e in self.schedule]
+        _check(steps == sorted(set(steps)), "schedule", steps, "steps must be strictly increasing, one table a step")
+        for e in self.schedule:
+            self.check_weights(e.weights, f"schedule[step={e.step}].weights")
+            _check(e.step >= 0, f"schedule[step={e.step}].step", e.step, "must be >= 0")
+
+    def check_weights(self, weights: object, where: str) -> list[float]:
+        """`weights` (name -> relative weight) as a list in source order; ConfigError unless it
+        names every source exactly once with a finite weight > 0."""
+        names = [s.name for s in self.sources]
+        _check(isinstance(weights, dict) and set(weights) == set(names), where, weights,
+               f"must give a weight to each source, by name: {names}")
+        assert isinstance(weights, dict)
+        for name, w in weights.items():
+            _check(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 and math.isfinite(w),
+                   f"{where}.{name}", w, "must be a number > 0 (weights are relative)")
+        return [float(weights[n]) for n in names]
+
+    def weights_by_step(self) -> list[tuple[int, list[float]]]:
+        """[(step, weights in source order)]: the sources' weights from step 0, then each schedule
+        entry's (one at step 0 replaces the sources' weights)."""
+        out = {0: [s.weight for s in self.sources]}
+        out.update((e.step, self.check_weights(e.weights, f"schedule[step={e.step}].weights")) for e in self.schedule)
+        return sorted(out.items())
+
+    def with_decisions(self, decisions: list[ScheduleEntry]) -> Config:
+        """This config with `decisions` (a `Loader.set_weights` log, in call order) merged into its
+        schedule: a decision replaces the entry at its step, and a later decision an earlier one."""
+        merged = {e.step: e for e in self.schedule}
+        merged.update((d.step, d) for d in decisions)
+        return self.replace(schedule=[merged[k] for k in sorted(merged)])
 
     @classmethod
     def from_toml(cls, path: str | Path) -> Config:
@@ -222,11 +275,15 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         plain = msgspec.to_builtins(self)
         sources = plain.pop("sources")
         vision = plain.pop("vision")
+        schedule = plain.pop("schedule")
         lines = [f"{k} = {_toml_value(v)}" for k, v in plain.items() if v is not None]
         if vision is not None:
             lines += ["", "[vision]"] + [f"{k} = {_toml_value(v)}" for k, v in vision.items() if v is not None]
         for src in sources:
             lines += ["", "[[sources]]"] + [f"{k} = {_toml_value(v)}" for k, v in src.items() if v is not None]
+        for entry in schedule:
+            weights = ", ".join(f"{_toml_value(k)} = {_toml_value(v)}" for k, v in entry["weights"].items())
+            lines += ["", "[[schedule]]", f"step = {entry['step']}", f"weights = {{ {weights} }}"]
         return "\n".join(lines) + "\n"
 
     def replace(self, **changes: object) -> Config:
@@ -244,6 +301,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
                             for s in self.sources]
         if self.vision is not None:
             order["vision"] = self.vision.order_settings()
+        if self.schedule:  # absent when empty: configs without one keep their digests (and checkpoints)
+            order["schedule"] = [[e.step, self.check_weights(e.weights, "schedule")] for e in self.schedule]
         order["tokenizer_sha256"] = tokenizer_sha
         return order
 
