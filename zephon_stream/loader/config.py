@@ -140,6 +140,21 @@ class ScheduleEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True):
+    """Everything that defines a loader: read it from TOML with `from_toml`, or build it here.
+
+    `labels` is the label convention of the batch:
+
+    - `"shifted"` (default; torchtitan and Megatron style): `labels[t]` is the target of position
+      `t`, that is `input_ids[t + 1]`. Use it with a plain cross-entropy over all positions:
+      `F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)`.
+    - `"unshifted"` (Hugging Face style): `labels[t]` is aligned with `input_ids[t]` (-100 where
+      masked, and at position 0); the model shifts them itself:
+      `model(input_ids=batch["input_ids"], labels=batch["labels"]).loss`.
+
+    Passing shifted labels to a model that shifts them again trains on the token two ahead,
+    without any error: pick the one your loss expects.
+    """
+
     seed: int
     lanes: int
     seq_len: int
@@ -147,6 +162,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     tokenizer: str
     sources: list[SourceConfig]
     eos_token: str = "<|endoftext|>"
+    bos_token: str | None = None  # a token put before every document, for tokenizers trained with one; off by default
+    labels: Literal["shifted", "unshifted"] = "shifted"  # see the Config docstring
     pad_token_id: int | None = None  # None: the EOS id
     shuffle_window: int = 64  # documents per lane; 0 = off
     max_epochs: int = 0  # 0 = forever
@@ -200,7 +217,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
                               "(its defaults follow Qwen2-VL)")
         if self.vision is None:
             return
-        need = self.vision.max_image_tokens() + 1  # and the EOS after the caption
+        need = self.vision.max_image_tokens() + 1 + (self.bos_token is not None)  # and EOS (and BOS)
         _check(need <= self.seq_len, "seq_len", self.seq_len,
                f"cannot hold one image: at vision.max_pixels = {self.vision.max_pixels} an image takes up to "
                f"{need - 1} tokens plus EOS; raise seq_len to >= {need} or lower vision.max_pixels to <= "
@@ -241,6 +258,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
 
     @classmethod
     def from_toml(cls, path: str | Path) -> Config:
+        """Read a config from a TOML file: the top-level keys, a `[[sources]]` table per source and
+        an optional `[vision]` table. A relative `tokenizer` path or a plain (scheme-less) source
+        path is taken relative to the config file's directory."""
         """Read a config from a TOML file: top-level settings, then one `[[sources]]` table per source.
 
         ```
@@ -264,7 +284,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
             raise ConfigError(f"config file {str(path)!r} cannot be read: {exc.strerror or exc}; give the path "
                               "of a TOML file") from exc
         try:
-            return msgspec.toml.decode(data, type=cls)
+            return msgspec.toml.decode(data, type=cls).with_paths_from(Path(path).parent)
         except msgspec.ValidationError as exc:
             raise ConfigError(f"invalid config {path}: {exc}") from exc
         except msgspec.DecodeError as exc:
@@ -286,6 +306,15 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
             lines += ["", "[[schedule]]", f"step = {entry['step']}", f"weights = {{ {weights} }}"]
         return "\n".join(lines) + "\n"
 
+    def with_paths_from(self, base: str | Path) -> Config:
+        """This config with a relative tokenizer path, and plain source paths (no `file://`, `s3://`),
+        made absolute from `base`; a plain source path becomes a `file://` URI."""
+        root = Path(base).resolve()
+        tokenizer = self.tokenizer if Path(self.tokenizer).is_absolute() else str(root / self.tokenizer)
+        sources = [msgspec.structs.replace(s, uri=_file_uri(root / s.uri)) if "://" not in s.uri else s
+                   for s in self.sources]
+        return self.replace(tokenizer=tokenizer, sources=sources)
+
     def replace(self, **changes: object) -> Config:
         return msgspec.structs.replace(self, **changes)
 
@@ -297,6 +326,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
                       "shuffle_window", "max_epochs", "mix", "mask_cross_document_labels",
                       "split_bytes", "on_bad_record", "max_record_bytes")
         }
+        order["bos_token"] = self.bos_token  # only when set: configs from before it keep their digest
+        if self.bos_token is None:
+            del order["bos_token"]
         order["sources"] = [[s.name, s.weight, s.text_field] + ([s.image_field] if s.image_field else [])
                             for s in self.sources]
         if self.vision is not None:
@@ -309,6 +341,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     def order_digest(self, tokenizer_sha: str) -> str:
         """Digest of `order_settings`: equal digests, equal sample sequences on equal data."""
         return hashlib.sha256(msgspec.json.encode(self.order_settings(tokenizer_sha))).hexdigest()[:32]
+
+
+def _file_uri(path: Path) -> str:
+    return path.resolve().as_uri().rstrip("/") + "/"
 
 
 def _toml_value(v: object) -> str:

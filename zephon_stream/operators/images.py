@@ -170,9 +170,9 @@ class ImageParser:
 class VisionTokens:
     """Turns image records into documents: the image decoded and resized, the caption tokenized.
 
-    A document's ids are `[vision_start] + [image_token] * k + [vision_end] + caption + [EOS]`,
-    where k is the number of merged patches; the image span (start to end) is never cut by
-    packing and never trained on.
+    A document's ids are `[vision_start] + [image_token] * k + [vision_end] + caption + [EOS]`
+    (after a BOS, with `bos_token`), where k is the number of merged patches; the image span
+    (BOS to vision end) is never cut by packing and never trained on.
     """
 
     def __init__(self, vision: Any, tokenizer: Any, seq_len: int) -> None:
@@ -183,6 +183,7 @@ class VisionTokens:
                       (("vision_start_token", vision.vision_start_token),) if t is not None]
         self.end = [tokenizer.token_id(t, f"vision.{f}") for f, t in
                     (("vision_end_token", vision.vision_end_token),) if t is not None]
+        self.bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
 
     def __call__(self, docs: list[tuple[Any, ImageRecord]], bad: BadRecords, key: str) -> list[tuple[Any, ImageDoc]]:
         """Decode the images of `docs` (read from shard `key`), skipping or raising on a bad one
@@ -194,7 +195,7 @@ class VisionTokens:
             try:
                 image = load_image(rec.image, self.spec)  # refuses a bomb from its header, before decoding
                 gh, gw = image.shape[0] // self.spec.patch_size, image.shape[1] // self.spec.patch_size
-                if gh * gw // self.spec.merge_size ** 2 + len(self.start) + len(self.end) >= self.seq_len:
+                if gh * gw // self.spec.merge_size ** 2 + len(self.bos + self.start + self.end) >= self.seq_len:
                     raise BadImage(f"it takes {gh * gw // self.spec.merge_size ** 2} image tokens, more than "
                                    f"seq_len = {self.seq_len} holds")
                 images.append((ref, rec, image, (gh, gw)))
@@ -205,8 +206,9 @@ class VisionTokens:
         out = []
         for (ref, _, image, (gh, gw)), caption in zip(images, captions):
             k = gh * gw // self.spec.merge_size ** 2
-            head = np.array(self.start + [self.image_id] * k + self.end, dtype=np.uint32)
-            out.append((ref, ImageDoc(np.concatenate([head, caption]), image, (1, gh, gw), len(head),
-                                      (len(self.start), len(self.start) + k))))
+            head = np.array(self.bos + self.start + [self.image_id] * k + self.end, dtype=np.uint32)
+            first = len(self.bos) + len(self.start)  # the BOS (if any) opens the document, before the image
+            out.append((ref, ImageDoc(np.concatenate([head, caption[len(self.bos):]]), image, (1, gh, gw), len(head),
+                                      (first, first + k))))
         return out
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -20,11 +21,14 @@ class Tokenize:
     documents a checkpoint refers to.
     """
 
-    def __init__(self, path: str, eos_token: str) -> None:
+    def __init__(self, path: str, eos_token: str, bos_token: str | None = None) -> None:
         try:
             raw = Path(path).read_bytes()
         except OSError as exc:
-            raise ConfigError(f"tokenizer {path!r} cannot be read: {exc}") from exc
+            hub = not Path(path).exists() and "/" not in path.strip("/") and not path.endswith(".json")
+            why = ("is not a file; pass the path of a tokenizer.json (models on a hub are not downloaded)" if hub
+                   else f"cannot be read: {exc}")
+            raise ConfigError(f"tokenizer {path!r} {why}") from exc
         try:
             self._tok = Tokenizer.from_str(raw.decode())
         except Exception as exc:  # the `tokenizers` library raises bare Exceptions for a malformed file
@@ -32,6 +36,7 @@ class Tokenize:
                               "Hugging Face `tokenizers` JSON file") from exc
         self.path, self.sha256 = path, hashlib.sha256(raw).hexdigest()
         self.eos_id = self.token_id(eos_token, "eos_token")
+        self.bos_id = None if bos_token is None else self.token_id(bos_token, "bos_token")
         self.vocab_size = self._tok.get_vocab_size()
 
     def __repr__(self) -> str:
@@ -46,13 +51,21 @@ class Tokenize:
                               f"its special tokens: {', '.join(special) or '(it has none)'}")
         return tid
 
+    @classmethod
+    def for_config(cls, config: Any) -> Tokenize:
+        return cls(config.tokenizer, config.eos_token, config.bos_token)
+
     def __call__(self, texts: list[str]) -> list[np.ndarray]:
+        """Each text's ids, then EOS (and BOS first, with a `bos_token`)."""
         encodings = self._tok.encode_batch_fast(texts, add_special_tokens=False)
+        first = 0 if self.bos_id is None else 1
         out = []
         for enc in encodings:
             ids = enc.ids
-            arr = np.empty(len(ids) + 1, dtype=np.uint32)
-            arr[:-1] = ids
+            arr = np.empty(len(ids) + 1 + first, dtype=np.uint32)
+            if first:
+                arr[0] = self.bos_id
+            arr[first:-1] = ids
             arr[-1] = self.eos_id
             out.append(arr)
         return out
