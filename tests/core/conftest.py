@@ -125,3 +125,69 @@ def vision_config(vision_dataset, dataset) -> Config:
                   sources=[SourceConfig(name="img", uri=f"file://{root}/img/", weight=0.7, image_field="jpg;png",
                                         text_field="txt"),
                            SourceConfig(name="a", uri=f"file://{text_root}/a/", weight=0.3)])
+
+
+def build_parquet_dataset(root: Path, docs: dict[str, list[str]]) -> None:
+    """The text dataset as Parquet written by pyarrow: source a with a `text` column (row groups of
+    23 rows), source b with the text nested in a struct column (`doc.body`, row groups of 31)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (root / "a").mkdir(parents=True)
+    (root / "b").mkdir()
+    for i in range(3):
+        rows = docs["a"][i * 200:(i + 1) * 200]
+        pq.write_table(pa.table({"id": list(range(len(rows))), "text": rows}), root / "a" / f"a-{i}.parquet",
+                       row_group_size=23)
+    for i in range(2):
+        rows = docs["b"][i * 150:(i + 1) * 150]
+        nested = [{"lang": "en", "body": t} for t in rows]
+        pq.write_table(pa.table({"doc": nested}), root / "b" / f"b-{i}.parquet", row_group_size=31)
+
+
+def build_gzip_dataset(root: Path, docs: dict[str, list[str]]) -> None:
+    """The text dataset as gzip: source a in files of several members (a member every 17 lines,
+    as bgzip or `pigz --independent` write), source b as single-member `.json.gz` files."""
+    import gzip
+
+    (root / "a").mkdir(parents=True)
+    (root / "b").mkdir()
+    def lines(part: list[str]) -> list[bytes]:
+        return [msgspec.json.encode({"id": n, "text": t}) + b"\n" for n, t in enumerate(part)]
+
+    for i in range(3):
+        a = lines(docs["a"][i * 200:(i + 1) * 200])
+        (root / "a" / f"a-{i}.jsonl.gz").write_bytes(b"".join(gzip.compress(b"".join(a[k:k + 17]), mtime=0)
+                                                              for k in range(0, len(a), 17)))
+    for i in range(2):
+        b = lines(docs["b"][i * 150:(i + 1) * 150])
+        (root / "b" / f"b-{i}.json.gz").write_bytes(gzip.compress(b"".join(b), mtime=0))
+
+
+@pytest.fixture(scope="session")
+def parquet_dataset(tmp_path_factory: pytest.TempPathFactory, dataset) -> Path:
+    root = tmp_path_factory.mktemp("parquet")
+    build_parquet_dataset(root, dataset[1])
+    return root
+
+
+@pytest.fixture(scope="session")
+def gzip_dataset(tmp_path_factory: pytest.TempPathFactory, dataset) -> Path:
+    root = tmp_path_factory.mktemp("gzip")
+    build_gzip_dataset(root, dataset[1])
+    return root
+
+
+@pytest.fixture()
+def parquet_config(config, parquet_dataset) -> Config:
+    """`config` on the Parquet copy of its data (source b reads the nested column `doc.body`)."""
+    return config.replace(sources=[
+        SourceConfig(name="a", uri=f"file://{parquet_dataset}/a/", weight=0.6),
+        SourceConfig(name="b", uri=f"file://{parquet_dataset}/b/", weight=0.4, text_field="doc.body")])
+
+
+@pytest.fixture()
+def gzip_config(config, gzip_dataset) -> Config:
+    """`config` on the gzip copy of its data (a: multi-member files, b: single-member)."""
+    return config.replace(sources=[SourceConfig(name="a", uri=f"file://{gzip_dataset}/a/", weight=0.6),
+                                   SourceConfig(name="b", uri=f"file://{gzip_dataset}/b/", weight=0.4)])

@@ -30,7 +30,8 @@ async def plan_data(config: Config, stores: list[Store]) -> DataPlan:
     for src, store in zip(config.sources, stores, strict=True):
         sources.append(await plan_source(store, parse_uri(src.uri)[2], src.name, src.uri, src.text_field,
                                          config.lanes, config.split_bytes, config.on_bad_record,
-                                         images=src.image_field is not None, max_record=config.max_record_bytes))
+                                         images=src.image_field is not None, max_record=config.max_record_bytes,
+                                         image_field=src.image_field))
     h = hashlib.sha256()
     for sp in sources:
         h.update(msgspec.msgpack.encode([sp.name, [(s.key, s.size, s.etag) for s in sp.shards]]))

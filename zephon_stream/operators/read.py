@@ -1,7 +1,12 @@
-"""Read: list JSONL / JSONL.zst shards, cut them into splits, and stream a split's records.
+"""Read: list a source's shards, cut them into splits, and stream a split's records.
+
+A source is one family of formats, by key suffix: JSON lines (`.jsonl`, `.jsonl.zst`,
+`.jsonl.gz`, `.json.gz`; this module's `SplitReader`), Parquet (`.parquet`, row groups as
+splits: `operators.parquet`) or, for an image source, WebDataset tar (`.tar`) or Parquet.
 
 A *split* owns the records that **start** inside its range. For `.jsonl` the range is bytes
-`[start, end)` of the shard; for `.jsonl.zst` it is zstd frames `[start, end)`, found from the
+`[start, end)` of the shard; for `.jsonl.zst` it is zstd frames `[start, end)` (gzip members for
+`.gz`, found as `formats.gzip` says), found from the
 shard's seek table or by walking frame and block headers (no decompression). A split peeks one
 byte (one frame for zstd) back to learn whether it begins at a record start, and reads past its
 end only to finish its last record. So a single shard spreads over many lanes and no lane
@@ -38,11 +43,15 @@ import numpy as np
 from zephon_stream.connectors.base import ObjectInfo, Store
 from zephon_stream.engine.window import ReadWindow, Spawn
 from zephon_stream.errors import ConfigError, DataError, IncompatibleState
+from zephon_stream.formats.gzip import GZIP_SUFFIXES, GzipStream, find_members
 from zephon_stream.formats.jsonl_zst import DECODE_PIECE, ZstdStream, read_seek_table, walk_frames
+from zephon_stream.formats.parquet import PARQUET_SUFFIXES, chunk_bytes, read_footer, resolve_column
 
-__all__ = ["BadRecords", "Parser", "SUFFIXES", "ShardPlan", "SourcePlan", "Split", "SplitReader", "plan_source"]
+__all__ = ["BadRecords", "FORMATS", "Parser", "SUFFIXES", "ShardPlan", "SourcePlan", "Split", "SplitReader",
+           "plan_source"]
 
-SUFFIXES = (".jsonl", ".jsonl.zst")
+SUFFIXES = (".jsonl", ".jsonl.zst", *GZIP_SUFFIXES)  # JSON lines, read by SplitReader
+FORMATS = {"lines": SUFFIXES, "parquet": PARQUET_SUFFIXES, "tar": (".tar",)}  # a source's shards are one of these
 _READ_PART = 1 << 20  # the largest ranged read of a split
 _MIN_PART = 1 << 10  # the smallest, when a small split is cut into `read_ahead` parts
 _TAIL_PART = 1 << 16  # reads past a split's end, only to finish its last record
@@ -52,13 +61,15 @@ class ShardPlan(msgspec.Struct, frozen=True, array_like=True):
     key: str  # the full key in the store
     size: int
     etag: str
-    frames: list[int] = []  # zstd: compressed offset of every frame, then the end of the frames; tar: of every sample
+    frames: list[int] = []  # zstd (gzip): compressed offset of every frame (member), then the end of the frames;
+    # tar: of every sample; parquet: the running total of the needed columns' bytes per row group (to cut splits)
     bad_tail: str = ""  # tar: why the archive ends before its size (truncated, corrupt), read as one bad record
+    rows: list[int] = []  # parquet: the first row of every row group, then the number of rows
 
 
 class Split(msgspec.Struct, frozen=True, array_like=True):
     shard: int
-    start: int  # byte (jsonl) or frame index (zst)
+    start: int  # byte (jsonl), frame index (zst, gzip member), sample index (tar) or row group (parquet)
     end: int
 
 
@@ -70,27 +81,28 @@ class SourcePlan(msgspec.Struct, frozen=True):
     shards: list[ShardPlan]
     splits: list[Split]
     skipped_shards: list[str] = []
+    format: str = "lines"  # a key of FORMATS: which reader and parser the source gets (operators.sources)
 
 
 # ---- planning ------------------------------------------------------------------------------------
 
 async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field: str,
                       lanes: int, split_bytes: int, on_bad: str, *, images: bool = False,
-                      max_record: int = 16 << 20) -> SourcePlan:
+                      max_record: int = 16 << 20, image_field: str | None = None) -> SourcePlan:
     """List a source's shards (sorted by key) and cut them into splits.
 
-    With `images`, the shards are WebDataset tar files (`*.tar`), indexed by sample.
+    With `images`, the shards are WebDataset tar files (`*.tar`), indexed by sample, or Parquet
+    files whose `image_field` column holds the images.
     """
-    suffixes, what = ((".tar",), "*.tar") if images else (SUFFIXES, "*.jsonl or *.jsonl.zst")
-    objects = [o for o in await store.list(prefix) if o.key.endswith(suffixes)]
-    if not objects:
-        raise ConfigError(f"source {name!r}: no {what} objects under {uri}")
+    fmt, objects = _list_shards(await store.list(prefix), name, uri, images)
     for obj in objects:
         _check_key(name, obj.key)
+    columns = [(text_field, "text")] + ([(image_field or "", "image")] if images else [])
     shards, skipped = [], []
     for obj in objects:
         try:
-            shards.append(await (_plan_tar(store, obj, max_record, on_bad) if images else _plan_shard(store, obj)))
+            shards.append(await (_plan_tar(store, obj, max_record, on_bad) if fmt == "tar" else
+                                 _plan_parquet(store, obj, columns) if fmt == "parquet" else _plan_shard(store, obj)))
         except DataError:
             if on_bad != "skip":
                 raise
@@ -101,9 +113,25 @@ async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field
     target = max(1024, min(split_bytes, math.ceil(total / lanes)))
     splits = [sp for i, s in enumerate(shards) for sp in _cut(i, s, target)]
     if not splits:
-        raise DataError(f"source {name!r}: the tar shards under {uri} hold no sample")
+        raise DataError(f"source {name!r}: the {fmt} shards under {uri} hold no " +
+                        ("sample" if fmt == "tar" else "row group"))
     return SourcePlan(name=name, uri=uri, prefix=prefix, text_field=text_field,
-                      shards=shards, splits=splits, skipped_shards=skipped)
+                      shards=shards, splits=splits, skipped_shards=skipped, format=fmt)
+
+
+def _list_shards(objects: list[ObjectInfo], name: str, uri: str, images: bool) -> tuple[str, list[ObjectInfo]]:
+    """The source's format family and its shards: one family per source, so one reader and parser."""
+    kinds = ("tar", "parquet") if images else ("lines", "parquet")
+    found = {k: [o for o in objects if o.key.endswith(FORMATS[k])] for k in kinds}
+    present = [k for k in kinds if found[k]]
+    if not present:
+        what = " or ".join(f"*{s}" for k in kinds for s in FORMATS[k])
+        raise ConfigError(f"source {name!r}: no {what} objects under {uri}")
+    if len(present) > 1:
+        raise ConfigError(f"source {name!r}: {uri} holds both {present[0]} shards ({found[present[0]][0].key!r}) "
+                          f"and {present[1]} shards ({found[present[1]][0].key!r}): a source reads one format; "
+                          "put each under its own source (or convert them with `zephon shard`)")
+    return present[0], found[present[0]]
 
 
 def _check_key(source: str, key: str) -> None:
@@ -121,6 +149,8 @@ async def _plan_shard(store: Store, obj: ObjectInfo) -> ShardPlan:
     if obj.size == 0:
         raise DataError(f"empty shard {obj.key!r} (0 bytes): remove it or set on_bad_record = \"skip\"",
                         key=obj.key, offset=0)
+    if obj.key.endswith(GZIP_SUFFIXES):  # members found by a scan of the whole file (formats.gzip)
+        return ShardPlan(obj.key, obj.size, obj.etag, await find_members(store, key, obj.size))
     if not obj.key.endswith(".zst"):
         return ShardPlan(obj.key, obj.size, obj.etag)
     frames = await read_seek_table(store, key, obj.size)
@@ -138,6 +168,15 @@ async def _plan_tar(store: Store, obj: ObjectInfo, max_record: int, on_bad: str)
             "" if on_bad == "skip" else ' (set on_bad_record = "skip" to keep the samples before it)'),
             key=obj.key, offset=index.bad_offset)
     return ShardPlan(obj.key, obj.size, obj.etag, list(index.starts), index.bad_tail or "")
+
+
+async def _plan_parquet(store: Store, obj: ObjectInfo, columns: list[tuple[str, str]]) -> ShardPlan:
+    """A Parquet file's row groups, sized by the bytes of the columns a lane will read; its footer
+    read and its columns checked (a missing column or one of the wrong type is a DataError)."""
+    footer = await read_footer(store, obj.key, obj.size, obj.etag)
+    needed = [resolve_column(footer, name, kind) for name, kind in columns]
+    return ShardPlan(obj.key, obj.size, obj.etag, list(itertools.accumulate(chunk_bytes(footer, needed), initial=0)),
+                     rows=list(itertools.accumulate(footer.row_counts(), initial=0)))
 
 
 def _cut(index: int, shard: ShardPlan, target: int) -> list[Split]:
@@ -313,7 +352,7 @@ class SplitReader:
     async def _last_byte(self, f: int) -> bytes | None:
         """The last decoded byte of frame `f`: b"" if it decodes to nothing, None if it is corrupt."""
         frames, last = self.shard.frames, b""
-        stream = ZstdStream(self.key, frames[f], frames, f, skip_corrupt=self.bad.skipping)
+        stream = self._stream(f)
         for start in range(frames[f], frames[f + 1], _READ_PART):
             data = await self.store.read(self.key, start, min(frames[f + 1], start + _READ_PART))
             async for piece in self._decode(stream, data):
@@ -351,7 +390,7 @@ class SplitReader:
         requests, only as far as the reader pulls (to finish a record)."""
         frames, split = self.shard.frames, self.split
         lo, hi, end = frames[split.start], frames[split.end], frames[-1]
-        stream = ZstdStream(self.key, lo, frames, split.start, skip_corrupt=self.bad.skipping)
+        stream = self._stream(split.start)
         pos = 0
         bounds = [*range(lo, hi, self._part(hi - lo)), hi]
         async for data in self._ranges(list(itertools.pairwise(bounds))):
@@ -367,7 +406,12 @@ class SplitReader:
                     pos += len(piece) if isinstance(piece, bytes) else 0
         stream.expect_end(end)
 
-    async def _decode(self, stream: ZstdStream, data: bytes) -> AsyncIterator[Piece]:
+    def _stream(self, first: int) -> ZstdStream | GzipStream:
+        """A decoder of the shard's frames (gzip members) from frame `first` on."""
+        kind = GzipStream if self.key.endswith(GZIP_SUFFIXES) else ZstdStream
+        return kind(self.key, self.shard.frames[first], self.shard.frames, first, skip_corrupt=self.bad.skipping)
+
+    async def _decode(self, stream: ZstdStream | GzipStream, data: bytes) -> AsyncIterator[Piece]:
         """Feed `data` to `stream`; its output in pieces of about DECODE_PIECE, and any corrupt frame."""
         while True:
             out, err = await self.run_cpu(stream.pull, DECODE_PIECE, data)
