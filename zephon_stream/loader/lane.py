@@ -42,7 +42,7 @@ from zephon_stream.loader.plan import DataPlan
 from zephon_stream.loader.state import LaneState, split_at
 from zephon_stream.operators.feed import Feed
 from zephon_stream.operators.images import VisionTokens
-from zephon_stream.operators.mix import Mix
+from zephon_stream.operators.mix import Mix, Schedule
 from zephon_stream.operators.pack import Pack
 from zephon_stream.operators.read import SplitReader
 from zephon_stream.operators.shuffle import Shuffle
@@ -138,7 +138,9 @@ class TextLane:
     """One lane, a composition of operators: its output depends only on (config, seed, lane id, data).
 
     `sources` (one `Feed` per source) -> `Mix` -> `Shuffle` -> `Pack`. The lane state nests their
-    states (`LaneState`), taken together right after each sample.
+    states (`LaneState`), taken together right after each sample. Before making its sample `k`
+    the lane tells Mix the global step of that sample, `(k * lanes + lane) // global_batch_size`,
+    so the config's schedule (with `Loader.set_weights` decisions merged in) applies by step.
     """
 
     def __init__(self, shared: Lanes, lane: int, state: LaneState | None = None) -> None:
@@ -147,7 +149,7 @@ class TextLane:
         n = len(shared.plan.sources)
         self.state_in = state or LaneState.initial(lane, n)
         self.sources = [Feed(functools.partial(self._read_source, s), cfg.doc_buffer) for s in range(n)]
-        self.mix = Mix([s.weight for s in cfg.sources], cfg.seed, lane, cfg.mix == "tokens", self.sources)
+        self.mix = Mix(Schedule(cfg.weights_by_step()), cfg.seed, lane, cfg.mix == "tokens", self.sources)
         self.shuffle = Shuffle(cfg.shuffle_window, cfg.seed, lane, self.mix)
         pad = shared.tokenizer.eos_id if cfg.pad_token_id is None else cfg.pad_token_id
         self.pack = Pack(cfg.seq_len, pad, cfg.mask_cross_document_labels, self.shuffle)
@@ -164,6 +166,7 @@ class TextLane:
                 stack.enter_context(feed.start(tg.start_soon))
             index, batch = st.samples, []
             while not st.done:
+                self.mix.enter((index * cfg.lanes + self.lane) // cfg.global_batch_size)  # the sample's step
                 sample = await self.pack.next()
                 if sample is None:
                     break

@@ -8,7 +8,7 @@ shuffle window and the number of sources, whatever the dataset size or position.
 ```
 LaneState(lane=3, samples=120, done=False,
           sources=[FeedState(position=4, offset=8812), ...],   # one per source: the next unread document
-          mix=MixState(counts=[...], position=517),
+          mix=MixState(counts=[...], position=517, since=0, base=[]),   # since/base: see operators.mix
           shuffle=ShuffleState(window=[(0, 4, 1200, 310), ...], pulls=453),
           pack=PackState(carry=(1, 2, 0, 2048), offset=96))
 ```
@@ -26,7 +26,7 @@ import msgspec
 
 from zephon_stream.engine.rng import permutation
 from zephon_stream.errors import CheckpointError, IncompatibleState
-from zephon_stream.loader.config import Config
+from zephon_stream.loader.config import Config, ScheduleEntry
 from zephon_stream.operators.feed import FeedState
 from zephon_stream.operators.mix import MixState
 from zephon_stream.operators.pack import PackState
@@ -93,6 +93,8 @@ class StateHeader(msgspec.Struct, frozen=True):
     global_batch_size: int
     step: int  # global batches consumed
     order: dict[str, Any] = {}  # the settings `order_digest` covers (Config.order_settings), to name a change
+    # the Loader.set_weights log, in call order: one entry per call that changed it (every rank holds all of it)
+    decisions: list[ScheduleEntry] = []
 
 
 class LoaderState(msgspec.Struct, frozen=True):
@@ -217,6 +219,7 @@ def _check_counters(ls: LaneState, config: Config, bad: Refusal) -> None:
     taken = sum(mix.counts)  # every document counts 1 (mix = "documents") or its tokens, at least its EOS
     if taken < mix.position or (config.mix == "documents" and taken != mix.position):
         bad("mix.counts", mix.counts, f"they add up to {taken} for {mix.position} documents taken (mix.position)")
+    _check_mix_phase(ls, config, bad)
     if config.shuffle_window and shuffle.pulls + len(shuffle.window) != mix.position:
         bad("shuffle.pulls", shuffle.pulls, f"shuffle.pulls + window size ({len(shuffle.window)}) must equal "
             f"mix.position ({mix.position})")
@@ -224,6 +227,19 @@ def _check_counters(ls: LaneState, config: Config, bad: Refusal) -> None:
         bad("shuffle.pulls", shuffle.pulls, "must be 0 with shuffle_window = 0")
     if ls.done and (not config.max_epochs or shuffle.window or pack.carry is not None):
         bad("done", ls.done, "a lane is done only with max_epochs > 0, once its window and carry are empty")
+
+
+def _check_mix_phase(ls: LaneState, config: Config, bad: Refusal) -> None:
+    """`mix.since` is a step the lane has reached; `mix.base` a count per source, each at most the count."""
+    mix = ls.mix
+    reached = ((ls.samples - 1) * config.lanes + ls.lane) // config.global_batch_size if ls.samples else 0
+    if not 0 <= mix.since <= reached:
+        bad("mix.since", mix.since, f"the weights in force start at a step in [0, {reached}], the step of the "
+            f"lane's last sample ({ls.samples} samples)")
+    if mix.base and (len(mix.base) != len(mix.counts) or not all(0 <= b <= c for b, c in zip(mix.base, mix.counts))):
+        bad("mix.base", mix.base, f"needs one count per source, each in [0, mix.counts[s]] (counts {mix.counts})")
+    if mix.base and not mix.since:
+        bad("mix.base", mix.base, "must be empty while the step-0 weights are in force (mix.since = 0)")
 
 
 def _check_cursors(ls: LaneState, n_sources: int, bad: Refusal) -> None:

@@ -1,14 +1,31 @@
-"""Mix: interleave several weighted sources inside a lane.
+"""Mix: interleave several weighted sources inside a lane, with weights that change by step.
 
-Token-aware by default: the next document comes from the active source whose realized token
-count is smallest relative to its weight (`tokens[s] / weight[s]`), so realized token shares
-track the weights to within one document. Ties break by `mix64(seed, lane, position, s)`. The
-choice is a pure function of (seed, lane, position) and the per-source counters in the state;
-with `by_tokens=False` the counters count documents instead of tokens.
+Token-aware by default: the next document comes from the active source whose token count since
+the weights in force came into force is smallest relative to its weight
+(`(counts[s] - base[s]) / weight[s]`), so realized token shares track the weights to within one
+document. Ties break by `mix64(seed, lane, position, s)`. The choice is a pure function of
+(seed, lane, position) and the counters in the state; with `by_tokens=False` the counters count
+documents instead of tokens.
+
+Weights by step (`Schedule`): the lane calls `enter(step)` before it makes each sample, with
+the global step that sample belongs to. Every document drawn while that sample is made is drawn
+with the weights in force at that step, so a change at step `b` applies to the documents drawn
+for the samples of step `b` on. At a change the counters restart (`base` = the counts then):
+the steps after it track the new weights, not a cumulative mix of old and new.
+
+```
+schedule: {0: [0.7, 0.3], 2000: [0.3, 0.7]}
+lane 5 makes its sample 1000 (global step 1000*L+5 // G = 2000): enter(2000)
+  -> since = 2000, weights = [0.3, 0.7], base = counts       (counts since the change: zero)
+```
+
+Documents drawn before the change and still in the shuffle window come out in the first steps
+after it; the window (not the mix) sets how soon the realized shares settle.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import msgspec
@@ -17,31 +34,79 @@ from zephon_stream.engine.operator import Operator, Resolve, refuse
 from zephon_stream.engine.rng import mix64
 from zephon_stream.operators.types import Doc
 
-__all__ = ["Mix", "MixState"]
+__all__ = ["Mix", "MixState", "Schedule"]
 
 
-class MixState(msgspec.Struct, frozen=True, array_like=True):
+class MixState(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):  # a fixed mix encodes as before
     counts: list[int]  # per source: tokens (or documents) taken
     position: int  # documents taken
+    since: int = 0  # the step from which the weights in force apply: a step of the lane's Schedule
+    base: list[int] = []  # counts when those weights came into force (empty: all zero)
+
+
+class Schedule:
+    """Weights by global step: `[(step, weights)]`, the first at step 0.
+
+    An entry whose weights equal the ones in force is dropped, so a repeated decision never
+    restarts the counters. Weights must be finite and > 0.
+    """
+
+    def __init__(self, entries: Sequence[tuple[int, Sequence[float]]]) -> None:
+        by_step = dict(sorted((int(step), [float(w) for w in ws]) for step, ws in entries))
+        if 0 not in by_step:
+            raise ValueError(f"a Schedule needs weights at step 0, got steps {sorted(by_step)}")
+        self.steps: list[int] = []
+        self.weights: list[list[float]] = []
+        for step, ws in by_step.items():
+            if not ws or len(ws) != len(by_step[0]) or not all(w > 0 and w != float("inf") for w in ws):
+                raise ValueError(f"Schedule weights at step {step} = {ws}: need one finite weight > 0 per source")
+            if not self.weights or ws != self.weights[-1]:
+                self.steps.append(step)
+                self.weights.append(ws)
+
+    def __repr__(self) -> str:
+        return f"Schedule({list(zip(self.steps, self.weights))})"
+
+    def since(self, step: int) -> int:
+        """The step from which the weights in force at `step` apply."""
+        return self.steps[bisect.bisect_right(self.steps, step) - 1]
+
+    def at(self, since: int) -> list[float] | None:
+        """The weights that apply from `since` (a step of the schedule), else None."""
+        i = bisect.bisect_left(self.steps, since)
+        return self.weights[i] if i < len(self.steps) and self.steps[i] == since else None
 
 
 class Mix:
-    def __init__(self, weights: Sequence[float], seed: int, lane: int, by_tokens: bool,
+    def __init__(self, weights: Sequence[float] | Schedule, seed: int, lane: int, by_tokens: bool,
                  upstreams: Sequence[Operator[Doc]]) -> None:
-        if len(weights) != len(upstreams) or not weights:
-            raise ValueError(f"Mix needs one weight per upstream, got {len(weights)} for {len(upstreams)}")
-        self.weights, self.seed, self.lane, self.by_tokens = list(weights), seed, lane, by_tokens
+        self.schedule = weights if isinstance(weights, Schedule) else Schedule([(0, weights)])
+        if len(self.schedule.weights[0]) != len(upstreams):
+            raise ValueError(f"Mix needs one weight per upstream, got {len(self.schedule.weights[0])} for "
+                             f"{len(upstreams)}")
+        self.seed, self.lane, self.by_tokens = seed, lane, by_tokens
         self.upstreams = list(upstreams)
-        self.counts = [0] * len(weights)
+        self.weights = self.schedule.weights[0]
+        self.counts = [0] * len(self.weights)
+        self.base = [0] * len(self.weights)
         self.position = 0
-        self._active = list(range(len(weights)))
+        self.since = 0
+        self._active = list(range(len(self.weights)))
 
     def __repr__(self) -> str:
-        return f"Mix(weights={self.weights}, by_tokens={self.by_tokens})"
+        return f"Mix(schedule={self.schedule}, by_tokens={self.by_tokens})"
+
+    def enter(self, step: int) -> None:
+        """The next documents are drawn for a sample of global step `step`: take its weights
+        (restarting the counters when they change)."""
+        since = self.schedule.since(step)
+        if since != self.since:
+            self.since, self.base = since, list(self.counts)
+            self.weights = self.schedule.at(since) or self.weights
 
     async def next(self) -> Doc | None:
         while self._active:
-            s = min(self._active, key=lambda s: (self.counts[s] / self.weights[s],
+            s = min(self._active, key=lambda s: ((self.counts[s] - self.base[s]) / self.weights[s],
                                                 mix64(self.seed, self.lane, self.position, s)))
             doc = await self.upstreams[s].next()
             if doc is None:
@@ -53,14 +118,24 @@ class Mix:
         return None
 
     def state(self) -> MixState:
-        return MixState(list(self.counts), self.position)
+        base = list(self.base) if any(self.base) else []
+        return MixState(list(self.counts), self.position, self.since, base)
 
     def refs(self, state: MixState) -> list[object]:
         return []
 
     def restore(self, state: MixState, resolve: Resolve) -> None:
-        if len(state.counts) != len(self.weights) or min(state.counts) < 0:
-            refuse("mix.counts", state.counts, f"needs one count >= 0 per source ({len(self.weights)} sources)")
+        n = len(self.weights)
+        if len(state.counts) != n or min(state.counts) < 0:
+            refuse("mix.counts", state.counts, f"needs one count >= 0 per source ({n} sources)")
         if state.position < 0:
             refuse("mix.position", state.position, "must be >= 0")
-        self.counts, self.position = list(state.counts), state.position
+        weights = self.schedule.at(state.since)
+        if weights is None:
+            refuse("mix.since", state.since, f"weights change only at steps {self.schedule.steps} of this run's "
+                   "schedule and set_weights log")
+        base = list(state.base) or [0] * n
+        if len(base) != n or not all(0 <= b <= c for b, c in zip(base, state.counts)):
+            refuse("mix.base", state.base, "needs one count per source, each in [0, mix.counts[s]]")
+        self.counts, self.position, self.since, self.weights, self.base = (
+            list(state.counts), state.position, state.since, weights, base)

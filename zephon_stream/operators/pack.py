@@ -9,7 +9,8 @@ position: [0 1 2 3 4 0]  [0 1 0 1 2 3]  [0 1 2 3 0 0]
 
 Labels are the next token of the stream; with `mask_cross_document` the label of a document's
 last token (its EOS) is -100. `position_ids` restart at every document and at every sample
-start; `segments` are the document pieces inside the sample (for `cu_seqlens`). The only state
+start; `segments` are the document pieces inside the sample (for `cu_seqlens`), `sources` the
+source of each piece. The only state
 is the document being cut (`carry`) and how many of its tokens were emitted.
 
 An image+text document (`ImageDoc`) starts with its image span, which is never cut: when the
@@ -57,6 +58,7 @@ class Pack:
         ids = np.full(n, self.pad_id, dtype=np.uint32)
         positions = np.zeros(n, dtype=np.int32)
         segments: list[int] = []
+        sources: list[int] = []
         ends: list[bool] = []
         spans: list[tuple[int, ImageDoc]] = []  # (where in the sample, document) of each image span
         filled = 0
@@ -76,6 +78,7 @@ class Pack:
             filled += take
             self.offset += take
             segments.append(take)
+            sources.append(self.carry[0][0])
             ends.append(self.offset == len(tokens))
             if ends[-1]:
                 self.carry = None
@@ -94,13 +97,13 @@ class Pack:
             doc_ends = np.cumsum(segments)[np.asarray(ends)] - 1
             labels[doc_ends] = IGNORE
         if not spans:
-            return Sample(ids, labels, positions, segments, filled)
+            return Sample(ids, labels, positions, segments, filled, sources=sources)
         types = np.zeros(n, dtype=np.uint8)
         for at, doc in spans:
             labels[max(at - 1, 0):at + doc.span - 1] = IGNORE  # targets inside the span
             types[at + doc.placeholders[0]:at + doc.placeholders[1]] = 1
         return Sample(ids, labels, positions, segments, filled, images=[d.image for _, d in spans],
-                      grids=[d.grid for _, d in spans], token_types=types)
+                      grids=[d.grid for _, d in spans], token_types=types, sources=sources)
 
     def state(self) -> PackState:
         return PackState(self.carry[0] if self.carry else None, self.offset if self.carry else 0)

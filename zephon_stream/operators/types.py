@@ -44,16 +44,20 @@ class Sample:
 
     An image+text sample also has its images (resized uint8 arrays, in token order), their
     grids `(t, h, w)` in patches, and `token_types` (1 where an image placeholder stands).
+
+    `sources` is the source index of each of `segments` (the document pieces), so the tokens of
+    each source in the sample are known (`--digests`' `source_tokens`, realized shares).
     """
 
     __slots__ = ("input_ids", "labels", "position_ids", "segments", "num_tokens", "lane", "index", "state",
-                 "images", "grids", "token_types")
+                 "images", "grids", "token_types", "sources")
 
     def __init__(self, input_ids: np.ndarray, labels: np.ndarray, position_ids: np.ndarray,
                  segments: list[int], num_tokens: int, lane: int = -1, index: int = -1, state: object = None,
                  images: list[np.ndarray] | None = None, grids: list[tuple[int, int, int]] | None = None,
-                 token_types: np.ndarray | None = None) -> None:
+                 token_types: np.ndarray | None = None, sources: list[int] | None = None) -> None:
         self.input_ids, self.labels, self.position_ids = input_ids, labels, position_ids
         self.segments, self.num_tokens, self.lane, self.index, self.state = (
             segments, num_tokens, lane, index, state)
         self.images, self.grids, self.token_types = images or [], grids or [], token_types
+        self.sources = sources or []
