@@ -115,7 +115,7 @@ class _Image(msgspec.Struct, array_like=True):
 class _Msg(msgspec.Struct, array_like=True):
     kind: str  # "batch" | "end" | "error" | "skipped"
     lane: int = -1
-    samples: list[tuple[int, bytes, bytes, bytes, list[int], int, LaneState, list[_Image], bytes]] = []
+    samples: list[tuple[int, bytes, bytes, bytes, list[int], int, LaneState, list[_Image], bytes, list[int]]] = []
     error: tuple[str, str] = ("", "")
     count: int = 0
 
@@ -128,7 +128,7 @@ def _pack(lane: int, batch: list[Sample]) -> bytes:
     return _enc.encode(_Msg("batch", lane, [
         (s.index, s.input_ids.tobytes(), s.labels.tobytes(), s.position_ids.tobytes(), s.segments, s.num_tokens,
          s.state, [_Image(im.tobytes(), im.shape[0], im.shape[1], g) for im, g in zip(s.images, s.grids)],
-         s.token_types.tobytes() if s.token_types is not None else b"")
+         s.token_types.tobytes() if s.token_types is not None else b"", s.sources)
         for s in batch]))
 
 
@@ -136,8 +136,8 @@ def _unpack(msg: _Msg) -> list[Sample]:
     return [Sample(np.frombuffer(ids, np.uint32), np.frombuffer(lab, np.int32), np.frombuffer(pos, np.int32),
                    segs, n, msg.lane, index, state,
                    [np.frombuffer(im.pixels, np.uint8).reshape(im.height, im.width, 3) for im in images],
-                   [tuple(im.grid) for im in images], np.frombuffer(types, np.uint8) if types else None)
-            for index, ids, lab, pos, segs, n, state, images, types in msg.samples]
+                   [tuple(im.grid) for im in images], np.frombuffer(types, np.uint8) if types else None, sources)
+            for index, ids, lab, pos, segs, n, state, images, types, sources in msg.samples]
 
 
 @asynccontextmanager
