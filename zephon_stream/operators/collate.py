@@ -13,13 +13,14 @@ With a `[vision]` config the batch also holds the images of its samples, in samp
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from zephon_stream.operators.types import IGNORE, Sample
 
-__all__ = ["collate", "padding_sample", "sample_digests"]
+__all__ = ["collate", "padding_sample", "sample_digests", "source_tokens"]
 
 
 def padding_sample(seq_len: int, pad_id: int, lane: int, index: int) -> Sample:
@@ -33,15 +34,20 @@ def collate(samples: list[Sample], step: int, slots: range, vision: Any = None) 
 
     `cu_seqlens` are the document boundaries over the flattened batch (padding is one segment
     of its own), ready for varlen attention; `num_tokens` counts non-padding tokens per sample.
+    `segment_sources` gives the source index of each of those segments (-1 for padding), e.g. for
+    per-source losses: `segment_sources.repeat_interleave(cu_seqlens.diff())` is a source per token.
     """
     seq_len = len(samples[0].input_ids)
     bounds = [0]
+    sources: list[int] = []
     for b, s in enumerate(samples):
         base = b * seq_len
         for n in s.segments:
             bounds.append(bounds[-1] + n)
+        sources += s.sources if len(s.sources) == len(s.segments) else [-1] * len(s.segments)
         if s.num_tokens < seq_len:
             bounds.append(base + seq_len)
+            sources.append(-1)
     import torch  # imported here so lane worker processes never load torch
 
     lengths = np.diff(bounds)
@@ -50,6 +56,7 @@ def collate(samples: list[Sample], step: int, slots: range, vision: Any = None) 
         "labels": torch.from_numpy(np.stack([s.labels for s in samples]).astype(np.int64)),
         "position_ids": torch.from_numpy(np.stack([s.position_ids for s in samples]).astype(np.int64)),
         "cu_seqlens": torch.tensor(bounds, dtype=torch.int32),
+        "segment_sources": torch.tensor(sources, dtype=torch.int64),
         "max_seqlen": int(lengths.max()) if len(lengths) else 0,
         "num_tokens": torch.tensor([s.num_tokens for s in samples], dtype=torch.int64),
         "slots": torch.tensor(list(slots), dtype=torch.int64),
@@ -80,11 +87,13 @@ def _images(samples: list[Sample], vision: Any) -> dict[str, object]:
     }
 
 
-def sample_digests(batch: dict[str, Any]) -> list[dict[str, Any]]:
+def sample_digests(batch: dict[str, Any], source_names: Sequence[str] = ()) -> list[dict[str, Any]]:
     """One record per sample of a collated batch: what `zephon stream --digests` prints.
 
     `sha256` digests the sample's `input_ids` (little-endian uint32); `pixels_sha256` the bytes
-    of its rows of `pixel_values` exactly as in the batch (null without images).
+    of its rows of `pixel_values` exactly as in the batch (null without images); `source_tokens`
+    the sample's non-padding tokens per source, by name (`source_names`, in config order; without
+    them, by index as a string).
     """
     ids = batch["input_ids"].numpy().astype("<u4")
     per_sample: list[list[bytes]] = [[] for _ in range(len(ids))]
@@ -96,6 +105,22 @@ def sample_digests(batch: dict[str, Any]) -> list[dict[str, Any]]:
             per_sample[row].append(np.ascontiguousarray(pixels[starts[i]:starts[i + 1]]).tobytes())
     return [{"step": batch["step"], "slot": slot, "lane": lane, "tokens": n,
              "sha256": hashlib.sha256(row.tobytes()).hexdigest(), "images": len(images),
-             "pixels_sha256": hashlib.sha256(b"".join(images)).hexdigest() if images else None}
-            for row, slot, lane, n, images in zip(ids, batch["slots"].tolist(), batch["lanes"].tolist(),
-                                                  batch["num_tokens"].tolist(), per_sample)]
+             "pixels_sha256": hashlib.sha256(b"".join(images)).hexdigest() if images else None,
+             "source_tokens": tokens}
+            for row, slot, lane, n, images, tokens in zip(ids, batch["slots"].tolist(), batch["lanes"].tolist(),
+                                                          batch["num_tokens"].tolist(), per_sample,
+                                                          source_tokens(batch, source_names))]
+
+
+def source_tokens(batch: dict[str, Any], source_names: Sequence[str] = ()) -> list[dict[str, int]]:
+    """Each sample's non-padding tokens per source: `{name: tokens}`, every source named (with
+    `source_names`), else `{str(index): tokens}` for the sources present."""
+    seq_len = batch["input_ids"].shape[1]
+    out: list[dict[str, int]] = [dict.fromkeys(source_names, 0) for _ in range(batch["input_ids"].shape[0])]
+    bounds = batch["cu_seqlens"].tolist()
+    for a, e, s in zip(bounds, bounds[1:], batch["segment_sources"].tolist()):
+        if s >= 0:
+            name = source_names[s] if s < len(source_names) else str(s)
+            row = out[a // seq_len]
+            row[name] = row.get(name, 0) + e - a
+    return out
