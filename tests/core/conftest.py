@@ -178,16 +178,23 @@ def gzip_dataset(tmp_path_factory: pytest.TempPathFactory, dataset) -> Path:
     return root
 
 
+def _text_config(dataset, sources: list[SourceConfig]) -> Config:
+    """The settings of `config` (which tests may override under its name) on other sources."""
+    root, _ = dataset
+    return Config(seed=1234, lanes=12, seq_len=64, global_batch_size=24, tokenizer=str(root / "tokenizer.json"),
+                  shuffle_window=8, split_bytes=4096, sample_batch=2, sources=sources)
+
+
 @pytest.fixture()
-def parquet_config(config, parquet_dataset) -> Config:
+def parquet_config(dataset, parquet_dataset) -> Config:
     """`config` on the Parquet copy of its data (source b reads the nested column `doc.body`)."""
-    return config.replace(sources=[
+    return _text_config(dataset, [
         SourceConfig(name="a", uri=f"file://{parquet_dataset}/a/", weight=0.6),
         SourceConfig(name="b", uri=f"file://{parquet_dataset}/b/", weight=0.4, text_field="doc.body")])
 
 
 @pytest.fixture()
-def gzip_config(config, gzip_dataset) -> Config:
+def gzip_config(dataset, gzip_dataset) -> Config:
     """`config` on the gzip copy of its data (a: multi-member files, b: single-member)."""
-    return config.replace(sources=[SourceConfig(name="a", uri=f"file://{gzip_dataset}/a/", weight=0.6),
-                                   SourceConfig(name="b", uri=f"file://{gzip_dataset}/b/", weight=0.4)])
+    return _text_config(dataset, [SourceConfig(name="a", uri=f"file://{gzip_dataset}/a/", weight=0.6),
+                                  SourceConfig(name="b", uri=f"file://{gzip_dataset}/b/", weight=0.4)])
