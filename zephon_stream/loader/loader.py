@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -15,11 +15,13 @@ import msgspec
 from zephon_stream.connectors.base import Store, StoreStatistics
 from zephon_stream.errors import CheckpointError, ConfigError, IncompatibleState, ZephonError, unwrap_groups
 from zephon_stream.loader.backends import check_spawn_allowed, run_lanes
-from zephon_stream.loader.config import Config
+from zephon_stream.loader.config import Config, ScheduleEntry
 from zephon_stream.loader.plan import DataPlan, open_stores, plan_data
+from zephon_stream.loader.relaunch import LaneRuns
 from zephon_stream.loader.sequencer import check_world, consumed, rank_lanes, rank_slots
 from zephon_stream.loader.state import FORMAT_VERSION, LaneState, LoaderState, StateHeader, check_lane_state
 from zephon_stream.operators.collate import collate, padding_sample
+from zephon_stream.operators.mix import Schedule
 from zephon_stream.operators.tokenize import Tokenize
 from zephon_stream.operators.types import Sample
 
@@ -42,6 +44,9 @@ class LoaderStatistics(msgspec.Struct, frozen=True):
     store_requests: int
     store_retries: int
     store_bytes_read: int
+    source_tokens: dict[str, int] = {}  # real tokens of each source in the batches this loader handed out
+    source_shares: dict[str, float] = {}  # the same as shares of their sum: the realized mix
+    weights: dict[str, float] = {}  # the weights in force at the next step (schedule and set_weights)
 
 
 #: Steps back that `Loader.state_dict(step=...)` can still give: more than a trainer prefetches.
@@ -60,6 +65,7 @@ class Frontier:
         self.step = 0
         self.lanes = {lane: LaneState.initial(lane, n_sources) for lane in lanes}
         self.samples = self.tokens = 0
+        self.source_tokens = [0] * n_sources  # real tokens consumed per source (realized shares)
         self.peak_buffered = 0  # sample batches held at once, lane buffers and the batch in hand
         self.history: collections.deque[tuple[int, dict[int, LaneState]]] = collections.deque(maxlen=HISTORY)
 
@@ -88,6 +94,8 @@ class Frontier:
             self.end(sample.lane)
         self.samples += 1
         self.tokens += sample.num_tokens
+        for n, source in zip(sample.segments, sample.sources):
+            self.source_tokens[source] += n
 
     def end(self, lane: int) -> None:
         if not self.lanes[lane].done:
@@ -141,6 +149,7 @@ class Loader:
         self.lanes = rank_lanes(config.lanes, self.dp_size, self.dp_rank)
         self.wrap_store = wrap_store
         self.frontier = Frontier(self.lanes, len(config.sources))
+        self.decisions: list[ScheduleEntry] = []  # the set_weights log, in call order (see set_weights)
         self._fingerprint: str | None = None  # of the loaded checkpoint, checked against the data
         self._plan: DataPlan | None = None
         self._streams: dict[int, Any] = {}
@@ -177,7 +186,8 @@ class Loader:
         at = self.step if step is None else step
         lanes = self.frontier.lanes_at(at)
         header = StateHeader(FORMAT_VERSION, self.order_digest, self._fingerprint or self._data_fingerprint(),
-                             self.config.lanes, self.config.global_batch_size, at, self.order_settings)
+                             self.config.lanes, self.config.global_batch_size, at, self.order_settings,
+                             list(self.decisions))
         return LoaderState(header, [lanes[lane] for lane in self.lanes]).to_dict()
 
     def load_state_dict(self, state_dict: dict[str, bytes] | list[dict[str, bytes]]) -> None:
@@ -210,10 +220,60 @@ class Loader:
                 raise IncompatibleState(f"lane {lane} state field samples = {lanes[lane].samples}: step "
                                         f"{head.step} means {expect} (the lane has not ended); the checkpoint is "
                                         "inconsistent: resume from the files of one checkpoint, as saved")
+        self.decisions = self._merge_decisions(decoded)
         self.frontier.step = head.step
         self._fingerprint = head.data_fingerprint
         self.frontier.lanes = {lane: lanes[lane] for lane in self.lanes}
         self.frontier.history.clear()
+
+    def _merge_decisions(self, decoded: list[LoaderState]) -> list[ScheduleEntry]:
+        """The set_weights log of the checkpoint: every part holds all of it, checked against the config."""
+        logs = {msgspec.json.encode(st.header.decisions) for st in decoded}
+        if len(logs) > 1:
+            raise IncompatibleState("rank states hold different set_weights logs (meta field decisions): pass the "
+                                    "files of one checkpoint")
+        decisions = list(decoded[0].header.decisions)
+        try:
+            self.config.with_decisions(decisions).weights_by_step()
+        except ConfigError as exc:
+            raise IncompatibleState(f"checkpoint meta field decisions (the set_weights log): {exc}; the checkpoint "
+                                    "was written for other sources, or edited: resume under its config") from None
+        if any(d.step < 0 for d in decisions):
+            raise IncompatibleState(f"checkpoint meta field decisions holds a negative step: {decisions}")
+        return decisions
+
+    # ---- dynamic mixing -----------------------------------------------------------------------
+
+    def set_weights(self, weights: Mapping[str, float], at_step: int) -> None:
+        """Mix the sources by `weights` (name -> relative weight > 0, every source) from global step
+        `at_step` on: the documents drawn for the samples of step `at_step` on use them (until a
+        later schedule entry or decision). Every rank makes the same call.
+
+        Batches before `at_step` are unchanged. An open stream's lanes that have run ahead go back
+        to this rank's consumed position and make their samples again from there (those before
+        `at_step` come out the same); with the processes backend, that starts its workers again.
+        The call is logged: the log (one entry per call that changed it) is part of every rank's
+        `state_dict()`, so a resumed run, on any dp size, continues the same without repeating the
+        calls. Repeating a logged decision does nothing; a step this rank has already consumed
+        (`at_step < loader.step`) is refused.
+        """
+        if isinstance(at_step, bool) or not isinstance(at_step, int) or at_step < 0:
+            raise ConfigError(f"set_weights at_step = {at_step!r}: must be a global step, an int >= 0")
+        entry = ScheduleEntry(at_step, dict(weights))
+        self.config.check_weights(entry.weights, f"set_weights(at_step={at_step}) weights")
+        if [d for d in self.decisions if d.step == at_step][-1:] == [entry]:
+            return
+        if at_step < self.step:
+            raise ConfigError(f"set_weights(at_step={at_step}): step {at_step} was already consumed (this rank has "
+                              f"handed out batches 0..{self.step - 1}); decide for a step >= {self.step}, the next "
+                              "batch's")
+        self.decisions.append(entry)
+        for stream in self._batch_streams:
+            stream.rewind = True  # its lanes start again from the consumed states before its next batch
+
+    def lane_config(self) -> Config:
+        """The config the lanes run: this loader's, with the set_weights log merged into its schedule."""
+        return self.config.with_decisions(self.decisions) if self.decisions else self.config
 
     def _merge_lanes(self, decoded: list[LoaderState]) -> dict[int, LaneState]:
         """The lane states of every part, each checked against the config; a lane given twice must agree."""
@@ -300,17 +360,26 @@ class Loader:
             self._store_stats = stores
             plan = await self.plan(stores)
             states = {lane: self.frontier.lanes[lane] for lane in self.lanes}
-            async with run_lanes(self.config, self.tokenizer, plan, stores, states, self.wrap_store) as (
-                    streams, credit, skipped, worker_stores):
-                self._streams, self._skipped, self._worker_stores = streams, skipped, worker_stores
+            async with anyio.create_task_group() as tg:
+                runs = LaneRuns(tg, lambda st: run_lanes(self.lane_config(), self.tokenizer, plan, stores, st,
+                                                         self.wrap_store))
+
+                async def launch(states: dict[int, LaneState]) -> tuple[Any, Any]:
+                    streams, credit, skipped, worker_stores = await runs.restart(states)
+                    self._streams, self._skipped, self._worker_stores = streams, skipped, worker_stores
+                    return streams, credit
+
+                streams, credit = await launch(states)
                 stream = BatchStream(self.frontier, streams, credit, self.config, self.dp_rank, self.dp_size,
                                      self.tokenizer.eos_id)
+                stream.relaunch = launch
                 self._batch_streams.add(stream)
                 try:
                     yield stream
                 finally:
                     self._batch_streams.discard(stream)
                     self._streams = {}
+                    runs.stop()
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """Batches in step order, the pipeline run in a helper thread (torch IterableDataset semantics)."""
@@ -380,7 +449,16 @@ class Loader:
             buffered_batches=buffered, peak_buffered_batches=self.frontier.peak_buffered,
             buffer_capacity=self.config.sample_buffer * len(self.lanes),
             store_requests=sum(s.requests for s in stores), store_retries=sum(s.retries for s in stores),
-            store_bytes_read=sum(s.bytes_read for s in stores))
+            store_bytes_read=sum(s.bytes_read for s in stores), **self._mix_statistics())
+
+    def _mix_statistics(self) -> dict[str, Any]:
+        names = [s.name for s in self.config.sources]
+        tokens = dict(zip(names, self.frontier.source_tokens))
+        total = sum(tokens.values())
+        weights = Schedule(self.lane_config().weights_by_step())
+        now = weights.at(weights.since(self.step)) or []
+        return {"source_tokens": tokens, "source_shares": {k: v / total if total else 0.0 for k, v in tokens.items()},
+                "weights": {k: w / sum(now) for k, w in zip(names, now)}}
 
 
 class BatchStream:
@@ -394,6 +472,8 @@ class BatchStream:
         self.done = {lane: frontier.lanes[lane].done for lane in streams}
         self.pad_id = eos_id if config.pad_token_id is None else config.pad_token_id
         self.stopped = False
+        self.rewind = False  # set_weights was called: start the lanes again from the consumed states
+        self.relaunch: Callable[[dict[int, LaneState]], Any] | None = None
 
     def stop(self) -> None:
         """End the stream at its next batch (`Loader.close()`); the frontier stays where it is."""
@@ -405,6 +485,8 @@ class BatchStream:
     async def __anext__(self) -> dict[str, Any]:
         if self.stopped:
             raise StopAsyncIteration
+        if self.rewind:
+            await self._rewind()
         cfg, frontier = self.config, self.frontier
         slots = rank_slots(frontier.step, cfg.global_batch_size, self.dp_size, self.dp_rank)
         samples = [await self._sample(i % cfg.lanes, i // cfg.lanes) for i in slots]
@@ -420,6 +502,14 @@ class BatchStream:
             frontier.consume(s)
         frontier.advance()
         return batch
+
+    async def _rewind(self) -> None:
+        """Drop what the lanes made ahead and run them again from the consumed states (set_weights)."""
+        self.rewind = False
+        assert self.relaunch is not None
+        self.streams, self.credit = await self.relaunch({lane: self.frontier.lanes[lane] for lane in self.streams})
+        self.pending = {lane: collections.deque() for lane in self.streams}
+        self.done = {lane: self.frontier.lanes[lane].done for lane in self.streams}
 
     def _ended(self) -> bool:
         """Every lane of this rank has ended and handed out all its samples. (A step of padding alone
