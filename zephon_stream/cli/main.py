@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the global step at which --save-state is written (at most --steps)")
     p.add_argument("--resume", type=Path, nargs="+", metavar="FILE",
                    help="state files to load first (several when ranks merge)")
+    _add_set_weights(p)
     p.set_defaults(func=_stream)
 
     p = sub.add_parser("inspect", help="print one global batch decoded back to text")
@@ -97,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", type=Path, nargs="+", metavar="FILE",
                    help="start from these state files (a checkpoint at or before --step) instead of step 0")
     p.add_argument("--backend", choices=["inline", "threads", "processes"], default=None, help=_BACKEND_HELP)
+    _add_set_weights(p)
     p.set_defaults(func=_inspect)
 
     p = sub.add_parser("config", help="print a config in full, defaults included")
@@ -114,6 +116,27 @@ a pipe). It shows the step, --steps as the total, the elapsed time, an ETA, the 
 last 10 s, and how full the lanes' buffers are (prefetch: near 100% the loader is ahead of the
 consumer, near 0% the consumer waits for data).
 """
+
+
+def _add_set_weights(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set-weights", type=_decision, action="append", default=[], metavar="STEP:NAME=W,...",
+                   help="mix the sources by these weights from global step STEP on, as Loader.set_weights does "
+                        "(e.g. 2000:web=0.5,code=0.5; every source named); repeatable, applied in order after "
+                        "--resume (a decision the checkpoint's log holds already does nothing)")
+
+
+def _decision(text: str) -> tuple[int, dict[str, float]]:
+    """`STEP:NAME=W,NAME=W` -> (step, {name: weight}); the names and weights are checked by set_weights."""
+    step, sep, rest = text.partition(":")
+    pairs = [p.split("=") for p in rest.split(",")]
+    usage = argparse.ArgumentTypeError(f"{text!r} is not STEP:NAME=WEIGHT,NAME=WEIGHT (e.g. 2000:web=0.5,code=0.5)")
+    if not sep or any(len(p) != 2 for p in pairs):
+        raise usage
+    try:
+        weights = {name.strip(): float(w) for name, w in pairs}
+    except ValueError:
+        raise usage from None
+    return _count(step), weights
 
 
 def _add_optional(sub: Any) -> None:
@@ -172,7 +195,7 @@ def _stream(args: argparse.Namespace) -> int:
         batches = progress.track(batches)
     for batch in batches:
         if args.digests:
-            _write_digests(batch, sys.stdout)
+            _write_digests(batch, sys.stdout, [s.name for s in loader.config.sources])
         saved = _maybe_save(loader, args) or saved
     if progress:
         progress.close()
@@ -211,11 +234,13 @@ def _loader(args: argparse.Namespace, dp_rank: int, dp_size: int) -> Any:
             with _user_path("--resume", f):
                 states.append(state_from_bytes(f.read_bytes()))
         loader.load_state_dict(states)
+    for step, weights in args.set_weights:
+        loader.set_weights(weights, at_step=step)
     return loader
 
 
-def _write_digests(batch: dict[str, Any], out: Any) -> None:
-    for record in sample_digests(batch):
+def _write_digests(batch: dict[str, Any], out: Any, source_names: list[str]) -> None:
+    for record in sample_digests(batch, source_names):
         out.write(json.dumps(record) + "\n")
 
 
@@ -243,15 +268,17 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _print_batch(loader: Any, batch: dict[str, Any]) -> None:
     bounds = batch["cu_seqlens"].tolist()
+    sources = batch["segment_sources"].tolist()
+    names = {i: s.name for i, s in enumerate(loader.config.sources)} | {-1: "?"}
     seq_len = batch["input_ids"].shape[1]
     flat = batch["input_ids"].reshape(-1).tolist()
     print(f"# global batch {batch['step']}: {len(batch['slots'])} samples of {seq_len} tokens; "
-          "documents are separated by ⟦|⟧, padding is not shown")
+          "each document piece opens with ⟦its source⟧, padding is not shown")
     for b, (slot, lane, n) in enumerate(zip(batch["slots"].tolist(), batch["lanes"].tolist(),
                                             batch["num_tokens"].tolist())):
-        pieces = [loader.tokenizer.decode(flat[a:e]) for a, e in zip(bounds, bounds[1:])
-                  if b * seq_len <= a < b * seq_len + n]
-        print(f"\n## slot {slot} (lane {lane}, {n} tokens)\n" + "⟦|⟧".join(pieces))
+        pieces = [f"⟦{names[src]}⟧{loader.tokenizer.decode(flat[a:e])}"
+                  for a, e, src in zip(bounds, bounds[1:], sources) if b * seq_len <= a < b * seq_len + n]
+        print(f"\n## slot {slot} (lane {lane}, {n} tokens)\n" + "".join(pieces))
 
 
 if __name__ == "__main__":
