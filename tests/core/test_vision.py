@@ -20,7 +20,7 @@ from PIL import Image
 from tests.core.conftest import make_image
 from zephon_stream import ConfigError, DataError
 from zephon_stream.formats.tar import write_tar_shards
-from zephon_stream.loader.config import Config, VisionConfig
+from zephon_stream.loader.config import Config, SourceConfig, VisionConfig
 from zephon_stream.loader.loader import Loader
 from zephon_stream.loader.state import state_to_bytes
 from zephon_stream.operators.collate import sample_digests
@@ -259,3 +259,62 @@ def test_vision_config_validation():
         VisionConfig(min_pixels=10_000, max_pixels=5_000)
     with pytest.raises(ConfigError, match=r"vision.max_pixels .* must hold one merged patch"):
         VisionConfig(min_pixels=10, max_pixels=100)
+
+
+# ---- the command line and real data --------------------------------------------------------------
+
+def test_cli_digests_carry_images_and_pixel_digests(vision_config, tmp_path, capsys):
+    from zephon_stream.cli.main import main
+
+    path = tmp_path / "v.toml"
+    path.write_text(vision_config.to_toml())
+    assert main(["stream", str(path), "--steps", "2", "--digests", "--backend", "inline"]) == 0
+    lines = [msgspec.json.decode(line) for line in capsys.readouterr().out.splitlines()]
+    expected = []
+    for b, batch in enumerate(Loader(vision_config, backend="inline")):
+        expected += sample_digests(batch)
+        if b == 1:
+            break
+    keys = ("step", "slot", "lane", "tokens", "sha256", "images", "pixels_sha256")
+    assert len(lines) == 2 * vision_config.global_batch_size
+    assert [{k: d[k] for k in keys} for d in lines] == [{k: d[k] for k in keys} for d in expected]
+    assert any(d["images"] > 0 for d in lines) and all((d["images"] > 0) == bool(d["pixels_sha256"]) for d in lines)
+
+
+@pytest.fixture(scope="module")
+def stamps(tmp_path_factory):
+    """Tux Paint's stamps (real images with human-written captions) as tar shards, or a skip."""
+    from tools.vlm import build_vlm_demo
+
+    paths = build_vlm_demo(tmp_path_factory.mktemp("vlm"))
+    if paths is None:
+        pytest.skip("Tux Paint's stamps could not be fetched (apt-get download tuxpaint-stamps-default)")
+    return paths
+
+
+def test_real_stamps_stream_and_match_the_reference_processor(stamps):
+    from transformers import Qwen2VLImageProcessorPil
+
+    from tools.stamps import ensure_stamps, stamp_samples
+
+    vision = VisionConfig(vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>",
+                          max_pixels=28 * 28 * 64)
+    source = SourceConfig(name="stamps", uri=f"file://{stamps.shards}/", image_field="png", text_field="txt")
+    cfg = Config(seed=3, lanes=4, seq_len=512, global_batch_size=4, tokenizer=stamps.tokenizer, shuffle_window=0,
+                 max_epochs=1, vision=vision, sources=[source])
+    pngs = [m["png"] for _, m in stamp_samples(ensure_stamps())]
+    ref = Qwen2VLImageProcessorPil(min_pixels=vision.min_pixels, max_pixels=vision.max_pixels,
+                                   do_rescale=False, do_normalize=False)
+    expected = set()
+    for data in pngs[::20]:  # the reference's grid and pixels for every 20th real image
+        out = ref(Image.open(io.BytesIO(data)), return_tensors="np")
+        expected.add((tuple(out["image_grid_thw"][0].tolist()), out["pixel_values"].astype(np.uint8).tobytes()))
+    images, found = 0, set()
+    for batch in Loader(cfg, backend="threads"):
+        sizes = batch["image_grid_thw"].prod(dim=1).tolist()
+        starts = np.cumsum([0, *sizes])
+        for i, grid in enumerate(batch["image_grid_thw"].tolist()):
+            found.add((tuple(grid), batch["pixel_values"][starts[i]:starts[i + 1]].numpy().tobytes()))
+        images += len(sizes)
+    assert images == len(pngs) == stamps.images
+    assert expected <= found  # each reference image is in the stream, with its grid, byte for byte
