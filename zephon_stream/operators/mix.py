@@ -37,7 +37,7 @@ from zephon_stream.operators.types import Doc
 __all__ = ["Mix", "MixState", "Schedule"]
 
 
-class MixState(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):  # a fixed mix encodes as before
+class MixState(msgspec.Struct, frozen=True, array_like=True):
     counts: list[int]  # per source: tokens (or documents) taken
     position: int  # documents taken
     since: int = 0  # the step from which the weights in force apply: a step of the lane's Schedule
