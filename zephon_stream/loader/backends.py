@@ -238,7 +238,7 @@ def _worker_main(payload: bytes, data_w: Any, ctrl_r: Any, wrap_store: Callable[
 
 async def _worker(cfg: Config, plan: DataPlan, states: list[LaneState], data_w: Any, ctrl_r: Any,
                   wrap_store: Callable[[Store], Store] | None, counters: Any) -> None:
-    tokenizer = Tokenize(cfg.tokenizer, cfg.eos_token)
+    tokenizer = Tokenize.for_config(cfg)
     credits = {s.lane: anyio.Semaphore(cfg.sample_buffer) for s in states}
     out_send, out_recv = anyio.create_memory_object_stream[bytes](len(states))
     async with AsyncExitStack() as stack:

@@ -495,9 +495,9 @@ class BatchStream:
                 frontier.end(lane)
             raise StopAsyncIteration
         if cfg.backend == "inline":
-            batch = collate(samples, frontier.step, slots, cfg.vision)
+            batch = collate(samples, frontier.step, slots, cfg)
         else:  # stacking seq_len x batch tensors is CPU work: keep it off the trainer's loop
-            batch = await anyio.to_thread.run_sync(collate, samples, frontier.step, slots, cfg.vision)
+            batch = await anyio.to_thread.run_sync(collate, samples, frontier.step, slots, cfg)
         for s in samples:
             frontier.consume(s)
         frontier.advance()
@@ -576,7 +576,7 @@ def _check_not_in_torch_worker() -> None:
 
 def _tokenizer(config: Config) -> Tokenize:
     """The config's tokenizer, with its vocabulary checked against `pad_token_id`."""
-    tok = Tokenize(config.tokenizer, config.eos_token)
+    tok = Tokenize.for_config(config)
     if config.pad_token_id is not None and config.pad_token_id >= tok.vocab_size:
         raise ConfigError(f"config pad_token_id = {config.pad_token_id}: outside the vocabulary of "
                           f"{config.tokenizer} ({tok.vocab_size} ids); use an id below {tok.vocab_size}, or leave "

@@ -29,7 +29,7 @@ def padding_sample(seq_len: int, pad_id: int, lane: int, index: int) -> Sample:
                   np.zeros(seq_len, dtype=np.int32), [], 0, lane, index)
 
 
-def collate(samples: list[Sample], step: int, slots: range, vision: Any = None) -> dict[str, object]:
+def collate(samples: list[Sample], step: int, slots: range, config: Any = None) -> dict[str, object]:
     """Stack samples into `[B, seq_len]` tensors.
 
     `cu_seqlens` are the document boundaries over the flattened batch (padding is one segment
@@ -63,8 +63,10 @@ def collate(samples: list[Sample], step: int, slots: range, vision: Any = None) 
         "lanes": torch.tensor([s.lane for s in samples], dtype=torch.int64),
         "step": step,
     }
-    if vision is not None:
-        batch.update(_images(samples, vision))
+    if config is not None and config.labels == "unshifted":  # HF style: the model shifts them itself
+        batch["labels"] = torch.cat([torch.full_like(batch["labels"][:, :1], IGNORE), batch["labels"][:, :-1]], dim=1)
+    if config is not None and config.vision is not None:
+        batch.update(_images(samples, config.vision))
     return batch
 
 
