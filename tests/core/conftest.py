@@ -128,8 +128,9 @@ def vision_config(vision_dataset, dataset) -> Config:
 
 
 def build_parquet_dataset(root: Path, docs: dict[str, list[str]]) -> None:
-    """The text dataset as Parquet written by pyarrow: source a with a `text` column (row groups of
-    23 rows), source b with the text nested in a struct column (`doc.body`, row groups of 31)."""
+    """The text dataset as Parquet written by pyarrow: source a with a `text` column (uncompressed,
+    row groups of 23 rows), source b with the text nested in a struct column (`doc.body`, row groups of 11): each
+    source has more splits than `config` has lanes, as the determinism matrix needs."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -138,16 +139,17 @@ def build_parquet_dataset(root: Path, docs: dict[str, list[str]]) -> None:
     for i in range(3):
         rows = docs["a"][i * 200:(i + 1) * 200]
         pq.write_table(pa.table({"id": list(range(len(rows))), "text": rows}), root / "a" / f"a-{i}.parquet",
-                       row_group_size=23)
+                       row_group_size=23, compression="none")
     for i in range(2):
         rows = docs["b"][i * 150:(i + 1) * 150]
         nested = [{"lang": "en", "body": t} for t in rows]
-        pq.write_table(pa.table({"doc": nested}), root / "b" / f"b-{i}.parquet", row_group_size=31)
+        pq.write_table(pa.table({"doc": nested}), root / "b" / f"b-{i}.parquet", row_group_size=11)
 
 
 def build_gzip_dataset(root: Path, docs: dict[str, list[str]]) -> None:
     """The text dataset as gzip: source a in files of several members (a member every 17 lines,
-    as bgzip or `pigz --independent` write), source b as single-member `.json.gz` files."""
+    as bgzip or `pigz --independent` write), source b as 12 single-member `.json.gz` files (one
+    split each: as many splits as `config` has lanes)."""
     import gzip
 
     (root / "a").mkdir(parents=True)
@@ -159,8 +161,8 @@ def build_gzip_dataset(root: Path, docs: dict[str, list[str]]) -> None:
         a = lines(docs["a"][i * 200:(i + 1) * 200])
         (root / "a" / f"a-{i}.jsonl.gz").write_bytes(b"".join(gzip.compress(b"".join(a[k:k + 17]), mtime=0)
                                                               for k in range(0, len(a), 17)))
-    for i in range(2):
-        b = lines(docs["b"][i * 150:(i + 1) * 150])
+    for i in range(12):
+        b = lines(docs["b"][i * 25:(i + 1) * 25])
         (root / "b" / f"b-{i}.json.gz").write_bytes(gzip.compress(b"".join(b), mtime=0))
 
 

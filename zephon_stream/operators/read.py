@@ -48,7 +48,7 @@ from zephon_stream.formats.jsonl_zst import DECODE_PIECE, ZstdStream, read_seek_
 from zephon_stream.formats.parquet import PARQUET_SUFFIXES, chunk_bytes, read_footer, resolve_column
 
 __all__ = ["BadRecords", "FORMATS", "Parser", "SUFFIXES", "ShardPlan", "SourcePlan", "Split", "SplitReader",
-           "plan_source"]
+           "plan_parquet", "plan_shard", "plan_source"]
 
 SUFFIXES = (".jsonl", ".jsonl.zst", *GZIP_SUFFIXES)  # JSON lines, read by SplitReader
 FORMATS = {"lines": SUFFIXES, "parquet": PARQUET_SUFFIXES, "tar": (".tar",)}  # a source's shards are one of these
@@ -102,14 +102,14 @@ async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field
     for obj in objects:
         try:
             shards.append(await (_plan_tar(store, obj, max_record, on_bad) if fmt == "tar" else
-                                 _plan_parquet(store, obj, columns) if fmt == "parquet" else _plan_shard(store, obj)))
+                                 plan_parquet(store, obj, columns) if fmt == "parquet" else plan_shard(store, obj)))
         except DataError:
             if on_bad != "skip":
                 raise
             skipped.append(obj.key)
     if not shards:
         raise DataError(f"source {name!r}: every shard under {uri} is empty or corrupt: {skipped}")
-    total = sum(s.size for s in shards)
+    total = sum(s.frames[-1] if s.rows else s.size for s in shards)  # parquet: only the needed columns count
     target = max(1024, min(split_bytes, math.ceil(total / lanes)))
     splits = [sp for i, s in enumerate(shards) for sp in _cut(i, s, target)]
     if not splits:
@@ -144,7 +144,8 @@ def _check_key(source: str, key: str) -> None:
                         "the file", key=ascii(key)) from None
 
 
-async def _plan_shard(store: Store, obj: ObjectInfo) -> ShardPlan:
+async def plan_shard(store: Store, obj: ObjectInfo) -> ShardPlan:
+    """A JSON lines shard's plan: its zstd frames (from the seek table, or walked) or gzip members."""
     key = obj.key
     if obj.size == 0:
         raise DataError(f"empty shard {obj.key!r} (0 bytes): remove it or set on_bad_record = \"skip\"",
@@ -170,7 +171,7 @@ async def _plan_tar(store: Store, obj: ObjectInfo, max_record: int, on_bad: str)
     return ShardPlan(obj.key, obj.size, obj.etag, list(index.starts), index.bad_tail or "")
 
 
-async def _plan_parquet(store: Store, obj: ObjectInfo, columns: list[tuple[str, str]]) -> ShardPlan:
+async def plan_parquet(store: Store, obj: ObjectInfo, columns: list[tuple[str, str]]) -> ShardPlan:
     """A Parquet file's row groups, sized by the bytes of the columns a lane will read; its footer
     read and its columns checked (a missing column or one of the wrong type is a DataError)."""
     footer = await read_footer(store, obj.key, obj.size, obj.etag)

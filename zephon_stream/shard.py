@@ -1,0 +1,386 @@
+"""`shard`: turn what users have into shards that split well: seekable multi-frame JSONL.zst, or
+WebDataset tar shards for images.
+
+    from zephon_stream.shard import shard
+    shard("s3://corpus/raw/", "s3://corpus/shards/", target_bytes=128 << 20)
+
+Inputs, by key suffix under `src` (a URI or a local path; a file or a folder):
+
+- JSON lines: `*.jsonl`, `*.jsonl.zst`, `*.jsonl.gz`, `*.json.gz`; each line is kept as it is
+  (so `text_field` stays valid), after a check that it is a JSON object whose `text_field` is a
+  string;
+- Parquet: `*.parquet`; each row becomes `{"text": ...}` from column `text_field` (a dotted path
+  reaches into structs);
+- text files: `*.txt`, `*.md` (when there are no files of the above); each file becomes
+  `{"id": its name, "text": its content}`;
+- with `image_field`: an image folder (image files, extensions `image_field`, with a caption file
+  of extension `text_field` beside each) or Parquet with an image column named `image_field`
+  (binary, or HF's `Image` struct<bytes, path>), written as tar shards of samples
+  `{n:09d}.{png|jpg|...}` + `{n:09d}.txt`, the image bytes as they were.
+
+Outputs go to `dst` as `{name}-{i:05d}.jsonl.zst` (or `.tar`), each about `target_bytes`
+(compressed), in input order (inputs sorted by key). A JSONL.zst shard is a run of independent
+zstd frames of whole lines, each about `frame_bytes` of input, closed by a seek table: the
+loader plans it with one ranged read and cuts it into splits at frames, so many lanes share
+it. Reads and writes go through the Store API (file://, s3://); a shard is put whole, so memory
+is about one shard.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import msgspec
+import zstandard
+
+from zephon_stream.connectors import open_store, parse_uri
+from zephon_stream.connectors.base import ObjectInfo, Store
+from zephon_stream.errors import ConfigError, DataError
+from zephon_stream.formats.jsonl_zst import seek_table, write_jsonl_shards
+from zephon_stream.formats.parquet import PARQUET_SUFFIXES
+from zephon_stream.operators.read import SUFFIXES, BadRecords, Parser, Split, SplitReader, plan_parquet, plan_shard
+
+__all__ = ["ShardReport", "shard", "write_jsonl_shards"]
+
+TEXT_SUFFIXES = (".txt", ".md")
+_IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "png"), (b"\xff\xd8\xff", "jpg"), (b"GIF8", "gif"), (b"BM", "bmp"))
+_enc = msgspec.json.Encoder()
+
+
+class ShardReport(msgspec.Struct, frozen=True):
+    """What `shard` did: inputs read, documents (samples) written, bad records skipped, the output keys."""
+
+    inputs: int
+    documents: int
+    skipped: int
+    bytes_in: int
+    bytes_out: int
+    shards: list[str]
+
+
+def shard(src: str, dst: str, *, target_bytes: int = 128 << 20, frame_bytes: int = 256 << 10,
+          text_field: str = "text", image_field: str | None = None, name: str = "shard",
+          on_bad: Literal["error", "skip"] = "error", max_record_bytes: int = 16 << 20,
+          progress: bool | None = None, **store_options: Any) -> ShardReport:
+    """Convert the inputs under `src` into shards under `dst` (see the module docstring).
+
+    `progress`: a tqdm bar on stderr (None: when stderr is a terminal), else a plain line every 5 s.
+    `store_options` go to both stores (`endpoint_url=`, `region=`, `addressing_style=` for S3).
+    Bad records raise a DataError naming the object and offset, or with `on_bad="skip"` are
+    counted in the report.
+    """
+    for what, value in (("target_bytes", target_bytes), ("frame_bytes", frame_bytes)):
+        if value < 1:
+            raise ConfigError(f"{what} must be >= 1, got {value}")
+    if not name or "/" in name:
+        raise ConfigError(f"name {name!r} must be a non-empty file name without '/'")
+    job = _Job(target_bytes, frame_bytes, text_field, image_field, name, on_bad, max_record_bytes)
+    return anyio.run(job.run, src, dst, progress, store_options)
+
+
+def _store_for(uri: str, options: dict[str, Any]) -> tuple[Store, str]:
+    """(store, key prefix) for a URI or a local path; a local path is file:// (a folder)."""
+    if "://" not in uri:
+        uri = Path(uri).resolve().as_uri()
+    scheme, location, prefix = parse_uri(uri)
+    if scheme == "file" and Path(location).is_file():  # one file: its folder, the file's name as the prefix
+        return open_store(Path(location).parent.as_uri() + "/")[0], Path(location).name
+    if scheme != "file" and prefix and not uri.endswith("/"):  # maybe one object: list without the '/'
+        prefix = prefix.rstrip("/")
+    return open_store(uri, **({} if scheme == "file" else options))[0], prefix
+
+
+class _Job:
+    def __init__(self, target: int, frame: int, text_field: str, image_field: str | None, name: str,
+                 on_bad: Literal["error", "skip"], max_record: int) -> None:
+        self.target, self.frame, self.text_field, self.image_field = target, frame, text_field, image_field
+        self.name, self.on_bad, self.max_record = name, on_bad, max_record
+        self.bad = BadRecords(on_bad)
+        self.documents = 0
+        self.listed: set[str] = set()  # every key under the input prefix (captions beside images)
+
+    async def run(self, src: str, dst: str, progress: bool | None, options: dict[str, Any]) -> ShardReport:
+        store_in, prefix_in = _store_for(src, options)
+        store_out, prefix_out = _store_for(dst if dst.endswith("/") or "://" not in dst else dst + "/", options)
+        async with store_in, store_out:
+            objects = await self._inputs(store_in, prefix_in, src)
+            await self._refuse_existing(store_out, prefix_out, dst)
+            meter = _Progress(sum(o.size for o in objects), progress)
+            out = _TarOut(self, store_out, prefix_out) if self.image_field else _ZstOut(self, store_out, prefix_out)
+            try:
+                for obj in objects:
+                    async for item in self._items(store_in, obj):
+                        await out.add(item)
+                        meter.tick(self.documents, len(out.keys))
+                    meter.done_object(obj.size)
+                await out.close()
+            finally:
+                meter.close(self.documents, len(out.keys))
+        return ShardReport(len(objects), self.documents, self.bad.count, sum(o.size for o in objects), out.bytes_out,
+                           out.keys)
+
+    async def _inputs(self, store: Store, prefix: str, src: str) -> list[ObjectInfo]:
+        """The input objects, sorted by key: the one object `prefix` names, else those under it."""
+        objects = sorted(await store.list(prefix), key=lambda o: o.key)
+        self.listed = {o.key for o in objects}
+        if prefix and not prefix.endswith("/"):
+            exact = [o for o in objects if o.key == prefix]
+            objects = exact or [o for o in objects if o.key.startswith(prefix + "/")]
+        suffixes = self._suffixes(objects)
+        found = [o for o in objects if o.key.lower().endswith(suffixes)]
+        if not found:
+            raise ConfigError(f"shard: no input under {src}: looked for {' '.join('*' + s for s in suffixes)}")
+        return found
+
+    def _suffixes(self, objects: list[ObjectInfo]) -> tuple[str, ...]:
+        """The input family: JSON lines or Parquet if there are any, else text files (or images)."""
+        if self.image_field:
+            if any(o.key.endswith(PARQUET_SUFFIXES) for o in objects):
+                return PARQUET_SUFFIXES
+            return tuple(f".{e.strip().lower()}" for e in self.image_field.split(";") if e.strip())
+        if any(o.key.endswith(PARQUET_SUFFIXES) for o in objects):
+            return PARQUET_SUFFIXES
+        if any(o.key.endswith(SUFFIXES) for o in objects):
+            return SUFFIXES
+        return TEXT_SUFFIXES
+
+    async def _refuse_existing(self, store: Store, prefix: str, dst: str) -> None:
+        taken = [o.key for o in await store.list(prefix + self.name + "-")]
+        if taken:
+            raise ConfigError(f"shard: {dst} already holds {taken[0]!r} ({len(taken)} objects named {self.name}-*): "
+                              "remove them or choose another name")
+
+    def _items(self, store: Store, obj: ObjectInfo) -> AsyncIterator[Any]:
+        if obj.key.endswith(PARQUET_SUFFIXES):
+            return self._parquet(store, obj)
+        if self.image_field:
+            return self._image_file(store, obj)
+        if obj.key.endswith(SUFFIXES):
+            return self._lines(store, obj)
+        return self._text_file(store, obj)
+
+    async def _lines(self, store: Store, obj: ObjectInfo) -> AsyncIterator[bytes]:
+        """The lines of a JSONL(.zst/.gz) file, as they are, each checked as the loader reads it."""
+        try:
+            plan = await plan_shard(store, obj)
+        except DataError as err:  # an empty or corrupt file
+            self.bad(err)
+            return
+        split = Split(0, 0, len(plan.frames) - 1 if plan.frames else plan.size)
+        reader = SplitReader(store, plan, split, self.max_record, bad=self.bad)
+        parser = Parser(self.text_field, self.on_bad)
+        parser.bad = self.bad
+        async for pos, block in reader.blocks():
+            for off, n, _ in parser.parse(reader, pos, block):
+                line = block[off - pos:off - pos + n]
+                self.documents += 1
+                yield line if line.endswith(b"\n") else line + b"\n"
+
+    async def _parquet(self, store: Store, obj: ObjectInfo) -> AsyncIterator[Any]:
+        """The rows of a Parquet file: `{"text": ...}` lines, or image samples."""
+        from zephon_stream.operators.parquet import ParquetParser, ParquetSplitReader
+
+        parser = ParquetParser(self.text_field, self.image_field, self.on_bad, self.max_record)
+        parser.bad = self.bad
+        try:
+            plan = await plan_parquet(store, obj, parser.columns)
+        except DataError as err:
+            self.bad(err)
+            return
+        reader = ParquetSplitReader(store, plan, Split(0, 0, len(plan.rows) - 1), self.max_record,
+                                    columns=parser.columns, bad=self.bad)
+        async for pos, block in reader.blocks():
+            for _, _, record in parser.parse(reader, pos, block):
+                self.documents += 1
+                if self.image_field:
+                    yield self._sample(obj.key, record.member, record.image, record.text)
+                else:
+                    yield _enc.encode({"text": record}) + b"\n"
+
+    async def _text_file(self, store: Store, obj: ObjectInfo) -> AsyncIterator[bytes]:
+        """One text file as one document."""
+        data = await self._whole(store, obj)
+        if data is None:
+            return
+        try:
+            text = data.decode()
+        except UnicodeDecodeError as exc:
+            self.bad(DataError(f"text file {obj.key!r} is not UTF-8: byte {exc.start} is {data[exc.start]:#04x}",
+                               key=obj.key, offset=exc.start))
+            return
+        self.documents += 1
+        yield _enc.encode({"id": obj.key, "text": text}) + b"\n"
+
+    async def _image_file(self, store: Store, obj: ObjectInfo) -> AsyncIterator[tuple[str, dict]]:
+        """An image file and the caption beside it (same name, extension `text_field`) as one sample."""
+        caption_key = obj.key.rsplit(".", 1)[0] + "." + self.text_field.lstrip(".")
+        if caption_key not in self.listed:
+            self.bad(DataError(f"image {obj.key!r} has no caption {caption_key!r} beside it", key=obj.key, offset=0))
+            return
+        image, caption = await self._whole(store, obj), await store.read(caption_key)
+        try:
+            text = caption.decode().strip()
+        except UnicodeDecodeError:
+            text = ""
+        if image is None or not text:
+            if image is not None:
+                self.bad(DataError(f"caption {caption_key!r} is empty or not UTF-8", key=caption_key, offset=0))
+            return
+        self.documents += 1
+        yield self._sample(obj.key, obj.key, image, text)
+
+    async def _whole(self, store: Store, obj: ObjectInfo) -> bytes | None:
+        if obj.size > self.max_record:
+            self.bad(DataError(f"{obj.key!r} takes {obj.size} bytes, more than max_record_bytes = {self.max_record}",
+                               key=obj.key, offset=0))
+            return None
+        return await store.read(obj.key)
+
+    def _sample(self, key: str, member: str, image: bytes, text: str) -> tuple[str, dict[str, bytes]]:
+        """A tar sample: the image's bytes as they are (extension from its magic, else its name)."""
+        ext = next((e for magic, e in _IMAGE_MAGIC if image.startswith(magic)), None)
+        if ext is None and image[:4] == b"RIFF" and image[8:12] == b"WEBP":
+            ext = "webp"
+        if ext is None and "." in member:
+            ext = member.rsplit(".", 1)[-1].lower()
+        if not ext or not ext.isalnum():
+            raise DataError(f"image {member!r} of {key!r}: its format is not known from its bytes or name",
+                            key=key, offset=0)
+        return f"{self.documents - 1:09d}", {ext: image, "txt": text.encode()}
+
+
+class _ZstOut:
+    """Writes lines as multi-frame JSONL.zst shards of about `target` compressed bytes."""
+
+    def __init__(self, job: _Job, store: Store, prefix: str) -> None:
+        self.job, self.store, self.prefix = job, store, prefix
+        self.keys: list[str] = []
+        self.bytes_out = 0
+        self._cctx = zstandard.ZstdCompressor(level=3, write_content_size=True, write_checksum=True)
+        self._lines: list[bytes] = []
+        self._pending = 0  # bytes in _lines
+        self._frames: list[bytes] = []
+        self._sizes: list[tuple[int, int]] = []
+        self._size = 0  # compressed bytes of the open shard
+
+    async def add(self, line: bytes) -> None:
+        if self._lines and self._pending + len(line) > self.job.frame:
+            await self._frame()
+            if self._size >= self.job.target:
+                await self._shard()
+        self._lines.append(line)
+        self._pending += len(line)
+
+    async def _frame(self) -> None:
+        raw = b"".join(self._lines)
+        out = await anyio.to_thread.run_sync(self._cctx.compress, raw)
+        self._frames.append(out)
+        self._sizes.append((len(out), len(raw)))
+        self._size += len(out)
+        self._lines, self._pending = [], 0
+
+    async def _shard(self) -> None:
+        key = f"{self.prefix}{self.job.name}-{len(self.keys):05d}.jsonl.zst"
+        data = b"".join([*self._frames, seek_table(self._sizes)])
+        await self.store.put(key, data)
+        self.keys.append(key)
+        self.bytes_out += len(data)
+        self._frames, self._sizes, self._size = [], [], 0
+
+    async def close(self) -> None:
+        if self._lines:
+            await self._frame()
+        if self._frames:
+            await self._shard()
+
+
+class _TarOut:
+    """Writes samples as tar shards (formats.tar.write_tar_shards) of about `target` bytes."""
+
+    def __init__(self, job: _Job, store: Store, prefix: str) -> None:
+        self.job, self.store, self.prefix = job, store, prefix
+        self.keys: list[str] = []
+        self.bytes_out = 0
+        self._samples: list[tuple[str, dict[str, bytes]]] = []
+        self._size = 0
+
+    async def add(self, sample: tuple[str, dict[str, bytes]]) -> None:
+        size = sum(len(v) + 1024 for v in sample[1].values())  # data, header and padding, about
+        if self._samples and self._size + size > self.job.target:
+            await self._shard()
+        self._samples.append(sample)
+        self._size += size
+
+    async def _shard(self) -> None:
+        import tempfile
+
+        from zephon_stream.formats.tar import write_tar_shards
+
+        with tempfile.TemporaryDirectory() as tmp:
+            paths = await anyio.to_thread.run_sync(
+                lambda: write_tar_shards(self._samples, tmp, shard_bytes=1 << 62, prefix="part"))
+            data = paths[0].read_bytes()
+        key = f"{self.prefix}{self.job.name}-{len(self.keys):05d}.tar"
+        await self.store.put(key, data)
+        self.keys.append(key)
+        self.bytes_out += len(data)
+        self._samples, self._size = [], 0
+
+    async def close(self) -> None:
+        if self._samples:
+            await self._shard()
+
+
+class _Progress:
+    """Input bytes done: a tqdm bar on a terminal, else a plain line every 5 s, on stderr."""
+
+    def __init__(self, total: int, bar: bool | None, file: Any = None, clock: Callable[[], float] = time.monotonic):
+        self.file, self.total, self.clock = file or sys.stderr, total, clock
+        self.done, self.start = 0, clock()
+        self.last = self.start
+        use_bar = self.file.isatty() if bar is None else bar
+        self.bar = None
+        if use_bar:
+            try:
+                from tqdm import tqdm
+            except ImportError:  # an optional dependency: plain lines without it
+                tqdm = None
+            if tqdm is not None:
+                self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="shard",
+                                file=self.file)
+
+    def tick(self, documents: int, shards: int) -> None:
+        now = self.clock()
+        if now - self.last < (0.5 if self.bar is not None else 5.0):
+            return
+        self.last = now
+        if self.bar is not None:
+            self.bar.set_postfix(documents=documents, shards=shards, refresh=True)
+        else:
+            self._line(documents, shards)
+
+    def done_object(self, size: int) -> None:
+        self.done += size
+        if self.bar is not None:
+            self.bar.update(size)
+
+    def close(self, documents: int, shards: int) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(documents=documents, shards=shards)
+            self.bar.close()
+        else:
+            self._line(documents, shards)
+
+    def _line(self, documents: int, shards: int) -> None:
+        pct = 100 * self.done / self.total if self.total else 100.0
+        buf = io.StringIO()
+        print(f"shard: {self.done}/{self.total} input bytes ({pct:.0f}%), {documents} documents, {shards} shards, "
+              f"{self.clock() - self.start:.0f} s", file=buf)
+        self.file.write(buf.getvalue())
+        self.file.flush()
