@@ -143,7 +143,7 @@ def _add_optional(sub: Any) -> None:
     """Subcommands that live with their packages (refit, relay), when those are installed."""
     import importlib
 
-    for module in ("zephon_stream.cli.refit", "zephon_stream.cli.relay"):
+    for module in ("zephon_stream.cli.refit", "zephon_stream.cli.relay", "zephon_stream.cli.shard"):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:

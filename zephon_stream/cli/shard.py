@@ -1,0 +1,82 @@
+"""`zephon shard`: convert JSONL, JSONL.gz, Parquet or a folder of text files into seekable
+multi-frame JSONL.zst shards (images with captions into tar shards), from and to S3 too.
+
+    zephon shard SRC DST [--target-size 128MiB] [--frame-size 256KiB] [--text-field text]
+                 [--image-field png;jpg] [--name shard] [--on-bad-record error|skip]
+                 [--endpoint-url URL] [--region R] [--addressing-style path]
+
+Progress goes to stderr: a tqdm bar on a terminal, a plain line every 5 s otherwise. The last
+line on stdout sums up what was written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import Any
+
+from zephon_stream.errors import ConfigError, ZephonError
+
+__all__ = ["add_subparser", "parse_size"]
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000 ** 2, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from `"128MiB"`, `"64M"` (binary), `"1GB"` (decimal) or a plain number."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write e.g. 128MiB, 64M, 1GB or 1048576")
+    size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be at least 1 byte")
+    return size
+
+
+def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the `shard` command to an argparse subparsers object (it sets `func`)."""
+    p = subparsers.add_parser("shard", help="convert JSONL(.gz), Parquet or text files into JSONL.zst shards",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", help="input: a file or folder (local path, file://, s3://bucket/prefix/)")
+    p.add_argument("dst", help="output folder (local path, file://, s3://bucket/prefix/)")
+    p.add_argument("--target-size", type=parse_size, default=128 << 20, metavar="SIZE",
+                   help="compressed bytes per shard (default 128MiB)")
+    p.add_argument("--frame-size", type=parse_size, default=256 << 10, metavar="SIZE",
+                   help="input bytes per zstd frame: the finest split a lane can take (default 256KiB)")
+    p.add_argument("--text-field", default="text", metavar="NAME",
+                   help="the JSON field or Parquet column (dotted for nested) with the text; with --image-field, "
+                        "the caption: a file extension (txt) beside each image, or a Parquet column (default text)")
+    p.add_argument("--image-field", metavar="NAME",
+                   help="write tar shards of images: image file extensions (png;jpg) or a Parquet image column")
+    p.add_argument("--name", default="shard", help="shard names: NAME-00000.jsonl.zst, ... (default shard)")
+    p.add_argument("--on-bad-record", choices=["error", "skip"], default="error",
+                   help="stop at a bad record (default), or skip and count it")
+    p.add_argument("--max-record-bytes", type=parse_size, default=16 << 20, metavar="SIZE",
+                   help="the largest record (or text file, image) taken (default 16MiB)")
+    p.add_argument("--endpoint-url", help="S3 endpoint (default: AWS); credentials come from the environment")
+    p.add_argument("--region", help="S3 region")
+    p.add_argument("--addressing-style", choices=["auto", "path", "virtual"], help="S3 addressing style")
+    p.set_defaults(func=_run)
+    return p
+
+
+def _run(args: argparse.Namespace) -> int:
+    from zephon_stream.shard import shard
+
+    options = {k: v for k, v in (("endpoint_url", args.endpoint_url), ("region", args.region),
+                                 ("addressing_style", args.addressing_style)) if v is not None}
+    try:
+        report = shard(args.src, args.dst, target_bytes=args.target_size, frame_bytes=args.frame_size,
+                       text_field=args.text_field, image_field=args.image_field, name=args.name,
+                       on_bad=args.on_bad_record, max_record_bytes=args.max_record_bytes, **options)
+    except ZephonError as exc:
+        print(f"zephon shard: error: {exc}", file=sys.stderr)
+        for note in getattr(exc, "__notes__", []):
+            print(f"  {note}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
+    skipped = f", {report.skipped} bad records skipped" if report.skipped else ""
+    print(f"{report.documents} documents from {report.inputs} inputs ({report.bytes_in} bytes) into "
+          f"{len(report.shards)} shards ({report.bytes_out} bytes){skipped}")
+    return 0
