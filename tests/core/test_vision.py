@@ -318,3 +318,17 @@ def test_real_stamps_stream_and_match_the_reference_processor(stamps):
         images += len(sizes)
     assert images == len(pngs) == stamps.images
     assert expected <= found  # each reference image is in the stream, with its grid, byte for byte
+
+
+def test_inspect_marks_each_image_with_its_size_and_grid(vision_config, tmp_path, capsys):
+    from zephon_stream.cli.main import main
+
+    path = tmp_path / "v.toml"
+    cfg = vision_config.replace(sources=[vision_config.sources[0]])
+    path.write_text(cfg.to_toml())
+    assert main(["inspect", str(path), "--step", "1", "--backend", "inline"]) == 0
+    out = capsys.readouterr().out
+    batch = list(zip(range(2), Loader(cfg, backend="inline")))[1][1]
+    for t, h, w in batch["image_grid_thw"].tolist():
+        assert f"px, grid {t}x{h}x{w}, {t * h * w // 4} tokens⟧" in out
+    assert out.count("⟦image ") == len(batch["image_grid_thw"]) and "<|image_pad|>" not in out

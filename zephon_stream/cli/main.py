@@ -15,6 +15,7 @@ from zephon_stream.errors import ZephonError
 from zephon_stream.loader.config import Config
 from zephon_stream.loader.state import state_from_bytes, state_to_bytes
 from zephon_stream.operators.collate import sample_digests
+from zephon_stream.operators.images import mark_images
 
 __all__ = ["main"]
 
@@ -278,7 +279,10 @@ def _print_batch(loader: Any, batch: dict[str, Any]) -> None:
                                             batch["num_tokens"].tolist())):
         pieces = [f"⟦{names[src]}⟧{loader.tokenizer.decode(flat[a:e])}"
                   for a, e, src in zip(bounds, bounds[1:], sources) if b * seq_len <= a < b * seq_len + n]
-        print(f"\n## slot {slot} (lane {lane}, {n} tokens)\n" + "".join(pieces))
+        text = "".join(pieces)
+        if loader.config.vision is not None:
+            text = mark_images(text, batch, b, loader.config.vision)
+        print(f"\n## slot {slot} (lane {lane}, {n} tokens)\n" + text)
 
 
 if __name__ == "__main__":

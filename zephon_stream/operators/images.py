@@ -22,6 +22,7 @@ into patches: at most `max_pixels * 3` bytes per image in any buffer.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
@@ -34,7 +35,7 @@ from zephon_stream.errors import DataError, IncompatibleState
 from zephon_stream.operators.read import BadRecords, ShardPlan, Split
 from zephon_stream.operators.types import ImageDoc
 
-__all__ = ["ImageParser", "ImageRecord", "TarSplitReader", "VisionTokens"]
+__all__ = ["ImageParser", "ImageRecord", "TarSplitReader", "VisionTokens", "mark_images"]
 
 _READ_PART = 1 << 20  # the largest ranged read of a split, unless one sample is larger
 
@@ -212,3 +213,12 @@ class VisionTokens:
                                       (first, first + k))))
         return out
 
+
+
+def mark_images(text: str, batch: dict[str, Any], row: int, vision: Any) -> str:
+    """`text` (a decoded sample of `batch`, row `row`) with each run of image placeholders shown as
+    `⟦image i: WxH px, grid TxHxW, k tokens⟧`, for `zephon inspect`."""
+    grids = [g for g, r in zip(batch["image_grid_thw"].tolist(), batch["image_sample"].tolist()) if r == row]
+    notes = iter(f"⟦image {i}: {w * vision.patch_size}x{h * vision.patch_size} px, grid {t}x{h}x{w}, "
+                 f"{t * h * w // vision.merge_size ** 2} tokens⟧" for i, (t, h, w) in enumerate(grids))
+    return re.sub(f"(?:{re.escape(vision.image_token)})+", lambda _: next(notes, "⟦image⟧"), text)
