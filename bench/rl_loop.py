@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -38,8 +39,10 @@ MODELS = {  # name: (d_model, layers, heads, seq_len, batch, steps timed per run
 }
 
 
-async def steps_per_second(args: argparse.Namespace, name: str, publish: bool) -> tuple[float, float]:
-    """(steps/s over `args.steps` steps after a warm-up, seconds the trainer waited in submit)."""
+async def steps_per_second(args: argparse.Namespace, name: str, publish: bool) -> tuple[float, float, float]:
+    """(steps/s, CPU-seconds of the whole process per step, seconds the trainer waited in submit),
+    over the model's timed steps after a warm-up. CPU-seconds per step hardly move with other
+    load on the machine, so `1 - off/on` of them is the robust share of a step that publishing costs."""
     d, layers, heads, seq_len, batch, steps = MODELS[name]
     args.seq_len, args.batch = seq_len, batch
     config = demo_config(args)
@@ -50,20 +53,21 @@ async def steps_per_second(args: argparse.Namespace, name: str, publish: bool) -
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     pub = Publisher("bench/", store=MemoryStore(), keyframe_every=args.keyframe_every, workers=args.workers,
                     threads=args.threads)
-    warm, n, t0 = 2, 0, 0.0
+    warm, n, t0, c0 = 2, 0, 0.0, 0.0
     async with PublishLoop(pub) as publishing, Loader(config).open() as stream:
         async for b in stream:
             await anyio.to_thread.run_sync(train_step, model, optim, b)
             n += 1
             if n == warm:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
             if publish and n % args.every == 0:
                 await publishing.submit(model.state_dict())
             if n == warm + steps:
                 break
-        elapsed = time.perf_counter() - t0
+        await publishing.drain()  # the last publish's CPU counts too
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         waited = publishing.statistics().waited_s
-    return steps / elapsed, waited
+    return steps / elapsed, cpu / steps, waited
 
 
 def params_of(name: str, vocab: int = 6183) -> int:
@@ -73,32 +77,65 @@ def params_of(name: str, vocab: int = 6183) -> int:
 
 def bench_steps(args: argparse.Namespace) -> None:
     for name in args.models:
-        off, on, waits = [], [], []
+        off, on, cpu_off, cpu_on, waits = [], [], [], [], []
         for _ in range(args.rounds):
-            off.append(anyio.run(steps_per_second, args, name, False)[0])
-            rate, waited = anyio.run(steps_per_second, args, name, True)
+            rate, cpu, _ = anyio.run(steps_per_second, args, name, False)
+            off.append(rate)
+            cpu_off.append(cpu)
+            rate, cpu, waited = anyio.run(steps_per_second, args, name, True)
             on.append(rate)
+            cpu_on.append(cpu)
             waits.append(waited)
         cost = [1 - a / b for a, b in zip(on, off)]
+        cpu_cost = [1 - a / b for a, b in zip(cpu_off, cpu_on)]
         print(f"{name} GPT ({params_of(name) / 1e6:.0f}M fp32 parameters), publishing every {args.every} steps, "
               f"{args.rounds} rounds of {MODELS[name][5]} steps:\n  steps/s off {spread(off, '.3f')}; "
               f"on {spread(on, '.3f')}; publishing costs {spread([c * 100 for c in cost], '.1f')} % of a step; "
-              f"the trainer waited {spread(waits, '.2f')} s in submit", flush=True)
+              f"the trainer waited {spread(waits, '.2f')} s in submit\n  CPU-s per step off "
+              f"{spread(cpu_off, '.3f')}; on {spread(cpu_on, '.3f')}: publishing is "
+              f"{spread([c * 100 for c in cpu_cost], '.1f')} % of the CPU of a step", flush=True)
 
 
 class Heartbeat:
+    """A 2 ms heartbeat: per beat the wall gap, the loop thread's own CPU time, when it ended,
+    and the garbage collections that ran in the process meanwhile (they stop every thread)."""
+
     def __init__(self) -> None:
         self.gaps: list[float] = []
         self.cpu: list[float] = []
+        self.ends: list[float] = []
+        self.gc: list[tuple[float, float]] = []  # (start, seconds) of each collection
+        self._gc_start = 0.0
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.gc.append((self._gc_start, time.perf_counter() - self._gc_start))
 
     async def run(self, stop: anyio.Event) -> None:
-        last, cpu = time.perf_counter(), time.thread_time()
-        while not stop.is_set():
-            await anyio.sleep(0.002)
-            now, now_cpu = time.perf_counter(), time.thread_time()
-            self.gaps.append(now - last)
-            self.cpu.append(now_cpu - cpu)
-            last, cpu = now, now_cpu
+        gc.callbacks.append(self._on_gc)
+        try:
+            last, cpu = time.perf_counter(), time.thread_time()
+            self.t0 = last
+            while not stop.is_set():
+                await anyio.sleep(0.002)
+                now, now_cpu = time.perf_counter(), time.thread_time()
+                self.gaps.append(now - last)
+                self.cpu.append(now_cpu - cpu)
+                self.ends.append(now)
+                last, cpu = now, now_cpu
+        finally:
+            gc.callbacks.remove(self._on_gc)
+
+    def worst(self, n: int) -> str:
+        """The n longest gaps: when (s into the run) and how much of each a GC pass took."""
+        out = []
+        for k in sorted(range(len(self.gaps)), key=self.gaps.__getitem__)[-n:][::-1]:
+            lo, hi = self.ends[k] - self.gaps[k], self.ends[k]
+            in_gc = sum(max(0.0, min(hi, s + d) - max(lo, s)) for s, d in self.gc)
+            out.append(f"{self.gaps[k] * 1000:.0f} ms at {lo - self.t0:.1f} s (GC {in_gc * 1000:.0f} ms)")
+        return ", ".join(out)
 
 
 def nudge(model: dict[str, torch.Tensor], step: int) -> None:
@@ -132,6 +169,8 @@ def bench_lag(args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(0)
     model = {f"layer{i}.weight": (torch.randn(per // 4096, 4096, generator=g) * 0.02).to(torch.bfloat16)
              for i in range(8)}
+    gc.collect()
+    gc.freeze()  # what start-up left on the heap is never walked again, as trainers do after start-up
     t = time.perf_counter()
     busy = anyio.run(lag_run, args, model, True)
     args.idle_s = (time.perf_counter() - t) / 2
@@ -139,7 +178,8 @@ def bench_lag(args: argparse.Namespace) -> None:
     for label, beat in (("publishing", busy), ("idle loop (control)", idle)):
         gaps = sorted(beat.gaps)
         print(f"{label}: {len(gaps)} beats, wall gap p50 {pct(gaps, .5):.1f} ms, p99 {pct(gaps, .99):.1f} ms, "
-              f"max {gaps[-1] * 1000:.1f} ms; loop thread's own CPU per beat max {max(beat.cpu) * 1000:.1f} ms")
+              f"max {gaps[-1] * 1000:.1f} ms; loop thread's own CPU per beat max {max(beat.cpu) * 1000:.1f} ms; "
+              f"{sum(g > 0.05 for g in gaps)} gaps over 50 ms; worst: {beat.worst(3)}")
     nbytes = sum(t.numel() * 2 for t in model.values())
     print(f"  ({nbytes / 1e9:.2f} GB bf16 model; keyframe + delta published in {args.idle_s * 2:.1f} s with "
           f"{args.threads} CPU threads)", flush=True)
