@@ -7,6 +7,10 @@
   with the threads policy. Samples come back as msgpack over pipes (never pickle), with
   per-lane credits so a slow lane never blocks a fast one's pipe. Each worker publishes its
   stores' counters in shared memory, so the loader's statistics count the workers' reads.
+- `ray`: the same, with Ray actors for processes (`ray_backend`), on this host or a cluster.
+
+A worker process or actor that dies is started again where its lanes stood, up to
+`max_restarts` times (`restarts`): the stream goes on with the same bytes.
 
 A spawned process imports the user's script again before it runs anything; a script that
 starts a processes-backend loader outside `if __name__ == "__main__":` would start it again in
@@ -33,6 +37,8 @@ from zephon_stream.errors import ConfigError, ZephonError
 from zephon_stream.loader.config import Config
 from zephon_stream.loader.lane import Lanes, TextLane
 from zephon_stream.loader.plan import DataPlan, open_stores
+from zephon_stream.loader.ray_backend import Wire, run_ray
+from zephon_stream.loader.restarts import Supervision
 from zephon_stream.loader.state import LaneState
 from zephon_stream.operators.tokenize import Tokenize
 from zephon_stream.operators.types import Sample
@@ -40,7 +46,8 @@ from zephon_stream.operators.types import Sample
 __all__ = ["NO_MAIN_GUARD", "check_spawn_allowed", "cpu_policy", "run_lanes"]
 
 Streams = dict[int, anyio.abc.ObjectReceiveStream[list[Sample]]]
-LaneRun = tuple[Streams, Callable[[int], None], Callable[[], int], Callable[[], StoreStatistics]]
+#: (streams, credit(lane), skipped records, the workers' store counters, worker restarts)
+LaneRun = tuple[Streams, Callable[[int], None], Callable[[], int], Callable[[], StoreStatistics], Callable[[], int]]
 
 #: The exit status of a spawned worker that found itself importing a script without a main guard.
 NO_MAIN_GUARD = 86
@@ -54,17 +61,21 @@ def cpu_policy(config: Config) -> CpuPolicy:
 async def run_lanes(config: Config, tokenizer: Tokenize, plan: DataPlan, stores: list[Store],
                     states: dict[int, LaneState], wrap_store: Callable[[Store], Store] | None = None,
                     ) -> AsyncIterator[LaneRun]:
-    """Run `states`' lanes on `config.backend`; yield (streams, credit, skipped-records, worker-stores).
+    """Run `states`' lanes on `config.backend`; yield a `LaneRun`.
 
-    `stores` serve the lanes run here; worker processes open their own (wrapped by `wrap_store`),
-    and the last callable sums their counters (all zero when no worker process runs).
+    `stores` serve the lanes run here; worker processes and actors open their own (wrapped by
+    `wrap_store`), and the fourth callable sums their counters (all zero when none runs).
     """
     if config.backend == "processes":
         async with _run_processes(config, plan, states, wrap_store) as out:
             yield out
         return
+    if config.backend == "ray":
+        async with run_ray(config, plan, states, wrap_store, _WIRE) as out:
+            yield out
+        return
     async with _run_local(config, plan, stores, tokenizer, states) as (streams, shared):
-        yield streams, lambda lane: None, shared.skipped, StoreStatistics
+        yield streams, lambda lane: None, shared.skipped, StoreStatistics, lambda: 0
 
 
 def check_spawn_allowed() -> None:
@@ -147,66 +158,114 @@ async def _run_processes(cfg: Config, plan: DataPlan, states: dict[int, LaneStat
     lanes = sorted(states)
     groups = [lanes[w::cfg.workers] for w in range(min(cfg.workers, len(lanes)))]
     check_spawn_allowed()
-    ctx = multiprocessing.get_context("spawn")
-    # each worker's store counters, in shared memory (which creates a file: not on the event loop)
-    counters = await anyio.to_thread.run_sync(lambda: [ctx.RawArray("q", len(_COUNTERS)) for _ in groups])
+    pool = _Workers(cfg, plan, wrap_store, Supervision(cfg, states, groups))
+    await pool.allocate_counters()
     streams: Streams = {}
-    sends: dict[int, Any] = {}
     for lane in lanes:
-        sends[lane], streams[lane] = anyio.create_memory_object_stream[list[Sample]](cfg.sample_buffer + 1)
-    workers, skipped = [], [0] * len(groups)
-    async with AsyncExitStack() as stack:
-        for w, group in enumerate(groups):
-            data_r, data_w = ctx.Pipe(duplex=False)
-            ctrl_r, ctrl_w = ctx.Pipe(duplex=False)
-            payload = msgspec.msgpack.encode((cfg, plan, [states[lane] for lane in group]))
-            proc = ctx.Process(target=_worker_main, args=(payload, data_w, ctrl_r, wrap_store, counters[w]),
-                               name=f"zephon-lanes-{w}", daemon=True)
+        pool.sends[lane], streams[lane] = anyio.create_memory_object_stream[list[Sample]](cfg.sample_buffer + 1)
+    async with anyio.create_task_group() as tg:
+        for w in range(len(groups)):
+            tg.start_soon(pool.supervise, w)
+        try:
+            yield streams, pool.credit, pool.sup.skipped, pool.store_statistics, pool.sup.total_restarts
+        finally:
+            tg.cancel_scope.cancel()
+            for lane in lanes:
+                pool.sends[lane].close()
+                streams[lane].close()
+
+
+class _Workers:
+    """The worker processes of one run: each runs a group of lanes and is started again where its
+    lanes stood if it dies (see `restarts`), up to `max_restarts` times."""
+
+    def __init__(self, cfg: Config, plan: DataPlan, wrap_store: Callable[[Store], Store] | None,
+                 sup: Supervision) -> None:
+        self.cfg, self.plan, self.wrap_store, self.sup = cfg, plan, wrap_store, sup
+        self.ctx = multiprocessing.get_context("spawn")
+        self.sends: dict[int, Any] = {}
+        self.ctrl: list[Any] = [None] * len(sup.groups)  # each live worker's credit pipe
+        self.counters: list[Any] = []
+        self.counted_before = [[0] * len(_COUNTERS) for _ in sup.groups]  # the counts of dead workers
+
+    async def allocate_counters(self) -> None:
+        # each worker's store counters, in shared memory (which creates a file: not on the event loop)
+        self.counters = await anyio.to_thread.run_sync(
+            lambda: [self.ctx.RawArray("q", len(_COUNTERS)) for _ in self.sup.groups])
+
+    def credit(self, lane: int) -> None:
+        """The sequencer took a batch of `lane`: its worker may send one more."""
+        self.sup.credited(lane)
+        w = next(w for w, group in enumerate(self.sup.groups) if lane in group)
+        try:
+            self.ctrl[w].send_bytes(lane.to_bytes(4, "little"))
+        except OSError:
+            pass  # the worker died: its successor starts with the credits counted here
+
+    def store_statistics(self) -> StoreStatistics:
+        """The workers' store counters, summed (each a shared array that only its worker writes)."""
+        return StoreStatistics(**{name: sum(c[i] for c in self.counters) + sum(b[i] for b in self.counted_before)
+                                  for i, name in enumerate(_COUNTERS)})
+
+    async def supervise(self, w: int) -> None:
+        """Run worker `w` until its lanes end; start it again from their last states when it dies."""
+        while self.sup.live(w):
+            async with self._started(w) as (proc, data_r):
+                ended = await self._receive(w, proc, data_r)
+            if ended:
+                return
+            self.sup.lost(w, f"process exit code {proc.exitcode}")
+            for i in range(len(_COUNTERS)):  # the dead worker's reads still count; its successor counts anew
+                self.counted_before[w][i] += self.counters[w][i]
+                self.counters[w][i] = 0
+
+    @asynccontextmanager
+    async def _started(self, w: int) -> AsyncIterator[tuple[Any, Any]]:
+        data_r, data_w = self.ctx.Pipe(duplex=False)
+        ctrl_r, ctrl_w = self.ctx.Pipe(duplex=False)
+        # credits are read and the credit pipe swapped in one step: a credit given meanwhile is not lost
+        credits = [self.sup.credits(lane) for lane in self.sup.live(w)]
+        self.ctrl[w] = ctrl_w
+        payload = msgspec.msgpack.encode((self.cfg, self.plan, self.sup.states(w), credits))
+        proc = self.ctx.Process(target=_worker_main, args=(payload, data_w, ctrl_r, self.wrap_store, self.counters[w]),
+                                name=f"zephon-lanes-{w}", daemon=True)
+        try:
             await anyio.to_thread.run_sync(proc.start)  # spawning takes long enough to stall the loop
             data_w.close()
             ctrl_r.close()
-            workers.append((proc, data_r, ctrl_w, group))
-            stack.push_async_callback(_stop_worker, proc, data_r, ctrl_w)
+            yield proc, data_r
+        finally:
+            await _stop_worker(proc, data_r, ctrl_w)
 
-        def credit(lane: int) -> None:
-            for _proc, _r, ctrl_w, group in workers:
-                if lane in group:
-                    ctrl_w.send_bytes(lane.to_bytes(4, "little"))
-
-        async with anyio.create_task_group() as tg:
-            for w, (proc, data_r, _ctrl, group) in enumerate(workers):
-                tg.start_soon(_receive, data_r, {lane: sends[lane] for lane in group}, skipped, w, proc)
+    async def _receive(self, w: int, proc: Any, conn: Any) -> bool:
+        """Hand the worker's batches to the lanes' streams: True once its lanes ended, False if it died."""
+        while self.sup.live(w):
             try:
-                yield streams, credit, lambda: sum(skipped), lambda: _read_counters(counters)
-            finally:
-                tg.cancel_scope.cancel()
-                for lane in lanes:
-                    sends[lane].close()
-                    streams[lane].close()
+                raw = await anyio.to_thread.run_sync(conn.recv_bytes, abandon_on_cancel=True)
+            except (EOFError, OSError):
+                await anyio.to_thread.run_sync(proc.join, 5)
+                if proc.exitcode == NO_MAIN_GUARD:
+                    raise _no_main_guard_error() from None
+                return False
+            msg = _dec.decode(raw)
+            if msg.kind == "batch":
+                samples = _unpack(msg)
+                self.sup.received(msg.lane, samples)
+                await self.sends[msg.lane].send(samples)
+            elif msg.kind == "end":
+                self.sup.ended.add(msg.lane)
+                await self.sends[msg.lane].aclose()
+            elif msg.kind == "skipped":
+                self.sup.set_skipped(w, msg.count)
+            else:
+                raise _worker_error(*msg.error)
+        return True
 
 
-async def _receive(conn: Any, sends: dict[int, Any], skipped: list[int], w: int, proc: Any) -> None:
-    open_lanes = set(sends)
-    while open_lanes:
-        try:
-            raw = await anyio.to_thread.run_sync(conn.recv_bytes, abandon_on_cancel=True)
-        except EOFError:
-            await anyio.to_thread.run_sync(proc.join, 5)
-            if proc.exitcode == NO_MAIN_GUARD:
-                raise _no_main_guard_error() from None
-            raise ZephonError(f"lane worker process {w} died (lanes {sorted(open_lanes)}): see its stderr") from None
-        msg = _dec.decode(raw)
-        if msg.kind == "batch":
-            await sends[msg.lane].send(_unpack(msg))
-        elif msg.kind == "end":
-            await sends[msg.lane].aclose()
-            open_lanes.discard(msg.lane)
-        elif msg.kind == "skipped":
-            skipped[w] = msg.count
-        else:
-            cls = getattr(_exceptions, msg.error[0], ZephonError)
-            raise cls(msg.error[1]) if isinstance(cls, type) and issubclass(cls, Exception) else ZephonError(
-                msg.error[1])
+def _worker_error(name: str, text: str) -> Exception:
+    """The error a worker reported, as its ZephonError class (by name: nothing is unpickled)."""
+    cls = getattr(_exceptions, name, ZephonError)
+    return cls(text) if isinstance(cls, type) and issubclass(cls, Exception) else ZephonError(text)
 
 
 async def _stop_worker(proc: Any, data_r: Any, ctrl_w: Any) -> None:
@@ -214,6 +273,8 @@ async def _stop_worker(proc: Any, data_r: Any, ctrl_w: Any) -> None:
     ctrl_w.close()
     data_r.close()
     with anyio.CancelScope(shield=True):
+        if proc.pid is None:  # never started
+            return
         await anyio.to_thread.run_sync(proc.join, 0.5)
         if proc.is_alive():
             proc.terminate()
@@ -222,12 +283,12 @@ async def _stop_worker(proc: Any, data_r: Any, ctrl_w: Any) -> None:
 
 def _worker_main(payload: bytes, data_w: Any, ctrl_r: Any, wrap_store: Callable[[Store], Store] | None,
                  counters: Any) -> None:
-    cfg_raw, plan_raw, states_raw = msgspec.msgpack.decode(payload)
+    cfg_raw, plan_raw, states_raw, credits = msgspec.msgpack.decode(payload)
     cfg = msgspec.convert(cfg_raw, Config)
     plan = msgspec.convert(plan_raw, DataPlan)
     states = [msgspec.convert(s, LaneState) for s in states_raw]
     try:
-        anyio.run(_worker, cfg, plan, states, data_w, ctrl_r, wrap_store, counters)
+        anyio.run(_worker, cfg, plan, states, credits, data_w, ctrl_r, wrap_store, counters)
     except BaseException as exc:  # report, then exit: the parent raises it
         err = _exceptions.root_error(exc)
         try:
@@ -236,10 +297,10 @@ def _worker_main(payload: bytes, data_w: Any, ctrl_r: Any, wrap_store: Callable[
             pass
 
 
-async def _worker(cfg: Config, plan: DataPlan, states: list[LaneState], data_w: Any, ctrl_r: Any,
-                  wrap_store: Callable[[Store], Store] | None, counters: Any) -> None:
+async def _worker(cfg: Config, plan: DataPlan, states: list[LaneState], initial_credits: list[int], data_w: Any,
+                  ctrl_r: Any, wrap_store: Callable[[Store], Store] | None, counters: Any) -> None:
     tokenizer = Tokenize.for_config(cfg)
-    credits = {s.lane: anyio.Semaphore(cfg.sample_buffer) for s in states}
+    credits = {s.lane: anyio.Semaphore(n) for s, n in zip(states, initial_credits)}
     out_send, out_recv = anyio.create_memory_object_stream[bytes](len(states))
     async with AsyncExitStack() as stack:
         stores = await open_stores(cfg, stack, wrap_store)
@@ -274,11 +335,6 @@ def _write_counters(stores: list[Store], counters: Any) -> None:
         counters[i] = sum(getattr(st, name) for st in stats)
 
 
-def _read_counters(counters: list[Any]) -> StoreStatistics:
-    """The workers' store counters, summed (each a shared array that only its worker writes)."""
-    return StoreStatistics(**{name: sum(c[i] for c in counters) for i, name in enumerate(_COUNTERS)})
-
-
 async def _send_all(recv: Any, conn: Any) -> None:
     async for raw in recv:
         await anyio.to_thread.run_sync(conn.send_bytes, raw)
@@ -294,3 +350,9 @@ async def _credits(conn: Any, credits: dict[int, anyio.Semaphore], scope: anyio.
         credits[int.from_bytes(raw, "little")].release()
 
 
+def _unpack_bytes(raw: bytes) -> list[Sample]:
+    return _unpack(_dec.decode(raw))
+
+
+#: What the ray backend takes from here: how lanes run inside a worker, and the batches' wire format.
+_WIRE = Wire(run_local=_run_local, pack=_pack, unpack=_unpack_bytes, error=_worker_error)

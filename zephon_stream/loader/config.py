@@ -22,7 +22,7 @@ from zephon_stream.vision.image import ImageSpec
 
 __all__ = ["Backend", "Config", "ScheduleEntry", "SourceConfig", "VisionConfig"]
 
-Backend = Literal["inline", "threads", "processes"]
+Backend = Literal["inline", "threads", "processes", "ray"]
 
 # Bounds that keep every allocation a config implies (a lane's sample, a batch) possible.
 MAX_LANES = 4096
@@ -30,6 +30,7 @@ MAX_SEQ_LEN = 1 << 24
 MAX_GLOBAL_BATCH_SIZE = 1 << 20
 MAX_BATCH_TOKENS = 1 << 32  # global_batch_size x seq_len: 32 GiB per int64 tensor
 MAX_TIMEOUT_S = 3600.0
+SPLIT_PLAN = 2  # how shards are cut into splits (operators.read.plan_splits); 2: equal splits, k * lanes of them
 
 
 class VisionConfig(ImageSpec, frozen=True, forbid_unknown_fields=True):
@@ -176,6 +177,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     backend: Backend = "threads"
     workers: int = 2  # worker processes per rank (processes backend)
     cpu_threads: int = 2  # CapacityLimiter for CPU steps (threads backend)
+    max_restarts: int = 3  # restarts of one lane worker (process or Ray actor) that died, before the loader fails
+    ray_address: str | None = None  # ray backend: an existing cluster ("auto", "ray://host:10001"); None: start one
+    ray_actors: int = 2  # ray backend: actors that this rank's lanes are spread over
+    ray_num_cpus: float = 1.0  # ray backend: CPUs that each actor reserves
     tokenize_batch: int = 64  # documents per tokenizer call
     doc_buffer: int = 4  # tokenized document batches buffered per source per lane
     sample_buffer: int = 4  # sample batches buffered per lane
@@ -207,6 +212,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         for field in ("workers", "cpu_threads", "tokenize_batch", "doc_buffer", "sample_buffer", "sample_batch",
                       "read_ahead"):
             _check(getattr(self, field) >= 1, field, getattr(self, field), "must be >= 1")
+        _check(self.max_restarts >= 0, "max_restarts", self.max_restarts, "must be >= 0 (0: fail at the first death)")
+        _check(self.ray_actors >= 1, "ray_actors", self.ray_actors, "must be >= 1")
+        _check(self.ray_num_cpus > 0 and math.isfinite(self.ray_num_cpus), "ray_num_cpus", self.ray_num_cpus,
+               "must be > 0 (a fraction shares a CPU between actors)")
         self._check_vision()
         self._check_schedule()
 
@@ -329,6 +338,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         order["bos_token"] = self.bos_token  # only when set: configs from before it keep their digest
         if self.bos_token is None:
             del order["bos_token"]
+        order["split_plan"] = SPLIT_PLAN
         order["sources"] = [[s.name, s.weight, s.text_field] + ([s.image_field] if s.image_field else [])
                             for s in self.sources]
         if self.vision is not None:

@@ -47,6 +47,7 @@ class LoaderStatistics(msgspec.Struct, frozen=True):
     source_tokens: dict[str, int] = {}  # real tokens of each source in the batches this loader handed out
     source_shares: dict[str, float] = {}  # the same as shares of their sum: the realized mix
     weights: dict[str, float] = {}  # the weights in force at the next step (schedule and set_weights)
+    worker_restarts: int = 0  # lane workers (processes, Ray actors) that died and were started again
 
 
 #: Steps back that `Loader.state_dict(step=...)` can still give: more than a trainer prefetches.
@@ -156,6 +157,8 @@ class Loader:
         self._store_stats: list[Any] = []
         self._skipped: Callable[[], int] = lambda: 0
         self._worker_stores: Callable[[], StoreStatistics] = StoreStatistics
+        self._restarts: Callable[[], int] = lambda: 0  # of the lanes' current run
+        self._restarts_before = 0
         self._opened = 0  # streams open now (an `open()` block, a `for` loop in progress)
         self._batch_streams: set[BatchStream] = set()
         self._iterators: weakref.WeakSet[Iterator[dict[str, Any]]] = weakref.WeakSet()
@@ -365,8 +368,10 @@ class Loader:
                                                          self.wrap_store))
 
                 async def launch(states: dict[int, LaneState]) -> tuple[Any, Any]:
-                    streams, credit, skipped, worker_stores = await runs.restart(states)
+                    streams, credit, skipped, worker_stores, restarts = await runs.restart(states)
                     self._streams, self._skipped, self._worker_stores = streams, skipped, worker_stores
+                    self._restarts_before += self._restarts()  # a relaunch (set_weights) starts new counts
+                    self._restarts = restarts
                     return streams, credit
 
                 streams, credit = await launch(states)
@@ -449,7 +454,8 @@ class Loader:
             buffered_batches=buffered, peak_buffered_batches=self.frontier.peak_buffered,
             buffer_capacity=self.config.sample_buffer * len(self.lanes),
             store_requests=sum(s.requests for s in stores), store_retries=sum(s.retries for s in stores),
-            store_bytes_read=sum(s.bytes_read for s in stores), **self._mix_statistics())
+            store_bytes_read=sum(s.bytes_read for s in stores), **self._mix_statistics(),
+            worker_restarts=self._restarts_before + self._restarts())
 
     def _mix_statistics(self) -> dict[str, Any]:
         names = [s.name for s in self.config.sources]

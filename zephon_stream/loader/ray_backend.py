@@ -1,0 +1,359 @@
+"""The ray backend: this rank's lanes run in Ray actors, on this host or across a cluster.
+
+```
+trainer process (rank r)                         Ray actor w (any node)
+  sequencer <- lane streams <- _Actors._drain  <--pull(lane, seq)--  _LaneActor: lanes of group w,
+               (sample_buffer + 1 each)           msgpack bytes       threads policy, own stores
+```
+
+Lanes are split over `ray_actors` actors (`lanes[w::ray_actors]`), each reserving
+`ray_num_cpus` CPUs and reading the sources itself, exactly as a worker process of the
+processes backend does. A lane's batches come back by pulls: the trainer side keeps at most
+`sample_buffer` pulls in flight per lane, less the batches already waiting here, and asks for
+one more whenever the sequencer takes one (the credits of the processes backend). A pull
+names its sequence number, so the actor answers a lane's pulls in order whatever order Ray
+runs them in. Each answer is msgpack bytes (the wire format of the processes backend): Ray
+carries them as plain bytes, and nothing the data decides is unpickled here.
+
+An actor that dies (SIGKILL, a lost node) is replaced by one started where its lanes stood
+(`restarts`). Ray is imported only when this backend runs: it is the optional `ray` extra.
+Without `ray_address`, a local Ray bound to 127.0.0.1 is started for the run, its files in a
+temporary directory of its own, and shut down after; an instance already initialized in this
+process is used as it is.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import shutil
+import tempfile
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any, NamedTuple
+
+import anyio
+import msgspec
+
+from zephon_stream import errors as _exceptions
+from zephon_stream.connectors.base import Store, StoreStatistics
+from zephon_stream.errors import ConfigError
+from zephon_stream.loader.config import Config
+from zephon_stream.loader.plan import DataPlan, open_stores
+from zephon_stream.loader.restarts import Supervision
+from zephon_stream.loader.state import LaneState
+from zephon_stream.operators.tokenize import Tokenize
+from zephon_stream.operators.types import Sample
+
+__all__ = ["ACTOR_NAME", "Wire", "run_ray"]
+
+#: The class name of the lane actors (Ray names their processes `ray::_LaneActor...`).
+ACTOR_NAME = "_LaneActor"
+_START_TIMEOUT_S = 300  # an actor that is not running by then cannot be placed: say so
+
+
+class Wire(NamedTuple):
+    """What this backend takes from `backends` (which imports this module, not the reverse)."""
+
+    run_local: Callable[..., Any]  # (config, plan, stores, tokenizer, states) -> (streams, lanes): lanes here
+    pack: Callable[[int, list[Sample]], bytes]  # a lane's batch as msgpack bytes
+    unpack: Callable[[bytes], list[Sample]]
+    error: Callable[[str, str], Exception]  # a worker's error, by class name and text
+
+
+class _Reply(msgspec.Struct, array_like=True):
+    """An actor's answer to one pull: a batch (`pack`ed), the lane's end, or the lanes' error."""
+
+    kind: str  # "batch" | "end" | "error"
+    batch: bytes = b""
+    skipped: int = 0  # records the actor's lanes skipped so far
+    counters: tuple[int, int, int] = (0, 0, 0)  # the actor's store requests, retries, bytes_read
+    error: tuple[str, str] = ("", "")
+
+
+_enc = msgspec.msgpack.Encoder()
+_reply = msgspec.msgpack.Decoder(_Reply)
+
+
+# ---- the actor ----------------------------------------------------------------------------------
+
+class _LaneActor:
+    """Runs a group of lanes (threads policy) and answers pulls. Its methods run on Ray's event loop."""
+
+    def __init__(self, run_local: Callable[..., Any], pack: Callable[[int, list[Sample]], bytes],
+                 wrap_store: Callable[[Store], Store] | None) -> None:
+        self.run_local, self.pack, self.wrap_store = run_local, pack, wrap_store
+        self.ready, self.stop, self.finished = anyio.Event(), anyio.Event(), anyio.Event()
+        self.streams: dict[int, Any] = {}
+        self.turn: dict[int, anyio.Condition] = {}
+        self.next: dict[int, int] = {}
+        self.error = ("", "")
+        self.skipped: Callable[[], int] = lambda: 0
+        self.stores: list[Store] = []
+        self.task: Any = None
+
+    async def start(self, payload: bytes) -> int:
+        """Start the lanes of `payload` (config, plan, states); returns this process's id."""
+        import asyncio  # Ray runs async actors on asyncio: the lanes live in a task of the actor's loop
+
+        cfg_raw, plan_raw, states_raw = msgspec.msgpack.decode(payload)
+        cfg = msgspec.convert(cfg_raw, Config).replace(backend="threads")
+        states = [msgspec.convert(s, LaneState) for s in states_raw]
+        self.turn = {s.lane: anyio.Condition() for s in states}
+        self.next = {s.lane: 0 for s in states}
+        self.task = asyncio.get_running_loop().create_task(
+            self._serve(cfg, msgspec.convert(plan_raw, DataPlan), {s.lane: s for s in states}))
+        await self.ready.wait()
+        return os.getpid()
+
+    async def _serve(self, cfg: Config, plan: DataPlan, states: dict[int, LaneState]) -> None:
+        try:
+            async with AsyncExitStack() as stack:
+                self.stores = await open_stores(cfg, stack, self.wrap_store)
+                tokenizer = Tokenize.for_config(cfg)
+                async with self.run_local(cfg, plan, self.stores, tokenizer, states) as (streams, shared):
+                    self.streams, self.skipped = streams, shared.skipped
+                    self.ready.set()
+                    await self.stop.wait()
+        except BaseException as exc:  # answered to the next pulls, then raised by the trainer side
+            err = _exceptions.root_error(exc)
+            self.error = (type(err).__name__, str(err))
+        finally:
+            self.finished.set()
+            self.ready.set()
+
+    async def pull(self, lane: int, seq: int) -> bytes:
+        """The `seq`-th batch of `lane` since start (pulls of a lane are answered in `seq` order)."""
+        await self.ready.wait()
+        if self.error[0] or lane not in self.turn:
+            return self._reply("error")
+        async with self.turn[lane]:
+            while self.next[lane] != seq:
+                await self.turn[lane].wait()
+            reply = await self._next_batch(lane)
+            self.next[lane] += 1
+            self.turn[lane].notify_all()
+        return reply
+
+    async def _next_batch(self, lane: int) -> bytes:
+        try:
+            batch = await self.streams[lane].receive()
+        except anyio.EndOfStream:
+            return self._reply("end")
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            await self.finished.wait()
+            return self._reply("error")
+        return self._reply("batch", self.pack(lane, batch))
+
+    def _reply(self, kind: str, batch: bytes = b"") -> bytes:
+        stats = [s.statistics() for s in self.stores]
+        counters = (sum(s.requests for s in stats), sum(s.retries for s in stats), sum(s.bytes_read for s in stats))
+        error = self.error if kind == "error" else ("", "")
+        if kind == "error" and not error[0]:
+            error = ("ZephonError", "the lane actor stopped before its lanes ended")
+        return _enc.encode(_Reply(kind, batch, self.skipped(), counters, error))
+
+
+@functools.cache
+def _actor_class() -> Any:
+    import ray
+
+    return ray.remote(_LaneActor)
+
+
+# ---- the trainer side ---------------------------------------------------------------------------
+
+@asynccontextmanager
+async def run_ray(cfg: Config, plan: DataPlan, states: dict[int, LaneState],
+                  wrap_store: Callable[[Store], Store] | None, wire: Wire) -> AsyncIterator[Any]:
+    """Run `states`' lanes in Ray actors; yield (streams, credit, skipped, store counters, restarts)."""
+    lanes = sorted(states)
+    groups = [lanes[w::cfg.ray_actors] for w in range(min(cfg.ray_actors, len(lanes)))]
+    async with ray_session(cfg, len(groups)):
+        pool = _Actors(cfg, plan, wrap_store, wire, Supervision(cfg, states, groups))
+        streams = {}
+        for lane in lanes:
+            pool.sends[lane], streams[lane] = anyio.create_memory_object_stream[list[Sample]](cfg.sample_buffer + 1)
+        async with anyio.create_task_group() as tg:
+            for w in range(len(groups)):
+                tg.start_soon(pool.supervise, w)
+            try:
+                yield streams, pool.credit, pool.sup.skipped, pool.store_statistics, pool.sup.total_restarts
+            finally:
+                tg.cancel_scope.cancel()
+                for lane in lanes:
+                    pool.sends[lane].close()
+                    streams[lane].close()
+
+
+class _Actors:
+    """The lane actors of one run: pulls under per-lane credits, and restarts of actors that die."""
+
+    def __init__(self, cfg: Config, plan: DataPlan, wrap_store: Callable[[Store], Store] | None, wire: Wire,
+                 sup: Supervision) -> None:
+        self.cfg, self.wrap_store, self.wire, self.sup = cfg, wrap_store, wire, sup
+        self.plan = msgspec.msgpack.encode(plan)  # encoded once: every actor start ships it
+        self.sends: dict[int, Any] = {}
+        self.group_of = {lane: w for w, group in enumerate(sup.groups) for lane in group}
+        self.actors: list[Any] = [None] * len(sup.groups)  # the live actor of each group (None while starting)
+        self.inflight: dict[int, deque[Any]] = {}  # each lane's pulls, oldest first
+        self.seq: dict[int, int] = {}  # each lane's next pull number at its live actor
+        self.wake = {lane: anyio.Event() for lane in self.group_of}
+        self.counters = [(0, 0, 0)] * len(sup.groups)
+        self.counted_before = [(0, 0, 0)] * len(sup.groups)  # the reads of dead actors
+
+    def credit(self, lane: int) -> None:
+        """The sequencer took a batch of `lane`: pull one more (at the live actor, or at the next one)."""
+        self.sup.credited(lane)
+        if self.actors[self.group_of[lane]] is not None:
+            self._pull(lane)
+
+    def _pull(self, lane: int) -> None:
+        actor = self.actors[self.group_of[lane]]
+        self.inflight[lane].append(actor.pull.remote(lane, self.seq[lane]))
+        self.seq[lane] += 1
+        self.wake[lane].set()
+
+    def store_statistics(self) -> StoreStatistics:
+        sums = [sum(c[i] + b[i] for c, b in zip(self.counters, self.counted_before)) for i in range(3)]
+        return StoreStatistics(requests=sums[0], retries=sums[1], bytes_read=sums[2])
+
+    async def supervise(self, w: int) -> None:
+        """Run actor `w` until its lanes end; start another where they stood when it dies."""
+        from ray.exceptions import ObjectLostError, RayActorError
+
+        while self.sup.live(w):
+            actor = _actor_class().options(num_cpus=self.cfg.ray_num_cpus).remote(
+                self.wire.run_local, self.wire.pack, self.wrap_store)
+            try:
+                await self._serve(w, actor)
+                return
+            except (RayActorError, ObjectLostError) as exc:
+                what = type(exc).__name__
+            finally:
+                self.actors[w] = None
+                _kill(actor)
+            self.sup.lost(w, f"Ray actor: {what}")
+            self.counted_before[w] = tuple(a + b for a, b in zip(self.counted_before[w], self.counters[w]))
+            self.counters[w] = (0, 0, 0)
+
+    async def _serve(self, w: int, actor: Any) -> None:
+        lanes = self.sup.live(w)
+        started = actor.start.remote(_enc.encode((self.cfg, msgspec.Raw(self.plan), self.sup.states(w))))
+        # the actor goes live and its lanes' credits become pulls in one step: no credit is lost
+        self.actors[w] = actor
+        for lane in lanes:
+            self.inflight[lane], self.seq[lane] = deque(), 0
+            for _ in range(self.sup.credits(lane)):
+                self._pull(lane)
+        with anyio.move_on_after(_START_TIMEOUT_S) as waited:
+            await _get(started)
+        if waited.cancelled_caught:
+            raise ConfigError(f"Ray placed no lane actor in {_START_TIMEOUT_S} s: each asks for ray_num_cpus = "
+                              f"{self.cfg.ray_num_cpus} CPUs; lower ray_num_cpus or ray_actors "
+                              f"({self.cfg.ray_actors}), or add nodes to the cluster")
+        async with anyio.create_task_group() as tg:
+            for lane in lanes:
+                tg.start_soon(self._drain, w, lane)
+
+    async def _drain(self, w: int, lane: int) -> None:
+        """Hand `lane`'s answers to its stream, in order, until it ends."""
+        queue = self.inflight[lane]
+        while True:
+            if not queue:
+                await self.wake[lane].wait()
+                self.wake[lane] = anyio.Event()
+                continue
+            reply = _reply.decode(await _get(queue[0]))
+            queue.popleft()
+            self.counters[w] = reply.counters
+            self.sup.set_skipped(w, reply.skipped)
+            if reply.kind == "end":
+                self.sup.ended.add(lane)
+                await self.sends[lane].aclose()
+                return
+            if reply.kind != "batch":
+                raise self.wire.error(*reply.error)
+            samples = self.wire.unpack(reply.batch)
+            self.sup.received(lane, samples)
+            await self.sends[lane].send(samples)
+
+
+async def _get(ref: Any) -> Any:
+    """The value of a Ray object ref, waited for without blocking the event loop."""
+    if _on_asyncio():
+        return await ref
+    import ray
+
+    return await anyio.to_thread.run_sync(ray.get, ref, abandon_on_cancel=True)
+
+
+def _on_asyncio() -> bool:
+    import asyncio
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # another event loop (trio)
+        return False
+    return True
+
+
+def _kill(actor: Any) -> None:
+    import ray
+
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # already gone, or Ray shut down: nothing left to stop
+        pass
+
+
+# ---- the Ray instance ---------------------------------------------------------------------------
+
+@asynccontextmanager
+async def ray_session(cfg: Config, actors: int) -> AsyncIterator[None]:
+    """Ray, initialized in this process for the block: the one already initialized, the cluster at
+    `ray_address`, or a local instance bound to 127.0.0.1 (started, and shut down after)."""
+    ray = _import_ray()
+    if ray.is_initialized():
+        yield
+        return
+    temp = None if cfg.ray_address else tempfile.mkdtemp(prefix="zephon-ray-")  # short: Ray's socket paths
+    try:
+        await anyio.to_thread.run_sync(functools.partial(_init, ray, cfg, actors, temp))
+        try:
+            yield
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(ray.shutdown)
+    finally:
+        if temp is not None:
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+def _init(ray: Any, cfg: Config, actors: int, temp: str | None) -> None:
+    import logging
+
+    quiet = {"include_dashboard": False, "logging_level": logging.WARNING, "log_to_driver": True}
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no report sent anywhere
+    try:
+        if cfg.ray_address:
+            ray.init(address=cfg.ray_address, **quiet)
+            return
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private instance on loopback: no token to hand out
+        cpus = max(os.cpu_count() or 1, math.ceil(actors * cfg.ray_num_cpus))  # the actors always fit
+        ray.init(num_cpus=cpus, _temp_dir=temp, _node_ip_address="127.0.0.1", **quiet)
+    except Exception as exc:  # Ray's own errors: ConnectionError, RuntimeError, ValueError ...
+        where = f"the Ray cluster at ray_address = {cfg.ray_address!r}" if cfg.ray_address else "a local Ray"
+        raise ConfigError(f'backend "ray" could not start {where}: {type(exc).__name__}: {exc}; check that the '
+                          'cluster runs (`ray status`), or use backend "processes"') from exc
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:
+        raise ConfigError('backend "ray" needs Ray: pip install "zephon-stream[ray]" (or use backend '
+                          '"processes")') from exc
+    return ray
