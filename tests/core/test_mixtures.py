@@ -1,0 +1,216 @@
+"""Mixtures through the loader: schedules and set_weights across the determinism matrix, the
+decision log in checkpoints, visibility (source_tokens, statistics, inspect) and the 1-point goal.
+
+A run whose trainer calls `set_weights(w, at_step=b)` at any time before step `b` must give
+the batches of the run whose config has the schedule entry `(b, w)`: that is the baseline."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zephon_stream import ConfigError, IncompatibleState
+from zephon_stream.cli.main import main
+from zephon_stream.loader.config import Config, ScheduleEntry, SourceConfig
+from zephon_stream.loader.loader import Loader
+from zephon_stream.operators.collate import source_tokens
+from zephon_stream.testing.determinism import batch_records, run_world
+
+STEPS = 16
+W1 = {"a": 0.1, "b": 0.9}
+W2 = {"a": 0.5, "b": 0.5}
+# (after the rank consumed this many steps, weights, at_step): two decisions, one made long before its step
+CALLS = [(2, W1, 6), (7, W2, 11)]
+
+
+def _scheduled(config: Config, calls=CALLS) -> Config:
+    return config.with_decisions([ScheduleEntry(b, w) for _, w, b in calls])
+
+
+def run_calls(config: Config, dp_size: int, stop: int, *, backend: str, calls=CALLS, resume=None):
+    """Every rank to global step `stop`, each making the `calls` as a trainer would (between batches)."""
+    records, states = [], []
+    for rank in range(dp_size):
+        loader = Loader(config, dp_rank=rank, dp_size=dp_size, backend=backend)
+        if resume:
+            loader.load_state_dict(resume)
+
+        def decide(loader=loader) -> None:
+            for after, weights, at in calls:
+                if after == loader.step:
+                    loader.set_weights(weights, at_step=at)
+
+        decide()
+        if loader.step < stop:
+            for batch in loader:
+                records += batch_records(batch)
+                decide()
+                if loader.step == stop:
+                    break
+        states.append(loader.state_dict())
+    return sorted(records, key=lambda r: r[1]), states
+
+
+@pytest.fixture()
+def scheduled(config):
+    return _scheduled(config)
+
+
+@pytest.fixture()
+def baseline(config, scheduled):
+    records, _ = run_world(scheduled, 1, STEPS, backend="inline")
+    plain, _ = run_world(config, 1, STEPS, backend="inline")
+    assert [r for r in records if r[0] < 6] == [r for r in plain if r[0] < 6]  # before the first change: unchanged
+    assert [r for r in records if r[0] >= 6] != [r for r in plain if r[0] >= 6]
+    return records
+
+
+@pytest.mark.parametrize(("dp_size", "backend"), [(1, "threads"), (3, "inline"), (4, "threads"), (2, "processes")])
+def test_scheduled_run_across_world_sizes_and_backends(scheduled, baseline, dp_size, backend):
+    assert run_world(scheduled, dp_size, STEPS, backend=backend)[0] == baseline
+
+
+@pytest.mark.parametrize(("cut", "before", "after"), [(5, (4, "threads"), (2, "processes")),
+                                                      (6, (2, "inline"), (3, "threads")),
+                                                      (12, (6, "threads"), (1, "inline"))])
+def test_scheduled_run_resumed_onto_other_world(scheduled, baseline, cut, before, after):
+    first, states = run_world(scheduled, before[0], cut, backend=before[1])
+    rest, _ = run_world(scheduled, after[0], STEPS - cut, backend=after[1], resume=states)
+    assert first + rest == baseline
+
+
+@pytest.mark.parametrize(("dp_size", "backend"), [(1, "threads"), (1, "inline"), (3, "threads"), (2, "processes")])
+def test_set_weights_gives_the_scheduled_batches(config, baseline, dp_size, backend):
+    """Lanes that ran ahead past the decided step go back; batches before it are unchanged."""
+    assert run_calls(config, dp_size, STEPS, backend=backend)[0] == baseline
+
+
+@pytest.mark.parametrize(("cut", "after"), [(4, (3, "threads")), (8, (2, "processes")), (9, (6, "inline"))])
+def test_resume_between_a_call_and_its_step(config, baseline, cut, after):
+    """Checkpoints at 4, 8 and 9 fall between a call (after step 2 / 7) and its step (6 / 11). The
+    resumed trainer makes only the calls still to come (none after 8 or 9): the log holds the rest."""
+    first, states = run_calls(config, 2, cut, backend="threads")
+    rest, _ = run_calls(config, after[0], STEPS, backend=after[1], resume=states)
+    assert first + rest == baseline
+
+
+def test_the_resumed_trainer_repeating_its_calls_changes_nothing(config, baseline):
+    first, states = run_calls(config, 2, 9, backend="threads")
+    repeat = [(9, w, b) for _, w, b in CALLS]  # a trainer that replays its whole log at start: b=6 is consumed
+    rest, _ = run_calls(config, 3, STEPS, backend="threads", calls=repeat, resume=states)
+    assert first + rest == baseline
+
+
+def test_decision_log_grows_one_entry_per_call(config):
+    loader = Loader(config, backend="inline")
+    sizes = [len(loader.state_dict()["meta"])]
+    for b in range(1, 6):
+        loader.set_weights({"a": 1.0 / b, "b": 1.0}, at_step=b)
+        sizes.append(len(loader.state_dict()["meta"]))
+    loader.set_weights({"a": 1.0 / 5, "b": 1.0}, at_step=5)  # a repeat: no entry
+    assert len(loader.decisions) == 5 and len(loader.state_dict()["meta"]) == sizes[-1]
+    growth = [b - a for a, b in zip(sizes, sizes[1:])]
+    assert max(growth[1:]) <= 40, f"bytes per entry: {growth}"  # a small, fixed-size record per call
+
+
+def test_a_decision_for_a_consumed_step_is_refused(config):
+    loader = Loader(config, backend="inline")
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    with pytest.raises(ConfigError, match=r"set_weights\(at_step=2\): step 2 was already consumed .* batches "
+                                          r"0\.\.2\); decide for a step >= 3"):
+        loader.set_weights(W1, at_step=2)
+    loader.set_weights(W1, at_step=3)  # the next batch's step is still open
+    assert next(it)["step"] == 3
+    it.close()
+
+
+@pytest.mark.parametrize(("weights", "step", "match"), [
+    ({"a": 1.0}, 3, r"must give a weight to each source, by name: \['a', 'b'\]"),
+    ({"a": 1.0, "b": 1.0, "c": 1.0}, 3, "must give a weight to each source"),
+    ({"a": 0.0, "b": 1.0}, 3, r"weights.a = 0.0: must be a number > 0"),
+    ({"a": float("nan"), "b": 1.0}, 3, r"weights.a = nan: must be a number > 0"),
+    ({"a": 1.0, "b": 1.0}, -1, r"at_step = -1: must be a global step"),
+    ({"a": 1.0, "b": 1.0}, True, r"at_step = True: must be a global step"),
+])
+def test_bad_decisions_are_refused(config, weights, step, match):
+    loader = Loader(config, backend="inline")
+    with pytest.raises(ConfigError, match=match):
+        loader.set_weights(weights, at_step=step)
+    assert loader.decisions == []
+
+
+def test_ranks_with_different_logs_are_refused(config):
+    a, b = Loader(config, dp_rank=0, dp_size=2), Loader(config, dp_rank=1, dp_size=2)
+    a.set_weights(W1, at_step=4)
+    with pytest.raises(IncompatibleState, match="rank states hold different set_weights logs"):
+        Loader(config, backend="inline").load_state_dict([a.state_dict(), b.state_dict()])
+
+
+def test_a_log_for_other_sources_is_refused(config):
+    loader = Loader(config)
+    loader.set_weights(W1, at_step=4)
+    state = loader.state_dict()
+    renamed = config.replace(sources=[config.sources[0], SourceConfig(name="c", uri=config.sources[1].uri,
+                                                                      weight=config.sources[1].weight)])
+    other = Loader(renamed)
+    other.order_digest = loader.order_digest  # only the log differs
+    other.order_settings = loader.order_settings
+    with pytest.raises(IncompatibleState, match=r"meta field decisions .*must give a weight to each source"):
+        other.load_state_dict(state)
+
+
+def test_schedule_in_toml_round_trips_and_is_validated(config, tmp_path):
+    cfg = _scheduled(config)
+    path = tmp_path / "c.toml"
+    path.write_text(cfg.to_toml())
+    assert Config.from_toml(path) == cfg
+    assert "[[schedule]]\nstep = 6\nweights = { \"a\" = 0.1, \"b\" = 0.9 }" in cfg.to_toml()
+    assert cfg.order_digest("t") != config.order_digest("t")
+    path.write_text(config.to_toml() + "\n[[schedule]]\nstep = 4\nweights = { a = 1.0 }\n")
+    with pytest.raises(ConfigError, match=r"schedule\[step=4\].weights = \{'a': 1.0\}: must give a weight"):
+        Config.from_toml(path)
+    path.write_text(config.to_toml() + "\n[[schedule]]\nstep = 4\nweights = { a = 1.0, b = 1 }\n"
+                    "\n[[schedule]]\nstep = 4\nweights = { a = 2.0, b = 1 }\n")
+    with pytest.raises(ConfigError, match=r"schedule = \[4, 4\]: steps must be strictly increasing"):
+        Config.from_toml(path)
+
+
+def test_source_tokens_and_realized_shares(config):
+    loader = Loader(config, backend="inline")
+    totals = {"a": 0, "b": 0}
+    for batch in loader:
+        for row, n in zip(source_tokens(batch, ["a", "b"]), batch["num_tokens"].tolist()):
+            assert sum(row.values()) == n  # every real token has a source
+            for k, v in row.items():
+                totals[k] += v
+        if loader.step == 6:
+            break
+    stats = loader.statistics()
+    assert stats.source_tokens == totals and totals["a"] > 0 and totals["b"] > 0
+    assert stats.source_shares["a"] == pytest.approx(totals["a"] / sum(totals.values()))
+    assert stats.weights == {"a": 0.6, "b": 0.4}
+    loader.set_weights(W1, at_step=6)
+    assert loader.statistics().weights == W1
+
+
+def test_cli_set_weights_digests_and_inspect(config, tmp_path, capsys):
+    path = tmp_path / "c.toml"
+    path.write_text(config.to_toml())
+    state = tmp_path / "s.state"
+    assert main(["stream", str(path), "--steps", "12", "--digests", "--save-state", str(state), "--save-at", "8",
+                 "--set-weights", "6:a=0.1,b=0.9", "--set-weights", "11:a=0.5,b=0.5"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    want, _ = run_world(_scheduled(config), 1, 12, backend="inline")
+    assert [(d["step"], d["slot"], d["lane"], d["tokens"], d["sha256"]) for d in lines] == want
+    assert all(set(d["source_tokens"]) == {"a", "b"} and sum(d["source_tokens"].values()) == d["tokens"]
+               for d in lines)
+    # the checkpoint carries the log: a resumed run needs no --set-weights, and repeating them is a no-op
+    for extra in ([], ["--set-weights", "6:a=0.1,b=0.9"]):
+        assert main(["stream", str(path), "--steps", "12", "--digests", "--resume", str(state), *extra]) == 0
+        assert [json.loads(x) for x in capsys.readouterr().out.splitlines()] == [d for d in lines if d["step"] >= 8]
+    assert main(["inspect", str(path), "--step", "7", "--set-weights", "6:a=0.1,b=0.9"]) == 0
+    out = capsys.readouterr().out
+    assert "⟦b⟧" in out and "⟦a⟧" in out
