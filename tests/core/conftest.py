@@ -163,7 +163,7 @@ def build_gzip_dataset(root: Path, docs: dict[str, list[str]]) -> None:
                                                               for k in range(0, len(a), 17)))
     for i in range(12):
         b = lines(docs["b"][i * 25:(i + 1) * 25])
-        (root / "b" / f"b-{i}.json.gz").write_bytes(gzip.compress(b"".join(b), mtime=0))
+        (root / "b" / f"b-{i:02d}.json.gz").write_bytes(gzip.compress(b"".join(b), mtime=0))
 
 
 @pytest.fixture(scope="session")
@@ -200,3 +200,37 @@ def gzip_config(dataset, gzip_dataset) -> Config:
     """`config` on the gzip copy of its data (a: multi-member files, b: single-member)."""
     return _text_config(dataset, [SourceConfig(name="a", uri=f"file://{gzip_dataset}/a/", weight=0.6),
                                   SourceConfig(name="b", uri=f"file://{gzip_dataset}/b/", weight=0.4)])
+
+
+def build_vision_parquet(root: Path, n: int = 240, files: int = 3) -> list[bytes]:
+    """Generated PNGs with captions as Parquet written by pyarrow, in HF's `Image` layout: an `image`
+    column of struct<bytes: binary, path: string> beside a `caption` column (row groups of 10)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(13)
+    captions = make_docs(rng, n, 30)
+    images = [make_image(rng) for _ in range(n)]
+    image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    (root / "pq").mkdir(parents=True)
+    per = -(-n // files)
+    for f in range(files):
+        rows = range(f * per, min(n, (f + 1) * per))
+        table = pa.table({"image": pa.array([{"bytes": images[i], "path": f"{i:06d}.png"} for i in rows], image_type),
+                          "caption": [captions[i] for i in rows]})
+        pq.write_table(table, root / "pq" / f"img-{f}.parquet", row_group_size=10)
+    return images
+
+
+@pytest.fixture(scope="session")
+def vision_parquet_dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[bytes]]:
+    root = tmp_path_factory.mktemp("vision-parquet")
+    return root, build_vision_parquet(root)
+
+
+@pytest.fixture()
+def vision_parquet_config(vision_config, vision_parquet_dataset) -> Config:
+    """`vision_config` with its image source read from Parquet (HF Image column `image`, captions in `caption`)."""
+    root, _ = vision_parquet_dataset
+    img = SourceConfig(name="img", uri=f"file://{root}/pq/", weight=0.7, image_field="image", text_field="caption")
+    return vision_config.replace(sources=[img, vision_config.sources[1]])

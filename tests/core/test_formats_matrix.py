@@ -1,5 +1,6 @@
 """The whole determinism matrix (tests/core/test_determinism.py) for Parquet and gzip sources:
-the same tests, collected again here with `config` the Parquet or the gzip copy of the text data.
+the same tests, collected again here with `config` the Parquet or the gzip copy of the text data,
+or the image+text config with its images in a Parquet HF `Image` column (pixels digested too).
 
 Also: the formats give the same documents as the JSONL originals, Parquet reads fetch only the
 needed column chunks, and gzip files split where they have members."""
@@ -28,7 +29,7 @@ from zephon_stream.operators.sources import make_parser, make_reader
 from zephon_stream.testing.determinism import real, run_world
 
 
-@pytest.fixture(params=["parquet", "gzip"])
+@pytest.fixture(params=["parquet", "gzip", "vision_parquet"])
 def config(request):
     return request.getfixturevalue(f"{request.param}_config")
 
@@ -59,7 +60,11 @@ def _documents(config, source: int) -> list[str]:
     return anyio.run(main)
 
 
-def test_same_documents_as_the_jsonl_originals(config, dataset):
+def test_same_documents_as_the_jsonl_originals(config, dataset, vision_parquet_dataset):
+    if config.vision is not None:  # the images come out as they went in, byte for byte
+        _, images = vision_parquet_dataset
+        assert [rec.image for rec in _documents(config, 0)] == images
+        return
     _, docs = dataset
     assert _documents(config, 0) == docs["a"]
     assert _documents(config, 1) == docs["b"]

@@ -40,6 +40,7 @@ from zephon_stream.operators.read import BadRecords, ShardPlan, Split
 __all__ = ["ParquetParser", "ParquetSplitReader"]
 
 _READ_PART = 1 << 20  # the largest ranged read: a column chunk is fetched in parts of this size
+_MIN_PART = 1 << 10  # the smallest, when a small split is cut into `read_ahead` parts
 _BLOCK_BYTES = 1 << 20  # decoded bytes per block handed to the parser
 
 
@@ -96,8 +97,10 @@ class ParquetSplitReader:
     async def _chunks(self, footer: ParquetFooter, groups: list[int],
                       columns: list[Column]) -> AsyncIterator[tuple[int, dict[int, bytes]]]:
         """(row group, {chunk start: chunk bytes}) for `groups`, the chunks fetched in parts."""
-        plan = [(g, [(lo, a, min(hi, a + _READ_PART)) for lo, hi in column_ranges(footer, g, columns)
-                     for a in range(lo, hi, _READ_PART)]) for g in groups]
+        chunks = [(g, column_ranges(footer, g, columns)) for g in groups]
+        part = self._part(sum(hi - lo for _, ranges in chunks for lo, hi in ranges))
+        plan = [(g, [(lo, a, min(hi, a + part)) for lo, hi in ranges for a in range(lo, hi, part)])
+                for g, ranges in chunks]
         ranges = [(a, b) for _, pieces in plan for _, a, b in pieces]
         if self.spawn is not None and self.read_ahead > 1 and len(ranges) > 1:
             data: AsyncIterator[bytes] = ReadWindow(functools.partial(self.store.read, self.key), ranges,
@@ -113,6 +116,13 @@ class ParquetSplitReader:
                                     f"gave {len(got)} bytes", key=self.key, offset=a)
                 parts.setdefault(chunk, []).append(got)
             yield g, {lo: b"".join(p) for lo, p in parts.items()}
+
+    def _part(self, owned: int) -> int:
+        """Request size for `owned` bytes: up to _READ_PART, small enough that the window has
+        `read_ahead` requests to overlap (when there is a window)."""
+        if self.spawn is None or self.read_ahead <= 1:
+            return _READ_PART
+        return min(_READ_PART, max(_MIN_PART, -(-owned // self.read_ahead)))
 
     async def _one_by_one(self, ranges: list[tuple[int, int]]) -> AsyncIterator[bytes]:
         for lo, hi in ranges:
