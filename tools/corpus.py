@@ -122,6 +122,17 @@ class _Progress:
         if self.bar is not None:
             self.bar.set_postfix_str(what)
 
+    def total(self, total: float) -> None:
+        """Set the total once it is known."""
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.refresh()
+
+    def advance(self, n: float = 1) -> None:
+        """Count `n` more on the bar, with nothing logged (for many small pieces)."""
+        if self.bar is not None:
+            self.bar.update(n)
+
     def done(self, what: str, n: float = 1) -> None:
         if self.bar is None:
             log.info("%s: %s", self.desc, what)
@@ -405,19 +416,30 @@ def _prune_to_unique_docs(tree: Path) -> None:
     by path (the kernel's Documentation/*.rst and its html/_sources copies)."""
     keep: set[Path] = set()
     seen: set[bytes] = set()
-    for rel in _doc_files(tree):
-        text = _read_text_file(tree / rel)
-        if not text or not text.strip():
-            continue
-        digest = hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
-        if digest not in seen:
-            seen.add(digest)
-            keep.add(rel)
-    for p in sorted(tree.rglob("*"), reverse=True):  # children before their directory
-        if p.is_symlink() or (p.is_file() and p.relative_to(tree) not in keep):
-            p.unlink()
-        elif p.is_dir() and not any(p.iterdir()):
-            p.rmdir()
+    progress = _Progress("Debian docs: keep one copy of each text", None, unit="file")
+    progress.doing("listing the unpacked files")
+    files = _doc_files(tree)
+    progress.total(len(files))
+    progress.doing("reading and comparing the texts")
+    try:
+        for rel in files:
+            progress.advance()
+            text = _read_text_file(tree / rel)
+            if not text or not text.strip():
+                continue
+            digest = hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+            if digest not in seen:
+                seen.add(digest)
+                keep.add(rel)
+        progress.doing("deleting the other files")
+        for p in sorted(tree.rglob("*"), reverse=True):  # children before their directory
+            if p.is_symlink() or (p.is_file() and p.relative_to(tree) not in keep):
+                p.unlink()
+            elif p.is_dir() and not any(p.iterdir()):
+                p.rmdir()
+        progress.done(f"{len(keep)} of {len(files)} files kept", 0)
+    finally:
+        progress.close()
 
 
 def ensure_debian_docs(packages: Sequence[str] = DEBIAN_DOC_PACKAGES) -> Path | None:
@@ -454,9 +476,7 @@ def _ensure_debian_docs(packages: Sequence[str]) -> Path | None:
             debs.mkdir()
             debs.chmod(0o777)  # apt's sandbox user must be able to write there, or apt warns
             got = _download(apt, packages, debs)
-            unpacked = [
-                d.name for d in sorted(debs.glob("*.deb")) if _run([dpkg, "-x", str(d), str(tree)], debs)
-            ]
+            unpacked = _unpack(dpkg, sorted(debs.glob("*.deb")), tree)
             if not got or not unpacked or not tree.is_dir():
                 log.warning(
                     "Debian docs unavailable (apt-get download %s / dpkg-deb -x failed): "
@@ -471,6 +491,21 @@ def _ensure_debian_docs(packages: Sequence[str]) -> Path | None:
             os.replace(tree, root)
         log.info("Debian docs %s unpacked to %s in %.1f s", " ".join(got), root, time.monotonic() - t0)
         return root
+
+
+def _unpack(dpkg: str, debs: list[Path], tree: Path) -> list[str]:
+    """``dpkg-deb -x`` each package into ``tree``, with progress; the names of those unpacked."""
+    progress = _Progress("Debian docs: unpack", len(debs), unit="package")
+    unpacked = []
+    try:
+        for d in debs:
+            progress.doing(f"dpkg-deb -x {d.name}")
+            if _run([dpkg, "-x", str(d), str(tree)], d.parent):
+                unpacked.append(d.name)
+                progress.done(d.name)
+    finally:
+        progress.close()
+    return unpacked
 
 
 def _download(apt: str, packages: Sequence[str], dest: Path) -> list[str]:
