@@ -1,0 +1,215 @@
+"""`zephon shard` and `zephon_stream.shard.shard`: every input kind into seekable JSONL.zst (or tar)
+shards that give back the same documents, in order, split for lanes; errors name the object."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import anyio
+import pytest
+import zstandard
+
+from zephon_stream import ConfigError, DataError
+from zephon_stream.cli.main import main
+from zephon_stream.connectors import open_store
+from zephon_stream.formats.jsonl_zst import read_seek_table
+from zephon_stream.loader.config import SourceConfig
+from zephon_stream.shard import ShardReport, _Progress, shard
+from zephon_stream.testing.determinism import real, run_world
+
+
+def _lines(paths) -> list[bytes]:
+    out = []
+    for p in sorted(paths):
+        with open(p, "rb") as fh:
+            out += zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True).read().splitlines()
+    return out
+
+
+def _texts(out_dir) -> list[str]:
+    return [json.loads(line)["text"] for line in _lines(out_dir.glob("*.jsonl.zst"))]
+
+
+def _frames(path) -> list[int] | None:
+    async def main():
+        store, _ = open_store(f"file://{path.parent}/")
+        async with store:
+            return await read_seek_table(store, path.name, path.stat().st_size)
+    return anyio.run(main)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "gzip", "parquet"])
+def test_inputs_become_seekable_shards_of_the_same_documents(kind, dataset, gzip_dataset, parquet_dataset, tmp_path):
+    root, docs = dataset
+    src = {"jsonl": root, "gzip": gzip_dataset, "parquet": parquet_dataset}[kind] / "a"
+    report = shard(str(src), str(tmp_path / "out"), target_bytes=6000, frame_bytes=1500, progress=False)
+    assert isinstance(report, ShardReport) and report.documents == 600 and report.inputs == 3
+    paths = sorted((tmp_path / "out").glob("shard-*.jsonl.zst"))
+    assert [p.name for p in paths] == [f"shard-{i:05d}.jsonl.zst" for i in range(len(report.shards))]
+    assert len(paths) > 2 and _texts(tmp_path / "out") == docs["a"]
+    sizes = [p.stat().st_size for p in paths]
+    assert max(sizes[:-1]) < 6000 + 1500 and min(sizes[:-1]) >= 6000  # cut at the first frame past the target
+    assert all(len(_frames(p)) > 3 for p in paths[:-1])  # seek table: several frames, so several splits
+
+
+def test_jsonl_lines_are_kept_as_they_are(dataset, tmp_path):
+    root, _ = dataset
+    shard(f"file://{root}/b/", f"file://{tmp_path}/out/", progress=False)
+    want = []
+    for i in range(2):
+        with open(root / "b" / f"b-{i}.jsonl.zst", "rb") as fh:
+            want += zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True).read().splitlines()
+    assert _lines((tmp_path / "out").glob("*.zst")) == want  # every field, byte for byte
+
+
+def test_the_loader_reads_the_shards_with_many_lanes(config, gzip_dataset, tmp_path):
+    """A single-member .json.gz file is one split; sharded, the same documents spread over lanes."""
+    report = shard(str(gzip_dataset / "b"), str(tmp_path / "b"), target_bytes=4000, frame_bytes=500, progress=False)
+    assert report.documents == 300
+    cfg = config.replace(sources=[config.sources[0], SourceConfig(name="b", uri=f"file://{tmp_path}/b/", weight=0.4)])
+    one, _ = run_world(cfg, 1, 6, backend="inline")
+    assert real(run_world(cfg, 3, 6, backend="threads")[0]) == real(one)
+
+    from zephon_stream.loader.plan import plan_data
+
+    async def splits():
+        store, _ = open_store(f"file://{tmp_path}/b/")
+        async with store:
+            return len((await plan_data(cfg.replace(sources=cfg.sources[1:]), [store])).sources[0].splits)
+    assert anyio.run(splits) >= cfg.lanes
+
+
+def test_text_folder_one_document_per_file(tmp_path):
+    (tmp_path / "in" / "sub").mkdir(parents=True)
+    texts = {"in/x.txt": "first\nfile", "in/sub/y.md": "# second", "in/z.txt": "third ✓"}
+    for name, text in texts.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "in" / "skip.bin").write_bytes(b"\x00")
+    report = shard(str(tmp_path / "in"), str(tmp_path / "out"), progress=False)
+    rows = [json.loads(line) for line in _lines((tmp_path / "out").glob("*.zst"))]
+    assert report.documents == 3 and [r["text"] for r in rows] == ["# second", "first\nfile", "third ✓"]
+    assert [r["id"] for r in rows] == ["sub/y.md", "x.txt", "z.txt"]
+
+
+def test_bad_records_name_the_object_or_are_counted(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_bytes(b'{"text": "ok"}\n{"text": 3}\n{"text": "fine"}\n')
+    with pytest.raises(DataError, match=r"bad record in 'a.jsonl' at byte 15"):
+        shard(str(tmp_path / "in"), str(tmp_path / "out"), progress=False)
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+    report = shard(str(tmp_path / "in"), str(tmp_path / "out2"), on_bad="skip", progress=False)
+    assert (report.documents, report.skipped) == (2, 1) and _texts(tmp_path / "out2") == ["ok", "fine"]
+
+
+def test_refuses_to_overwrite_and_bad_settings(dataset, tmp_path):
+    root, _ = dataset
+    shard(str(root / "a"), str(tmp_path / "out"), progress=False)
+    with pytest.raises(ConfigError, match="already holds 'shard-00000.jsonl.zst'"):
+        shard(str(root / "a"), str(tmp_path / "out"), progress=False)
+    with pytest.raises(ConfigError, match="no input under"):
+        shard(str(tmp_path / "nothing"), str(tmp_path / "o"), progress=False)
+    with pytest.raises(ConfigError, match="target_bytes must be >= 1"):
+        shard(str(root / "a"), str(tmp_path / "o"), target_bytes=0)
+
+
+def test_image_folder_with_captions_becomes_tar_shards(tmp_path):
+    import random
+
+    from tests.core.conftest import make_image
+    from zephon_stream.formats.tar import parse_samples
+
+    rng = random.Random(5)
+    (tmp_path / "in").mkdir()
+    images = {}
+    for i in range(12):
+        images[i] = make_image(rng, "PNG" if i % 2 else "JPEG")
+        (tmp_path / "in" / f"im{i:02d}.{'png' if i % 2 else 'jpg'}").write_bytes(images[i])
+        (tmp_path / "in" / f"im{i:02d}.txt").write_text(f"caption {i}")
+    report = shard(str(tmp_path / "in"), str(tmp_path / "out"), image_field="png;jpg", text_field="txt",
+                   target_bytes=20000, progress=False)
+    assert report.documents == 12 and len(report.shards) > 1
+    samples = []
+    for path in sorted((tmp_path / "out").glob("*.tar")):
+        data = path.read_bytes()
+        samples += parse_samples(data, 0, path.name, 1 << 20)
+    assert [s.members.get("png", s.members.get("jpg")) for s in samples] == [images[i] for i in range(12)]
+    assert [s.members["txt"].decode() for s in samples] == [f"caption {i}" for i in range(12)]
+
+
+def test_parquet_image_column_becomes_tar_shards_bytes_unchanged(vision_parquet_dataset, tmp_path):
+    from zephon_stream.formats.tar import parse_samples
+
+    root, images = vision_parquet_dataset
+    report = shard(str(root / "pq"), str(tmp_path / "out"), image_field="image", text_field="caption",
+                   target_bytes=200_000, progress=False)
+    assert report.documents == len(images)
+    got = []
+    for path in sorted((tmp_path / "out").glob("*.tar")):
+        got += [s.members["png"] for s in parse_samples(path.read_bytes(), 0, path.name, 1 << 20)]
+    assert got == images
+
+
+def test_cli_shards_and_prints_a_summary(dataset, tmp_path, capsys):
+    root, _ = dataset
+    assert main(["shard", str(root / "a"), str(tmp_path / "out"), "--target-size", "8KiB",
+                 "--frame-size", "2k"]) == 0
+    out, err = capsys.readouterr()
+    assert "600 documents from 3 inputs" in out and "shards" in out
+    assert "shard: " in err and "600 documents" in err  # plain progress lines: stderr is not a terminal
+    assert _texts(tmp_path / "out") == dataset[1]["a"]
+    assert main(["shard", str(root / "a"), str(tmp_path / "out")]) == 2
+    assert "already holds" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["shard", str(root / "a"), str(tmp_path / "x"), "--target-size", "12 parsecs"])
+
+
+def test_progress_bar_on_a_terminal_and_lines_elsewhere():
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    now = [0.0]
+    tty = Tty()
+    bar = _Progress(1000, None, tty, clock=lambda: now[0])
+    assert bar.bar is not None
+    bar.done_object(400)
+    bar.close(7, 1)
+    assert "400/1000" in tty.getvalue().replace("B", "").replace(" ", "") or "40%" in tty.getvalue()
+    plain = io.StringIO()
+    lines = _Progress(1000, None, plain, clock=lambda: now[0])
+    lines.done_object(500)
+    lines.tick(3, 0)
+    assert plain.getvalue() == ""  # at most one line every 5 s
+    now[0] = 6.0
+    lines.tick(3, 0)
+    lines.close(5, 1)
+    assert plain.getvalue().splitlines() == [
+        "shard: 500/1000 input bytes (50%), 3 documents, 0 shards, 6 s",
+        "shard: 500/1000 input bytes (50%), 5 documents, 1 shards, 6 s"]
+
+
+def test_from_and_to_s3(dataset, parquet_dataset, s3, monkeypatch, tmp_path):
+    root, docs = dataset
+    client = s3.client()
+    for path in sorted((parquet_dataset / "a").iterdir()):
+        client.put_object(Bucket=s3.bucket, Key=f"raw/{path.name}", Body=path.read_bytes())
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.options["access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.options["secret_access_key"])
+    opts = {k: s3.options[k] for k in ("endpoint_url", "region", "addressing_style")}
+    report = shard(f"s3://{s3.bucket}/raw/", f"s3://{s3.bucket}/shards/", target_bytes=8000, frame_bytes=2000,
+                   progress=False, **opts)
+    assert report.documents == 600 and len(report.shards) > 1
+    keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=s3.bucket, Prefix="shards/")["Contents"])
+    assert keys == sorted(report.shards) and keys[0] == "shards/shard-00000.jsonl.zst"
+    shard(f"s3://{s3.bucket}/shards/", str(tmp_path / "back"), progress=False, **opts)  # s3 -> local, reshard
+    assert _texts(tmp_path / "back") == docs["a"]
+    one = shard(f"s3://{s3.bucket}/raw/a-1.parquet", str(tmp_path / "one"), progress=False, **opts)
+    assert one.inputs == 1 and _texts(tmp_path / "one") == docs["a"][200:400]
+
+
+def test_reexports_the_jsonl_writer():
+    from zephon_stream.formats import write_jsonl_shards as a
+    from zephon_stream.shard import write_jsonl_shards as b
+
+    assert a is b
