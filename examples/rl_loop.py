@@ -203,7 +203,12 @@ class Worker:
                 self.run.events.append(event)
                 self.report(event)
         except (anyio.EndOfStream, anyio.IncompleteRead, anyio.ClosedResourceError):
-            return  # the process ended (or was killed)
+            await proc.wait()  # the process ended (or was killed): whoever waits for it checks `alive`
+            self.ready.set()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
 
     async def kill_and_restart(self, tg: anyio.abc.TaskGroup) -> None:
         old = self.proc
@@ -268,6 +273,10 @@ async def train(args: argparse.Namespace, regions: dict[str, dict], run: Run, wo
     with anyio.fail_after(args.timeout):  # each has its model and its store before the first version
         for w in workers:
             await w.ready.wait()
+            if not w.alive:
+                code = await w.proc.wait()
+                raise RuntimeError(f"rollout worker {w.wid} exited with status {code} before it was ready: "
+                                   "its error is printed above")
     print(f"rollout workers ready after {time.perf_counter() - args.t0:.1f} s", flush=True)
     async with pstore, PublishLoop(pub, on_published=published) as publishing:
         async with Loader(config).open() as stream:
