@@ -9,6 +9,12 @@ A pull runs in two phases over the chunks, both streamed through the same worker
    keyframe); if none verifies, the pull is refused and nothing has been written.
 2. apply: record "applying v" locally, write each chunk in place, then record v.
 
+A chunk that holds no version (a joiner's, or one a killed join left torn) has nothing to
+protect, so it skips phase 1: in phase 2 its keyframe is decompressed straight into the
+weights, the later deltas are XORed in and the chunk is hashed once (one pass, no staging).
+A chunk that does not verify then raises DigestMismatch; the record still says "applying",
+and the next pull loads it again.
+
 `prefetch()`, called while waiting for the next version, does phase 1's work early for the
 delta objects already in the store (a relay streaming ahead puts them there before the
 MANIFEST): fetch, digest, decode, and the O(delta) digest change against the current values.
