@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import io
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -173,3 +174,13 @@ def test_refit_publish_creates_a_missing_file_prefix(capsys, tmp_path) -> None:
     assert main(["refit", "publish", "--prefix", f"file://{prefix}/", "--weights", str(weights)]) == 0
     assert capsys.readouterr().out.startswith("version 1 ")
     assert prefix.is_dir() and any(prefix.rglob("MANIFEST*"))
+
+
+def test_inspect_labels_each_document_with_its_source(capsys, cfg, config) -> None:
+    assert main(["inspect", str(cfg), "--step", "0"]) == 0
+    out = capsys.readouterr().out
+    slots = out.split("\n## slot ")[1:]
+    assert len(slots) == config.global_batch_size
+    labels = [re.findall(r"⟦([^⟧]*)⟧", s) for s in slots]
+    assert all(found and s.split("\n", 1)[1].startswith("⟦") for found, s in zip(labels, slots))
+    assert {name for found in labels for name in found} == {s.name for s in config.sources}
