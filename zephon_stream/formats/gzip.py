@@ -81,6 +81,10 @@ async def find_members(store: Store, key: str, size: int) -> list[int]:
     return starts + [size]
 
 
+class _Overrun(Exception):
+    """A member that does not end where the plan says the next one begins: corrupt, like a zlib error."""
+
+
 class GzipStream:
     """Decodes a run of gzip members fed in pieces of any size, in bounded memory.
 
@@ -117,7 +121,7 @@ class GzipStream:
                 continue
             try:
                 piece = self._inflate()
-            except zlib.error as exc:
+            except (zlib.error, _Overrun) as exc:
                 return b"".join(out), self._corrupt(exc)
             if piece is None:
                 break
@@ -153,8 +157,10 @@ class GzipStream:
         if self._d.eof:
             self._d = None
         elif not piece or self._out % _HOLD:  # zlib took all of `fed` and wants more
-            if rest:  # ... but `fed` ran to the next planned member: this member runs past it
-                raise self._mismatch(f"at byte {self.member_start} runs past byte {self.offset}")
+            if self.offset == self._next_frame_end():  # ... but `fed` ran to the next planned member (or the end)
+                raise _Overrun(f"it does not end at byte {self.offset}, where the plan's next member starts (or the "
+                               "file ends): it is damaged or truncated, or the file changed after planning, or holds "
+                               "gzip magic bytes inside a member (recompress it, or convert it with `zephon shard`)")
             return None
         released, self._held = b"".join(self._held), []
         return released
@@ -167,9 +173,6 @@ class GzipStream:
         if fed < end:
             raise DataError(f"{self.key!r} ends at byte {fed}, before byte {end} that its plan needs: the object "
                             "changed while being read; restart the loader", key=self.key, offset=fed)
-        if end == self.frames[-1]:
-            raise DataError(f"truncated gzip file {self.key!r}: the member at byte {self.member_start} is cut off "
-                            f"at byte {end}, the end of the file: rewrite it", key=self.key, offset=self.member_start)
         raise self._mismatch(f"at byte {self.member_start} runs past byte {end}")
 
     def _mismatch(self, what: str) -> DataError:
