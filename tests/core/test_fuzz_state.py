@@ -106,8 +106,9 @@ _REF = st.tuples(INTS, INTS, INTS, INTS)
 _FIELD_VALUES = {
     "lane": INTS, "samples": INTS, "done": st.booleans(),
     "sources": st.lists(st.builds(FeedState, INTS, INTS), max_size=3),
-    "mix": st.builds(MixState, st.lists(INTS, max_size=3), INTS),
+    "mix": st.builds(MixState, st.lists(INTS, max_size=3), INTS, INTS, st.lists(INTS, max_size=3)),
     "shuffle": st.builds(ShuffleState, st.lists(_REF, max_size=6), INTS),
+    "shuffles": st.lists(st.builds(ShuffleState, st.lists(_REF, max_size=6), INTS), max_size=3),
     "pack": st.builds(PackState, st.none() | _REF, INTS),
 }
 

@@ -166,7 +166,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     bos_token: str | None = None  # a token put before every document, for tokenizers trained with one; off by default
     labels: Literal["shifted", "unshifted"] = "shifted"  # see the Config docstring
     pad_token_id: int | None = None  # None: the EOS id
-    shuffle_window: int = 64  # documents per lane; 0 = off
+    shuffle_window: int = 64  # documents per lane (per source and lane with shuffle_scope = "source"); 0 = off
+    # "lane": one window after the mix; "source": a window per source before it, so the mix decides what is packed
+    # next and realized shares follow a weight change within a few steps (see operators.mix)
+    shuffle_scope: Literal["lane", "source"] = "lane"
     max_epochs: int = 0  # 0 = forever
     mix: Literal["tokens", "documents"] = "tokens"
     mask_cross_document_labels: bool = True
@@ -343,6 +346,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
                             for s in self.sources]
         if self.vision is not None:
             order["vision"] = self.vision.order_settings()
+        if self.shuffle_scope != "lane":  # absent at its default, like schedule
+            order["shuffle_scope"] = self.shuffle_scope
         if self.schedule:  # absent when empty: configs without one keep their digests (and checkpoints)
             order["schedule"] = [[e.step, self.check_weights(e.weights, "schedule")] for e in self.schedule]
         order["tokenizer_sha256"] = tokenizer_sha

@@ -35,7 +35,7 @@ import anyio
 
 from zephon_stream.connectors.base import Store
 from zephon_stream.engine.operator import Operator
-from zephon_stream.engine.rng import permutation
+from zephon_stream.engine.rng import mix64, permutation
 from zephon_stream.errors import DataError, IncompatibleState
 from zephon_stream.loader.config import Config
 from zephon_stream.loader.plan import DataPlan
@@ -45,7 +45,7 @@ from zephon_stream.operators.images import VisionTokens
 from zephon_stream.operators.mix import Mix, Schedule
 from zephon_stream.operators.pack import Pack
 from zephon_stream.operators.read import SplitReader
-from zephon_stream.operators.shuffle import Shuffle
+from zephon_stream.operators.shuffle import Shuffle, ShuffleState
 from zephon_stream.operators.sources import make_parser, make_reader
 from zephon_stream.operators.tokenize import Tokenize
 from zephon_stream.operators.types import Doc, DocRef, Sample
@@ -54,6 +54,7 @@ __all__ = ["Lanes", "TextLane"]
 
 RunCpu = Callable[..., Awaitable[Any]]
 _EMPTY_RUN = 8  # split positions in a row without a document before a lane checks the whole source
+_SOURCE_SHUFFLE = 0x53485546  # keys the RNG of a source's own shuffle window (shuffle_scope = "source")
 
 
 class Lanes:
@@ -137,7 +138,10 @@ class Lanes:
 class TextLane:
     """One lane, a composition of operators: its output depends only on (config, seed, lane id, data).
 
-    `sources` (one `Feed` per source) -> `Mix` -> `Shuffle` -> `Pack`. The lane state nests their
+    `sources` (one `Feed` per source) -> `Mix` -> `Shuffle` -> `Pack`; with `shuffle_scope =
+    "source"`, `sources` -> one `Shuffle` per source -> `Mix` -> `Pack`, so that what Mix draws is
+    what Pack packs next and a weight change shows in the next samples, not after the lane's
+    window has drained (the lane `Shuffle` is then off). The lane state nests their
     states (`LaneState`), taken together right after each sample. Before making its sample `k`
     the lane tells Mix the global step of that sample, `(k * lanes + lane) // global_batch_size`,
     so the config's schedule (with `Loader.set_weights` decisions merged in) applies by step.
@@ -149,8 +153,12 @@ class TextLane:
         n = len(shared.plan.sources)
         self.state_in = state or LaneState.initial(lane, n)
         self.sources = [Feed(functools.partial(self._read_source, s), cfg.doc_buffer) for s in range(n)]
-        self.mix = Mix(Schedule(cfg.weights_by_step()), cfg.seed, lane, cfg.mix == "tokens", self.sources)
-        self.shuffle = Shuffle(cfg.shuffle_window, cfg.seed, lane, self.mix)
+        by_source = cfg.shuffle_scope == "source" and cfg.shuffle_window > 0
+        self.source_shuffles = [Shuffle(cfg.shuffle_window, mix64(cfg.seed, _SOURCE_SHUFFLE, s), lane, feed)
+                                for s, feed in enumerate(self.sources)] if by_source else []
+        self.mix = Mix(Schedule(cfg.weights_by_step()), cfg.seed, lane, cfg.mix == "tokens",
+                       self.source_shuffles or self.sources)
+        self.shuffle = Shuffle(0 if by_source else cfg.shuffle_window, cfg.seed, lane, self.mix)
         pad = shared.tokenizer.eos_id if cfg.pad_token_id is None else cfg.pad_token_id
         self.pack = Pack(cfg.seq_len, pad, cfg.mask_cross_document_labels, self.shuffle)
 
@@ -184,11 +192,14 @@ class TextLane:
     def _operators(self, st: LaneState) -> list[tuple[str, Operator[Any], Any]]:
         """(field, operator, its state in `st`) for every operator of the lane, upstream first."""
         feeds = [(f"sources[{s}]", feed, st.sources[s]) for s, feed in enumerate(self.sources)]
-        return feeds + [("mix", self.mix, st.mix), ("shuffle", self.shuffle, st.shuffle), ("pack", self.pack, st.pack)]
+        windows = [(f"shuffles[{s}]", op, st.shuffles[s] if st.shuffles else ShuffleState([], 0))
+                   for s, op in enumerate(self.source_shuffles)]
+        return feeds + windows + [("mix", self.mix, st.mix), ("shuffle", self.shuffle, st.shuffle),
+                                  ("pack", self.pack, st.pack)]
 
     def _snapshot(self, samples: int) -> LaneState:
         return LaneState(self.lane, samples, False, [f.state() for f in self.sources], self.mix.state(),
-                         self.shuffle.state(), self.pack.state())
+                         self.shuffle.state(), self.pack.state(), [op.state() for op in self.source_shuffles])
 
     async def _restore(self, st: LaneState) -> None:
         ops = self._operators(st)
@@ -198,7 +209,7 @@ class TextLane:
             try:
                 op.restore(state, docs.__getitem__)
             except IncompatibleState as exc:
-                name = field if field.startswith("sources") else ""
+                name = field if field.startswith(("sources", "shuffles")) else ""
                 raise self._refused(f"{name} {exc}".strip()) from None
 
     def _refused(self, detail: str) -> IncompatibleState:

@@ -55,6 +55,7 @@ class LaneState(msgspec.Struct, frozen=True, array_like=True):
     mix: MixState
     shuffle: ShuffleState
     pack: PackState
+    shuffles: list[ShuffleState] = []  # shuffle_scope = "source": each source's window (empty: none yet, or "lane")
 
     @classmethod
     def initial(cls, lane: int, n_sources: int) -> LaneState:
@@ -220,13 +221,46 @@ def _check_counters(ls: LaneState, config: Config, bad: Refusal) -> None:
     if taken < mix.position or (config.mix == "documents" and taken != mix.position):
         bad("mix.counts", mix.counts, f"they add up to {taken} for {mix.position} documents taken (mix.position)")
     _check_mix_phase(ls, config, bad)
-    if config.shuffle_window and shuffle.pulls + len(shuffle.window) != mix.position:
+    if _by_source(config):
+        _check_source_windows(ls, config, bad)
+    elif ls.shuffles:
+        bad("shuffles", f"{len(ls.shuffles)} windows", 'per-source windows need shuffle_scope = "source"')
+    elif config.shuffle_window and shuffle.pulls + len(shuffle.window) != mix.position:
         bad("shuffle.pulls", shuffle.pulls, f"shuffle.pulls + window size ({len(shuffle.window)}) must equal "
             f"mix.position ({mix.position})")
     if not config.shuffle_window and shuffle.pulls:
         bad("shuffle.pulls", shuffle.pulls, "must be 0 with shuffle_window = 0")
-    if ls.done and (not config.max_epochs or shuffle.window or pack.carry is not None):
+    if ls.done and (not config.max_epochs or shuffle.window or any(w.window for w in ls.shuffles)
+                    or pack.carry is not None):
         bad("done", ls.done, "a lane is done only with max_epochs > 0, once its window and carry are empty")
+
+
+def _by_source(config: Config) -> bool:
+    return config.shuffle_scope == "source" and config.shuffle_window > 0
+
+
+def _check_source_windows(ls: LaneState, config: Config, bad: Refusal) -> None:
+    """shuffle_scope = "source": the lane window is off; each source's window holds only its documents,
+    and every document Mix took was pulled from one of them."""
+    n = len(config.sources)
+    if ls.shuffle.window or ls.shuffle.pulls:
+        bad("shuffle", (len(ls.shuffle.window), ls.shuffle.pulls), 'the lane window is off with shuffle_scope = '
+            '"source": it must be empty, with no pulls')
+    if ls.shuffles and len(ls.shuffles) != n:
+        bad("shuffles", f"{len(ls.shuffles)} windows", f"needs one window per source ({n} sources), or none")
+    pulls = sum(w.pulls for w in ls.shuffles)
+    if pulls != ls.mix.position:
+        bad("shuffles", f"{pulls} pulls", f"the pulls of the sources' windows must add up to mix.position "
+            f"({ls.mix.position})")
+    for s, w in enumerate(ls.shuffles):
+        if w.pulls < 0:
+            bad(f"shuffles[{s}].pulls", w.pulls, "must be >= 0")
+        if len(w.window) > config.shuffle_window:
+            bad(f"shuffles[{s}].window", f"{len(w.window)} documents", f"holds at most shuffle_window = "
+                f"{config.shuffle_window}")
+        if any(ref[0] != s for ref in w.window):
+            bad(f"shuffles[{s}].window", [tuple(r) for r in w.window if r[0] != s][:3],
+                f"holds only documents of source {s}")
 
 
 def _check_mix_phase(ls: LaneState, config: Config, bad: Refusal) -> None:
@@ -278,6 +312,7 @@ def _check_refs(ls: LaneState, config: Config, bad: Refusal) -> None:
 
 def _refs(ls: LaneState) -> list[tuple[str, DocRef]]:
     refs = [(f"shuffle.window[{i}]", ref) for i, ref in enumerate(ls.shuffle.window)]
+    refs += [(f"shuffles[{s}].window[{i}]", ref) for s, w in enumerate(ls.shuffles) for i, ref in enumerate(w.window)]
     return refs + ([("pack.carry", ls.pack.carry)] if ls.pack.carry is not None else [])
 
 
