@@ -1,0 +1,170 @@
+"""Parquet sources: planning from the footer, reading a row group's needed columns, records as
+rows, and bad input (corrupt footer or data, missing or mistyped column, nulls) named clearly."""
+
+from __future__ import annotations
+
+import io
+
+import anyio
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from zephon_stream import ConfigError, DataError, IncompatibleState
+from zephon_stream.connectors.memory import MemoryStore
+from zephon_stream.operators.images import ImageRecord
+from zephon_stream.operators.parquet import ParquetParser, ParquetSplitReader
+from zephon_stream.operators.read import Split, plan_source
+
+
+def _parquet(table: pa.Table, **kwargs) -> bytes:
+    out = io.BytesIO()
+    pq.write_table(table, out, **kwargs)
+    return out.getvalue()
+
+
+def _plan(files: dict[str, bytes], text_field: str = "text", on_bad: str = "error", image_field: str | None = None,
+          lanes: int = 4):
+    async def main():
+        store = MemoryStore()
+        for key, data in files.items():
+            await store.put(key, data)
+        return store, await plan_source(store, "", "src", "memory://x/", text_field, lanes, 1024, on_bad,
+                                        images=image_field is not None, image_field=image_field)
+    return anyio.run(main)
+
+
+def _read(files, text_field="text", on_bad="error", image_field=None, split=None, offset=0, max_record=1 << 20,
+          lanes=4):
+    store, plan = _plan(files, text_field, on_bad, image_field, lanes)
+    parser = ParquetParser(text_field, image_field, on_bad, max_record)
+
+    async def main():
+        out = []
+        for sp in [split] if split else plan.splits:
+            reader = ParquetSplitReader(store, plan.shards[sp.shard], sp, max_record, columns=parser.columns,
+                                        bad=parser.bad)
+            async for pos, block in reader.blocks(offset):
+                out += parser.parse(reader, pos, block)
+        return out
+    return anyio.run(main), parser
+
+
+TEXTS = [f"document {i} " + "word " * (i % 17) for i in range(100)]
+
+
+def test_row_groups_are_the_splits_and_rows_the_records():
+    data = _parquet(pa.table({"id": range(100), "text": TEXTS}), row_group_size=10)
+    store, plan = _plan({"a.parquet": data}, lanes=100)
+    assert plan.format == "parquet" and plan.shards[0].rows == list(range(0, 101, 10))
+    assert len(plan.splits) == 10 and all(s.end - s.start == 1 for s in plan.splits)
+    records, _ = _read({"a.parquet": data}, lanes=100)
+    assert [t for _, _, t in records] == TEXTS
+    assert [(off, n) for off, n, _ in records[:12]] == [(i, 1) for i in range(10)] + [(0, 1), (1, 1)]
+
+
+def test_restore_reads_from_a_row_inside_a_row_group():
+    data = _parquet(pa.table({"text": TEXTS}), row_group_size=10)
+    split = Split(0, 2, 5)  # row groups 2..4: rows 20..49, offsets 0..29
+    records, _ = _read({"a.parquet": data}, split=split, offset=13)
+    assert [t for _, _, t in records] == TEXTS[33:50] and records[0][0] == 13
+    assert _read({"a.parquet": data}, split=split, offset=30)[0] == []  # a cursor at the split's end
+    with pytest.raises(IncompatibleState, match="row 31 of 'a.parquet' is not in split"):
+        _read({"a.parquet": data}, split=split, offset=31)
+
+
+def test_dotted_path_reaches_into_structs_and_a_null_struct_is_a_null():
+    rows = [{"body": t, "n": i} if i != 7 else None for i, t in enumerate(TEXTS[:20])]
+    data = _parquet(pa.table({"doc": rows}), row_group_size=8)
+    with pytest.raises(DataError, match=r"column 'doc.body', row 7 of row group 0: the value is null"):
+        _read({"b.parquet": data}, text_field="doc.body")
+    records, parser = _read({"b.parquet": data}, text_field="doc.body", on_bad="skip")
+    assert [t for _, _, t in records] == TEXTS[:7] + TEXTS[8:20] and parser.skipped == 1
+
+
+def test_a_top_level_name_with_a_dot_wins_over_a_path():
+    data = _parquet(pa.table({"doc.body": TEXTS[:5], "doc": [{"body": "no"}] * 5}))
+    assert [t for _, _, t in _read({"a.parquet": data}, text_field="doc.body")[0]] == TEXTS[:5]
+
+
+def test_nulls_name_the_file_column_row_group_and_row():
+    data = _parquet(pa.table({"text": TEXTS[:30] + [None] + TEXTS[31:40]}), row_group_size=12)
+    with pytest.raises(DataError, match=r"bad row in Parquet file 'a.parquet', column 'text', row 6 of row group 2: "
+                                        r"the value is null \(set on_bad_record"):
+        _read({"a.parquet": data})
+    records, parser = _read({"a.parquet": data}, on_bad="skip")
+    assert len(records) == 39 and parser.skipped == 1
+
+
+def test_oversized_text_is_a_bad_record():
+    data = _parquet(pa.table({"text": ["short", "x" * 5000, "also short"]}))
+    with pytest.raises(DataError, match="longer than max_record_bytes = 1000"):
+        _read({"a.parquet": data}, max_record=1000)
+    records, parser = _read({"a.parquet": data}, on_bad="skip", max_record=1000)
+    assert [t for _, _, t in records] == ["short", "also short"] and parser.skipped == 1
+
+
+@pytest.mark.parametrize(("table", "field", "needle"), [
+    (pa.table({"body": ["a"]}), "text", r"has no column 'text' \(its columns: body\)"),
+    (pa.table({"doc": [{"x": "a"}]}), "doc.body", "has no column 'doc.body'"),
+    (pa.table({"text": [1, 2]}), "text", "column 'text' of Parquet file 'a.parquet' is int64, not a string"),
+    (pa.table({"text": [b"a"]}), "text", "is binary, not a string"),
+])
+def test_missing_or_mistyped_column_is_refused_at_planning(table, field, needle):
+    with pytest.raises(DataError, match=needle):
+        _plan({"a.parquet": _parquet(table)}, text_field=field)
+
+
+@pytest.mark.parametrize(("mangle", "needle"), [
+    (lambda d: d[:-4] + b"XXXX", "it ends with 58 58 58 58, not the magic PAR1"),
+    (lambda d: d[:-8] + (10 ** 9).to_bytes(4, "little") + b"PAR1", "the footer length 1000000000 does not fit"),
+    (lambda d: d[:-40] + b"\xff" * 32 + d[-8:], "the footer does not decode"),
+    (lambda d: d[:5], "5 bytes, fewer than a Parquet file's magic"),
+])
+def test_corrupt_footer_names_the_file(mangle, needle):
+    good = _parquet(pa.table({"text": TEXTS}))
+    with pytest.raises(DataError, match=f"corrupt Parquet file 'b.parquet': {needle}"):
+        _plan({"a.parquet": good, "b.parquet": mangle(good)})
+    _, plan = _plan({"a.parquet": good, "b.parquet": mangle(good)}, on_bad="skip")
+    assert plan.skipped_shards == ["b.parquet"]
+
+
+def test_corrupt_column_data_names_the_row_group():
+    good = _parquet(pa.table({"text": TEXTS}), row_group_size=50, compression="snappy")
+    meta = pq.read_metadata(io.BytesIO(good))
+    chunk = meta.row_group(1).column(0)
+    at = chunk.dictionary_page_offset + chunk.total_compressed_size // 2
+    bad = good[:at] + bytes(b ^ 0x5A for b in good[at:at + 16]) + good[at + 16:]
+    with pytest.raises(DataError, match="corrupt Parquet file 'a.parquet': row group 1 does not decode"):
+        _read({"a.parquet": bad})
+
+
+def test_one_format_per_source():
+    with pytest.raises(ConfigError, match="holds both lines shards .* and parquet shards"):
+        _plan({"a.jsonl": b'{"text": "a"}\n', "b.parquet": _parquet(pa.table({"text": ["b"]}))})
+
+
+def test_image_columns_give_image_records_with_the_bytes_unchanged():
+    images = [bytes([i]) * (10 + i) for i in range(6)]
+    hf = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    struct = _parquet(pa.table({"image": pa.array([{"bytes": b, "path": f"{i}.png"} for i, b in enumerate(images)], hf),
+                                "caption": [f"c{i}" for i in range(6)]}), row_group_size=4)
+    records, _ = _read({"a.parquet": struct}, text_field="caption", image_field="image")
+    assert [r for _, _, r in records] == [ImageRecord(f"c{i}", b, f"{i}.png") for i, b in enumerate(images)]
+    plain = _parquet(pa.table({"img": pa.array(images, pa.large_binary()), "caption": [f"c{i}" for i in range(6)]}))
+    records, _ = _read({"a.parquet": plain}, text_field="caption", image_field="img")
+    assert [(r.image, r.member) for _, _, r in records] == [(b, f"row {i} of row group 0")
+                                                            for i, b in enumerate(images)]
+
+
+def test_bad_image_rows():
+    hf = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    table = pa.table({"image": pa.array([{"bytes": b"png", "path": "a"}, {"bytes": None, "path": "b"}, None,
+                                         {"bytes": b"png", "path": "c"}, {"bytes": b"png", "path": "d"}], hf),
+                      "caption": ["ok", "no bytes", "null image", " ", "ok too"]})
+    with pytest.raises(DataError, match="column 'image', row 1 of row group 0: the image is null"):
+        _read({"a.parquet": _parquet(table)}, text_field="caption", image_field="image")
+    records, parser = _read({"a.parquet": _parquet(table)}, text_field="caption", image_field="image", on_bad="skip")
+    assert [r.text for _, _, r in records] == ["ok", "ok too"] and parser.skipped == 3
+    with pytest.raises(DataError, match="column 'caption' of Parquet file 'a.parquet' is string, not binary"):
+        _plan({"a.parquet": _parquet(table)}, text_field="caption", image_field="caption")
