@@ -29,8 +29,10 @@ about 1 MiB, whatever size a frame declares, and one record of at most `max_reco
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
+import logging
 import math
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -48,10 +50,11 @@ from zephon_stream.formats.jsonl_zst import DECODE_PIECE, ZstdStream, read_seek_
 from zephon_stream.formats.parquet import PARQUET_SUFFIXES, chunk_bytes, read_footer, resolve_column
 
 __all__ = ["BadRecords", "FORMATS", "Parser", "SUFFIXES", "ShardPlan", "SourcePlan", "Split", "SplitReader",
-           "plan_parquet", "plan_shard", "plan_source"]
+           "plan_parquet", "plan_shard", "plan_source", "plan_splits"]
 
 SUFFIXES = (".jsonl", ".jsonl.zst", *GZIP_SUFFIXES)  # JSON lines, read by SplitReader
 FORMATS = {"lines": SUFFIXES, "parquet": PARQUET_SUFFIXES, "tar": (".tar",)}  # a source's shards are one of these
+log = logging.getLogger("zephon_stream.loader")
 _READ_PART = 1 << 20  # the largest ranged read of a split
 _MIN_PART = 1 << 10  # the smallest, when a small split is cut into `read_ahead` parts
 _TAIL_PART = 1 << 16  # reads past a split's end, only to finish its last record
@@ -109,9 +112,13 @@ async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field
             skipped.append(obj.key)
     if not shards:
         raise DataError(f"source {name!r}: every shard under {uri} is empty or corrupt: {skipped}")
-    total = sum(s.frames[-1] if s.rows else s.size for s in shards)  # parquet: only the needed columns count
-    target = max(1024, min(split_bytes, math.ceil(total / lanes)))
-    splits = [sp for i, s in enumerate(shards) for sp in _cut(i, s, target)]
+    splits = plan_splits(shards, lanes, split_bytes)
+    if 0 < len(splits) < lanes:
+        log.warning("source %r has %d splits for %d lanes: its %s cannot be cut finer, so lanes read its epochs "
+                    "at the same time and nearby batches repeat documents; rewrite it in smaller pieces with "
+                    "`zephon shard`", name, len(splits), lanes,
+                    "zstd frames or gzip members" if fmt == "lines" else "row groups" if fmt == "parquet" else
+                    "samples")
     if not splits:
         raise DataError(f"source {name!r}: the {fmt} shards under {uri} hold no " +
                         ("sample" if fmt == "tar" else "row group"))
@@ -180,17 +187,55 @@ async def plan_parquet(store: Store, obj: ObjectInfo, columns: list[tuple[str, s
                      rows=list(itertools.accumulate(footer.row_counts(), initial=0)))
 
 
-def _cut(index: int, shard: ShardPlan, target: int) -> list[Split]:
+def plan_splits(shards: list[ShardPlan], lanes: int, split_bytes: int) -> list[Split]:
+    """Cut a source's shards into splits of about equal bytes, as many as a multiple of `lanes`.
+
+    An epoch's splits go round the lanes (lane `l` takes positions `l, l + L, ...` of a
+    permutation), so equal splits, `k * lanes` of them, give every lane an equal share of the
+    epoch, and lanes end an epoch within about one split of each other. `k` is the smallest that
+    keeps splits under `split_bytes`. Each shard gets a whole number of the splits (largest
+    remainder, at least one), cut at byte offsets (JSONL) or at the frame, member, sample or
+    row-group boundary nearest an equal cut; a shard with fewer of those than its share gives fewer.
+    """
+    sizes = [_extent(s) for s in shards]
+    total = sum(sizes)
+    if total == 0:
+        return []
+    # every shard needs a split of its own: with more shards than that, the next multiple of lanes
+    want = lanes * max(1, math.ceil(total / (lanes * split_bytes)), math.ceil(len(shards) / lanes))
+    quotas = [want * size / total for size in sizes]
+    counts = [max(1, math.floor(q)) for q in quotas]
+    while sum(counts) > want:  # the at-least-one rule overshot: take from the most over-served shard
+        i = max((i for i in range(len(counts)) if counts[i] > 1), key=lambda i: (counts[i] - quotas[i], -i))
+        counts[i] -= 1
+    for i in sorted(range(len(shards)), key=lambda i: (counts[i] - quotas[i], i))[:want - sum(counts)]:
+        counts[i] += 1  # the largest remainders first (ties by shard order)
+    return [sp for i, (shard, n) in enumerate(zip(shards, counts)) for sp in _cut(i, shard, n)]
+
+
+def _extent(shard: ShardPlan) -> int:
+    """The bytes a shard's splits share out: its size, or (frames) what its frames span."""
+    return shard.frames[-1] - shard.frames[0] if shard.frames else shard.size
+
+
+def _cut(index: int, shard: ShardPlan, pieces: int) -> list[Split]:
+    """`shard` in `pieces` splits of about equal bytes (fewer where its frames are too coarse)."""
     if not shard.frames:
-        n = math.ceil(shard.size / target)
-        bounds = [shard.size * k // n for k in range(n + 1)]
+        pieces = min(pieces, shard.size)
+        bounds = [shard.size * k // pieces for k in range(pieces + 1)]
         return [Split(index, a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
-    out, first = [], 0
-    for f in range(1, len(shard.frames)):
-        if shard.frames[f] - shard.frames[first] >= target or f == len(shard.frames) - 1:
-            out.append(Split(index, first, f))
-            first = f
-    return out
+    frames, last = shard.frames, len(shard.frames) - 1
+    if last < 1:
+        return []
+    cuts = [0]
+    for k in range(1, pieces):
+        goal = frames[0] + (frames[-1] - frames[0]) * k / pieces
+        f = bisect.bisect_left(frames, goal, 1, last)
+        f = f - 1 if f > 1 and goal - frames[f - 1] <= frames[f] - goal else f  # the nearer boundary
+        if cuts[-1] < f < last:
+            cuts.append(f)
+    cuts.append(last)
+    return [Split(index, a, b) for a, b in zip(cuts, cuts[1:])]
 
 
 # ---- reading -------------------------------------------------------------------------------------

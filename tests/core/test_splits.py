@@ -1,0 +1,89 @@
+"""How sources are cut into splits: k * lanes splits of about equal bytes, so small data does not make
+lanes read the same epoch's documents together, and lanes end an epoch together (issue 14)."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+from tests.core.conftest import make_docs, write_jsonl
+from zephon_stream.loader.config import Config, SourceConfig
+from zephon_stream.loader.loader import Loader
+from zephon_stream.operators.read import ShardPlan, plan_splits
+from zephon_stream.testing.determinism import batch_records
+
+
+def _bytes(shards: list[ShardPlan], splits) -> list[int]:
+    return [(shards[s.shard].frames[s.end] - shards[s.shard].frames[s.start]) if shards[s.shard].frames
+            else s.end - s.start for s in splits]
+
+
+def test_jsonl_splits_are_a_multiple_of_lanes_and_equal():
+    shards = [ShardPlan("a", 250_000, ""), ShardPlan("b", 90_000, ""), ShardPlan("c", 7_000, "")]
+    for lanes, split_bytes in ((12, 1 << 20), (12, 10_000), (5, 30_000)):
+        splits = plan_splits(shards, lanes, split_bytes)
+        sizes = _bytes(shards, splits)
+        assert len(splits) % lanes == 0 and sum(sizes) == 347_000
+        cut = [n for n, sp in zip(sizes, splits) if sp.shard < 2]  # shard c is smaller than one split: it is one
+        assert max(sizes) <= split_bytes and max(cut) <= 1.3 * min(cut), sizes
+
+
+def test_frames_cut_at_the_nearest_boundary_or_give_fewer_splits():
+    fine = ShardPlan("f.zst", 0, "", list(range(0, 100_001, 1_000)))  # 100 frames of 1 KB
+    coarse = ShardPlan("c.zst", 0, "", [0, 40_000, 80_000])  # 2 frames
+    splits = plan_splits([fine, coarse], 12, 1 << 20)
+    sizes = _bytes([fine, coarse], splits)
+    assert [s.shard for s in splits].count(1) == 2  # it cannot be cut finer than its frames
+    assert sum(sizes) == 180_000 and len(splits) == 7 + 2  # 12 * 100/180 = 6.7 -> 7 for the fine shard
+    assert max(sizes[:-2]) - min(sizes[:-2]) <= 1_000
+
+
+def _small_source(tmp_path, dataset, zst: bool, frame_docs: int = 7) -> Config:
+    root, _ = dataset
+    docs = make_docs(random.Random(3), 90, 40)
+    (tmp_path / "s").mkdir()
+    for i in range(3):  # 3 small shards: fewer than 12 lanes
+        write_jsonl(tmp_path / "s" / f"s-{i}.jsonl{'.zst' if zst else ''}", docs[i * 30:(i + 1) * 30], zst=zst,
+                    frame_docs=frame_docs)
+    return Config(seed=5, lanes=12, seq_len=32, global_batch_size=24, tokenizer=str(root / "tokenizer.json"),
+                  shuffle_window=4, sources=[SourceConfig(name="small", uri=f"file://{tmp_path}/s/")])
+
+
+def test_few_shards_give_no_identical_samples_in_a_batch(tmp_path, dataset):
+    cfg = _small_source(tmp_path, dataset, zst=False)
+    loader = Loader(cfg, backend="inline")
+    for b, batch in enumerate(loader):
+        records = batch_records(batch)
+        assert len({r[4] for r in records}) == len(records), f"batch {b} repeats a sample"
+        if b == 3:
+            break
+    assert len(loader.data_plan.sources[0].splits) == 12
+
+
+def test_coarse_frames_warn_once_naming_the_source(tmp_path, dataset, caplog):
+    cfg = _small_source(tmp_path, dataset, zst=True, frame_docs=15)  # 2 frames a shard: 6 splits at most
+    with caplog.at_level(logging.WARNING, logger="zephon_stream.loader"):
+        next(iter(Loader(cfg, backend="inline")))
+    warned = [r.getMessage() for r in caplog.records if "splits for 12 lanes" in r.getMessage()]
+    assert warned == ["source 'small' has 6 splits for 12 lanes: its zstd frames or gzip members cannot be cut "
+                      "finer, so lanes read its epochs at the same time and nearby batches repeat documents; "
+                      "rewrite it in smaller pieces with `zephon shard`"]
+
+
+def test_lanes_end_an_epoch_together(config):
+    """One epoch of a JSONL source (cut at any byte, so its splits are equal): every lane's last real
+    sample is within a few steps of the others', and padding from ended lanes is a small share.
+    (A zstd source can be no finer than its frames: its lanes end within about one frame group.)"""
+    cfg = config.replace(max_epochs=1, sources=[config.sources[0]])
+    last: dict[int, int] = {}
+    tokens = positions = 0
+    for batch in Loader(cfg, backend="threads"):
+        for lane, n in zip(batch["lanes"].tolist(), batch["num_tokens"].tolist()):
+            if n:
+                last[lane] = batch["step"]
+        tokens += int(batch["num_tokens"].sum())
+        positions += batch["input_ids"].numel()
+    ends = sorted(last.values())
+    assert len(ends) == cfg.lanes
+    assert ends[-1] - ends[0] <= 0.15 * ends[-1], ends
+    assert 1 - tokens / positions < 0.1
