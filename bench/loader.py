@@ -7,6 +7,10 @@ by `make bench-data` with apt-get into ~/.cache/zephon-stream) topped up with th
 library's sources, written as multi-frame JSONL.zst shards; a byte-level BPE (vocab 8192) trained on it. The baseline is
 `Tokenizer.encode_batch_fast` alone on the same documents, in batches of the same size, in this
 process on the same cores. The loader runs one epoch (max_epochs = 1) of the same documents.
+
+The Parquet row reads the same documents from Parquet files written by pyarrow (snappy, row
+groups of about 1 MiB of text, an `id` column beside `text`), as FineWeb ships them: the loader
+from Parquet against the loader from JSONL.zst, in tokens/s and in tokens per CPU-second.
 """
 
 from __future__ import annotations
@@ -37,7 +41,27 @@ def prepare(root: Path, mb: int) -> tuple[list[str], Path]:
         write_jsonl_shards(docs, root / "text", name="text", shards=8, compress="zst")
         train_tokenizer(docs, root / "tokenizer.json")
         marker.touch()
+    if not (root / f"parquet-{mb}").exists():
+        write_parquet(docs, root / "parquet", shards=8)
+        (root / f"parquet-{mb}").touch()
     return [t for _, t in docs], root / "tokenizer.json"
+
+
+def write_parquet(docs: list[tuple[str, str]], out: Path, shards: int, group_bytes: int = 1 << 20) -> None:
+    """`docs` as `shards` Parquet files of contiguous runs, row groups of about `group_bytes` of text."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.parquet"):
+        old.unlink()
+    per = -(-len(docs) // shards)
+    for s in range(shards):
+        part = docs[s * per:(s + 1) * per]
+        size = sum(len(t.encode()) for _, t in part)
+        rows = max(1, len(part) * group_bytes // max(1, size))
+        pq.write_table(pa.table({"id": [str(i) for i, _ in part], "text": [t for _, t in part]}),
+                       out / f"text-{s:05d}.parquet", row_group_size=rows)
 
 
 def tokenizer_only(texts: list[str], path: Path, batch: int) -> tuple[float, int, float]:
@@ -93,7 +117,8 @@ def main() -> None:
     print(f"data: {len(texts)} documents, {size / 1e6:.1f} MB of real text; tokenizer {tok}")
     config = Config(seed=1, lanes=12, seq_len=2048, global_batch_size=24, tokenizer=str(tok), max_epochs=1,
                     backend=args.backend, sources=[SourceConfig(name="text", uri=f"file://{tok.parent}/text/")])
-    base, mine, base_cpu, mine_cpu = [], [], [], []
+    parquet = config.replace(sources=[SourceConfig(name="text", uri=f"file://{tok.parent}/parquet/")])
+    base, mine, base_cpu, mine_cpu, pq_rate, pq_cpu = [], [], [], [], [], []
     for r in range(args.repeats):
         rate, n, cpu = tokenizer_only(texts, tok, config.tokenize_batch)
         base.append(rate)
@@ -101,15 +126,25 @@ def main() -> None:
         lrate, ln, first, lcpu = loader_epoch(config)
         mine.append(lrate)
         mine_cpu.append(lcpu)
+        prate, pn, pfirst, pcpu = loader_epoch(parquet)
+        pq_rate.append(prate)
+        pq_cpu.append(pcpu)
         print(f"  run {r}: tokenizer-only {rate:,.0f} tok/s ({n:,} tokens, {cpu:,.0f} tok/CPU-s)   loader "
-              f"{lrate:,.0f} tok/s ({ln:,} tokens, first batch after {first:.2f}s, {lcpu:,.0f} tok/CPU-s)")
+              f"{lrate:,.0f} tok/s ({ln:,} tokens, first batch after {first:.2f}s, {lcpu:,.0f} tok/CPU-s)   "
+              f"parquet {prate:,.0f} tok/s ({pn:,} tokens, first batch after {pfirst:.2f}s, {pcpu:,.0f} tok/CPU-s)")
+        if pn != ln:
+            raise SystemExit(f"the Parquet epoch gave {pn} tokens, the JSONL.zst epoch {ln}: not the same documents")
     print(f"tokenizer encode_batch_fast alone: {fmt(base)} tok/s")
     print(f"loader ({args.backend}, 12 lanes, seq_len 2048): {fmt(mine)} tok/s")
+    print(f"loader from Parquet: {fmt(pq_rate)} tok/s; {fmt(pq_cpu)} tok/CPU-s (JSONL.zst: {fmt(mine_cpu)})")
     print(f"ratio loader / tokenizer-only (wall): {statistics.median(mine) / statistics.median(base):.3f} "
           f"(per-run: {', '.join(f'{m / b:.3f}' for m, b in zip(mine, base))})")
     print(f"ratio loader / tokenizer-only (tokens per CPU-second of this process): "
           f"{statistics.median(mine_cpu) / statistics.median(base_cpu):.3f} "
           f"(per-run: {', '.join(f'{m / b:.3f}' for m, b in zip(mine_cpu, base_cpu))})")
+    print(f"ratio Parquet / JSONL.zst: wall {statistics.median(pq_rate) / statistics.median(mine):.3f}, "
+          f"per CPU-second {statistics.median(pq_cpu) / statistics.median(mine_cpu):.3f} (per-run wall: "
+          f"{', '.join(f'{p / m:.3f}' for p, m in zip(pq_rate, mine))})")
     for step in (10, 200):
         t, nbytes = restore_time(config.replace(max_epochs=0), step)
         print(f"restore at step {step}: first batch after {t * 1000:.0f} ms (median of 3); checkpoint "
