@@ -222,24 +222,22 @@ class _Actors:
 
     async def supervise(self, w: int) -> None:
         """Run actor `w` until its lanes end; start another where they stood when it dies."""
-        from ray.exceptions import ObjectLostError, RayActorError
-
         while self.sup.live(w):
             actor = _actor_class().options(num_cpus=self.cfg.ray_num_cpus).remote(
                 self.wire.run_local, self.wire.pack, self.wrap_store)
             try:
-                await self._serve(w, actor)
-                return
-            except (RayActorError, ObjectLostError) as exc:
-                what = type(exc).__name__
+                died = await self._serve(w, actor)
             finally:
                 self.actors[w] = None
                 _kill(actor)
-            self.sup.lost(w, f"Ray actor: {what}")
+            if died is None:
+                return
+            self.sup.lost(w, f"Ray actor: {died}")
             self.counted_before[w] = tuple(a + b for a, b in zip(self.counted_before[w], self.counters[w]))
             self.counters[w] = (0, 0, 0)
 
-    async def _serve(self, w: int, actor: Any) -> None:
+    async def _serve(self, w: int, actor: Any) -> str | None:
+        """Run `actor` for group `w` until its lanes end (None), or until it is lost (why)."""
         lanes = self.sup.live(w)
         started = actor.start.remote(_enc.encode((self.cfg, msgspec.Raw(self.plan), self.sup.states(w))))
         # the actor goes live and its lanes' credits become pulls in one step: no credit is lost
@@ -248,15 +246,27 @@ class _Actors:
             self.inflight[lane], self.seq[lane] = deque(), 0
             for _ in range(self.sup.credits(lane)):
                 self._pull(lane)
+        died: list[str] = []
+        async with anyio.create_task_group() as tg:
+            async def watch(step: Callable[..., Any], *args: Any) -> None:
+                try:
+                    await step(*args)
+                except _lost() as exc:
+                    died.append(type(exc).__name__)
+                    tg.cancel_scope.cancel()
+
+            await watch(self._started, started)
+            for lane in lanes if not died else []:
+                tg.start_soon(watch, self._drain, w, lane)
+        return died[0] if died else None
+
+    async def _started(self, started: Any) -> None:
         with anyio.move_on_after(_START_TIMEOUT_S) as waited:
             await _get(started)
         if waited.cancelled_caught:
             raise ConfigError(f"Ray placed no lane actor in {_START_TIMEOUT_S} s: each asks for ray_num_cpus = "
                               f"{self.cfg.ray_num_cpus} CPUs; lower ray_num_cpus or ray_actors "
                               f"({self.cfg.ray_actors}), or add nodes to the cluster")
-        async with anyio.create_task_group() as tg:
-            for lane in lanes:
-                tg.start_soon(self._drain, w, lane)
 
     async def _drain(self, w: int, lane: int) -> None:
         """Hand `lane`'s answers to its stream, in order, until it ends."""
@@ -279,6 +289,13 @@ class _Actors:
             samples = self.wire.unpack(reply.batch)
             self.sup.received(lane, samples)
             await self.sends[lane].send(samples)
+
+
+def _lost() -> tuple[type[Exception], ...]:
+    """Ray's errors for an actor that died or a reply that is gone: the actor is started again."""
+    from ray.exceptions import ObjectLostError, RayActorError
+
+    return RayActorError, ObjectLostError
 
 
 async def _get(ref: Any) -> Any:

@@ -70,8 +70,8 @@ class Supervision:
         """Worker `w` died (`what` says how): count a restart, or raise once `max_restarts` are spent."""
         if self.restarts[w] >= self.config.max_restarts:
             raise ZephonError(
-                f"lane worker {w} ({what}) died again after {self.restarts[w]} restarts (max_restarts = "
-                f"{self.config.max_restarts}): lanes {self.live(w)} stopped at samples "
+                f"lane worker {w} ({what}) died, and its max_restarts = {self.config.max_restarts} restarts are "
+                f"spent: lanes {self.live(w)} stopped at samples "
                 f"{[self.last[lane].samples for lane in self.live(w)]}; see the worker's output for why it died "
                 "(memory? a signal?), then raise max_restarts or resume from the last checkpoint")
         self.restarts[w] += 1

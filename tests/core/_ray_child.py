@@ -1,0 +1,141 @@
+"""The Ray side of tests/core/test_ray.py, run in a network namespace that has only loopback.
+
+    unshare --net -- python -m tests.core._ray_child SPEC.json OUT.json
+
+SPEC names the text and image+text configs (TOML files) and the steps. One local Ray is
+started the way the backend starts one (`ray_session`: 127.0.0.1, its own temp dir) and used by
+every case; OUT gets each case's per-sample records (or its error text), or `{"skip": why}`
+when Ray cannot start here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio.from_thread
+
+from tests.distributed._launch import loopback_up
+from zephon_stream import Config, ConfigError, Loader, ZephonError
+from zephon_stream.loader.ray_backend import ACTOR_NAME, ray_session
+from zephon_stream.testing.determinism import batch_records, run_world
+from zephon_stream.testing.stores import WithLatency
+
+
+def lane_actors() -> list[int]:
+    """Pids of the lane actors of this process's Ray (its descendants named `ray::_LaneActor...`)."""
+    children: dict[int, list[int]] = {}
+    titles = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            titles[int(entry.name)] = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except (ValueError, OSError):
+            continue
+        ppid = int(stat.rpartition(")")[2].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    mine, todo = [], [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        mine.append(pid)
+        todo += children.get(pid, [])
+    return sorted(pid for pid in mine if titles.get(pid, "").startswith(f"ray::{ACTOR_NAME}"))
+
+
+def killed_run(config: Config, steps: int, cuts: set[int], seed: int) -> dict[str, Any]:
+    """Records of `steps` batches on dp 1, an actor SIGKILLed after each step in `cuts`."""
+    rng, records, killed = random.Random(seed), [], 0
+    loader = Loader(config, backend="ray")
+    for batch in loader:
+        records += batch_records(batch)
+        actors = lane_actors()
+        if batch["step"] in cuts and actors:
+            os.kill(rng.choice(actors), signal.SIGKILL)
+            killed += 1
+        if loader.step == steps:
+            break
+    st = loader.statistics()
+    return {"records": records, "killed": killed, "restarts": st.worker_restarts,
+            "peak": st.peak_buffered_batches, "capacity": st.buffer_capacity}
+
+
+def refused_after_max_restarts(config: Config) -> str:
+    loader = Loader(config.replace(max_restarts=0), backend="ray")
+    try:
+        for _ in loader:
+            for pid in lane_actors()[:1]:
+                os.kill(pid, signal.SIGKILL)
+    except ZephonError as exc:
+        return str(exc)
+    return "no error"
+
+
+def cases(text: Config, vision: Config, steps: int) -> dict[str, Any]:
+    """Each case's records. Lane actors start slowly on a loaded 2-core host (seconds each), so
+    the cases are chosen to start few: 9 for the matrix, 11 for the kills, 1 for the refusal."""
+    out: dict[str, Any] = {}
+    one = text.replace(ray_actors=1)
+    timed(out, "dp1_three_actors_latency", lambda: run_world(
+        text.replace(ray_actors=3, sample_buffer=1), 1, steps, backend="ray",
+        wrap_store=WithLatency(seed=3, max_ms=4))[0])
+    timed(out, "vision_dp1", lambda: run_world(vision.replace(ray_actors=1), 1, steps, backend="ray")[0])
+
+    def onto() -> list:  # resume from threads (dp 4) onto ray (dp 2)
+        first, states = run_world(text, 4, 9, backend="threads")
+        return first + run_world(one, 2, steps - 9, backend="ray", resume=states)[0]
+
+    def off() -> list:  # resume from ray (dp 3) onto inline (dp 1)
+        first, states = run_world(one, 3, 17, backend="ray")
+        return first + run_world(text, 1, steps - 17, backend="inline", resume=states)[0]
+
+    timed(out, "onto_dp2", onto)
+    timed(out, "off_dp3", off)
+    # 12 cuts, two in a row too; a cut that finds no actor alive (one still starting) kills none
+    cuts = set(random.Random(15).sample(range(7, 2 * steps - 8), 10)) | {5, 6}
+    timed(out, "kills", lambda: killed_run(text.replace(max_restarts=len(cuts)), 2 * steps, cuts, seed=15))
+    timed(out, "max_restarts", lambda: refused_after_max_restarts(one))
+    return out
+
+
+def timed(out: dict[str, Any], case: str, run: Callable[[], Any]) -> None:
+    """out[case] = run(); its seconds to stderr (shown when the test fails, and with -s)."""
+    t0 = time.monotonic()
+    out[case] = run()
+    print(f"ray case {case}: {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+
+
+def main(spec_path: str, out_path: str) -> None:
+    loopback_up()
+    spec = json.loads(Path(spec_path).read_text())
+    text, vision = Config.from_toml(spec["text"]), Config.from_toml(spec["vision"])
+    result: dict[str, Any] = {}
+    with anyio.from_thread.start_blocking_portal() as portal:
+        try:
+            session = portal.wrap_async_context_manager(ray_session(text, 3))
+            session.__enter__()
+        except ConfigError as exc:
+            result = {"skip": str(exc)}
+        else:
+            try:
+                import ray
+
+                temp = ray._private.worker._global_node.get_temp_dir_path()  # the session's files
+                result = cases(text, vision, spec["steps"])
+                result["node_ip"] = ray.util.get_node_ip_address()
+                result["temp"] = temp
+            finally:
+                session.__exit__(None, None, None)
+            result["temp_left"] = Path(temp).exists()
+            result["ray_left"] = ray.is_initialized()
+    Path(out_path).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,99 @@
+"""Lane workers that die: a worker process killed with SIGKILL at random points is started again
+where its lanes stood, and the per-sample digests equal those of an uninterrupted run.
+
+The same checks for Ray actors run in tests/core/test_ray.py (Ray needs a network namespace)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+
+import msgspec
+import numpy as np
+import pytest
+
+from zephon_stream import ZephonError
+from zephon_stream.loader.loader import Loader
+from zephon_stream.loader.restarts import Supervision
+from zephon_stream.loader.state import LaneState
+from zephon_stream.operators.types import Sample
+from zephon_stream.testing.determinism import batch_records, run_world
+
+STEPS = 40
+CUTS = 12
+WORKER = "zephon-lanes-"  # the processes backend's worker names: zephon-lanes-<w>
+
+
+def kill_worker(rng: random.Random, only: str = WORKER) -> int | None:
+    """SIGKILL one live lane worker process (chosen by `rng`); its pid, or None if none is alive."""
+    alive = sorted((p for p in multiprocessing.active_children() if p.name.startswith(only)), key=lambda p: p.name)
+    if not alive:
+        return None
+    victim = rng.choice(alive)
+    os.kill(victim.pid, signal.SIGKILL)
+    return victim.pid
+
+
+def killed_run(loader: Loader, steps: int, cuts: set[int], kill) -> list:
+    """Records of `steps` batches, killing a worker (`kill()`) after each step in `cuts`."""
+    records, killed = [], 0
+    for batch in loader:
+        records += batch_records(batch)
+        if batch["step"] in cuts:
+            killed += kill() is not None
+        if loader.step == steps:
+            break
+    assert killed == len(cuts), "a cut found no live worker to kill"
+    return records
+
+
+@pytest.mark.slow
+def test_processes_workers_killed_at_random_points(config):
+    """>= 10 SIGKILLs across a run, at random steps (two in a row too): nothing repeated or skipped."""
+    baseline, _ = run_world(config, 1, STEPS, backend="inline")
+    rng = random.Random(1515)
+    cuts = set(rng.sample(range(1, STEPS - 8), CUTS - 1)) | {3, 4}  # the last cuts leave the successor work to do
+    loader = Loader(config.replace(max_restarts=len(cuts), workers=2), backend="processes")
+    records = killed_run(loader, STEPS, cuts, lambda: kill_worker(rng))
+    assert records == baseline
+    st = loader.statistics()
+    assert st.worker_restarts == len(cuts) >= 10
+    assert st.peak_buffered_batches <= st.buffer_capacity + 1  # credits held across the restarts
+
+
+@pytest.mark.slow
+def test_processes_fail_after_max_restarts_naming_the_lanes(config):
+    loader = Loader(config.replace(max_restarts=1, workers=2), backend="processes")
+    rng = random.Random(0)
+    with pytest.raises(ZephonError, match=r"lane worker 1 \(process exit code -9\) died, and its max_restarts = 1 "
+                                          r"restarts are spent: lanes \[1, 3, 5, 7, 9, 11\] stopped at samples"):
+        for _ in loader:  # kill worker 1 after every batch until the loader gives up on it
+            kill_worker(rng, only=WORKER + "1")
+    assert loader.statistics().worker_restarts == 1
+
+
+def _sample(lane: int, index: int) -> Sample:
+    state = msgspec.structs.replace(LaneState.initial(lane, 2), samples=index + 1)
+    empty = np.zeros(0, np.int32)
+    return Sample(empty, empty, empty, [], 0, lane, index, state)
+
+
+def test_supervision_restarts_from_the_last_received_state_with_the_credits_left(config):
+    states = {lane: LaneState.initial(lane, 2) for lane in (0, 2, 4)}
+    sup = Supervision(config.replace(sample_buffer=4, max_restarts=1), states, [[0, 4], [2]])
+    batch = [_sample(0, 0), _sample(0, 1)]
+    sup.received(0, batch)
+    sup.received(0, batch)
+    sup.credited(0)
+    assert sup.credits(0) == 3 and sup.credits(4) == 4  # one batch of lane 0 still waits here
+    assert sup.states(0) == [batch[-1].state, states[4]] and batch[-1].state.samples == 2
+    sup.ended.add(4)
+    sup.set_skipped(0, 5)
+    sup.lost(0, "test")
+    assert sup.live(0) == [0] and sup.total_restarts() == 1 and sup.skipped() == 5
+    sup.set_skipped(0, 2)  # the successor counts from zero
+    assert sup.skipped() == 7
+    with pytest.raises(ZephonError, match=r"lane worker 0 \(test\) died, and its max_restarts = 1 .*lanes \[0\]"):
+        sup.lost(0, "test")
