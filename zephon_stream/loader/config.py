@@ -338,9 +338,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
                       "shuffle_window", "max_epochs", "mix", "mask_cross_document_labels",
                       "split_bytes", "on_bad_record", "max_record_bytes")
         }
-        order["bos_token"] = self.bos_token  # only when set: configs from before it keep their digest
-        if self.bos_token is None:
-            del order["bos_token"]
+        if self.bos_token is not None:  # only when set: configs from before it keep their digest
+            order["bos_token"] = self.bos_token
+        if self.labels != "shifted":
+            order["labels"] = self.labels
         order["split_plan"] = SPLIT_PLAN
         order["sources"] = [[s.name, s.weight, s.text_field] + ([s.image_field] if s.image_field else [])
                             for s in self.sources]

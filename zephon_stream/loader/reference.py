@@ -1,0 +1,144 @@
+"""The config reference: every key of every table, its default and its meaning, as Markdown.
+
+The README's "Config reference" section is this text; `tests/core/test_reference.py` fails when
+they differ, or when a config field has no meaning here, so the reference never drifts from
+`Config`. Print it with `python -m zephon_stream.loader.reference`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from zephon_stream.loader.config import Config, ScheduleEntry, SourceConfig, VisionConfig
+
+__all__ = ["EXECUTION", "MEANINGS", "config_reference", "undocumented"]
+
+#: keys that only decide how fast the same samples come (the rest shape the samples: a checkpoint
+#: refuses to load under other values of those)
+EXECUTION = {("", k) for k in ("backend", "workers", "cpu_threads", "max_restarts", "ray_address", "ray_actors",
+                               "ray_num_cpus", "tokenize_batch", "doc_buffer", "sample_buffer", "sample_batch",
+                               "read_ahead")} | {("sources", k) for k in ("endpoint_url", "region", "addressing_style",
+                                                                         "connect_timeout", "read_timeout")} | {
+    ("vision", "decode_batch")}
+
+#: (table, key) -> meaning. `table` is "" for top-level keys.
+MEANINGS: dict[tuple[str, str], str] = {
+    ("", "seed"): "Seeds every permutation, shuffle and tie-break. ",
+    ("", "lanes"): "The number of independent lanes L; fixed for a run, independent of the number of GPUs "
+                   "(dp_size must divide it). ",
+    ("", "seq_len"): "Tokens per sample. ",
+    ("", "global_batch_size"): "Samples per optimizer step, all ranks together. ",
+    ("", "tokenizer"): "Path of a Hugging Face `tokenizers` JSON file (relative to the config file). Its "
+                       "SHA-256 is an order setting.",
+    ("", "sources"): "The `[[sources]]` tables (below).",
+    ("", "eos_token"): "Appended after every document. ",
+    ("", "bos_token"): "Put before every document, for tokenizers that want one; off when unset. ",
+    ("", "labels"): '`"shifted"`: `labels[t]` is the target of position t (torchtitan, Megatron); '
+                    '`"unshifted"`: aligned with `input_ids`, the model shifts (Hugging Face). ',
+    ("", "pad_token_id"): "The id that pads samples; unset: the EOS id. ",
+    ("", "shuffle_window"): "Documents in each lane's shuffle window; 0 = off. ",
+    ("", "shuffle_scope"): '`"lane"`: one window after the mix; `"source"`: one per source before it, so '
+                           "realized shares follow a weight change within a few steps. ",
+    ("", "max_epochs"): "0 = forever; N = every source's documents appear exactly N times, then the lanes "
+                        "end. ",
+    ("", "mix"): '`"tokens"`: the mix tracks the weights in tokens; `"documents"`: in documents. ',
+    ("", "mask_cross_document_labels"): "Label -100 at a document's last token (no target across documents). ",
+    ("", "split_bytes"): "The largest split: sources are cut into k x lanes splits of about equal bytes, the "
+                         "fewest that keep them under this. ",
+    ("", "on_bad_record"): '`"error"`: a bad record stops the loader with a DataError naming the object and '
+                           'offset; `"skip"`: it is skipped and counted. ',
+    ("", "max_record_bytes"): "The largest record (or tar member); a longer one is a bad record. ",
+    ("", "backend"): '`"inline"`, `"threads"`, `"processes"` or `"ray"`: where lanes run. ',
+    ("", "workers"): "Worker processes per rank (processes backend). ",
+    ("", "cpu_threads"): "Threads for CPU steps (decode, tokenize) per process. ",
+    ("", "max_restarts"): "Restarts of a lane worker (process or Ray actor) that died before the loader "
+                          "fails. ",
+    ("", "ray_address"): "Ray backend: an existing cluster's address; unset: start a local Ray on 127.0.0.1. ",
+    ("", "ray_actors"): "Ray backend: actors this rank's lanes are spread over. ",
+    ("", "ray_num_cpus"): "Ray backend: CPUs each actor reserves. ",
+    ("", "tokenize_batch"): "Documents per tokenizer call. ",
+    ("", "doc_buffer"): "Tokenized document batches buffered per source per lane. ",
+    ("", "sample_buffer"): "Sample batches buffered per lane. ",
+    ("", "sample_batch"): "Samples per lane-to-sequencer hand-off. ",
+    ("", "read_ahead"): "Ranged reads (up to 1 MiB) of a split in flight per lane; 1 = one at a time. ",
+    ("", "vision"): "The `[vision]` table (below); needed by sources with `image_field`.",
+    ("", "schedule"): "The `[[schedule]]` tables (below).",
+    ("sources", "name"): "The source's name, unique: in schedules, statistics and digests.",
+    ("sources", "uri"): "`file:///abs/dir/`, `s3://bucket/prefix/`, or a plain path relative to the config "
+                        "file: every shard under it, sorted by key. ",
+    ("sources", "weight"): "The source's share of the mix; weights are relative (0.7 and 0.3 = 7 and 3). ",
+    ("sources", "text_field"): "The JSON key (a dotted path in Parquet) or tar member (`txt`, `json:caption`) "
+                               "that holds the text. ",
+    ("sources", "image_field"): "Makes it an image+text source: the tar member extensions (`png`, "
+                                "`jpg;jpeg;png`) or Parquet column that hold the image. ",
+    ("sources", "endpoint_url"): "S3: the endpoint (http://host:port). ",
+    ("sources", "region"): "S3: the region. ",
+    ("sources", "addressing_style"): 'S3: `"auto"`, `"path"` or `"virtual"`. ',
+    ("sources", "connect_timeout"): "S3: seconds to connect, per request. ",
+    ("sources", "read_timeout"): "S3: seconds between bytes of a response. ",
+    ("vision", "patch_size"): "Pixels on a patch side. ",
+    ("vision", "merge_size"): "Patches per side merged into one image token. ",
+    ("vision", "temporal_patch_size"): "Frames per patch (a still image is repeated). ",
+    ("vision", "min_pixels"): "The fewest pixels a resized image has. ",
+    ("vision", "max_pixels"): "The most pixels a resized image has; with seq_len, one image must fit in a "
+                              "sample. ",
+    ("vision", "max_decoded_pixels"): "A source image with more pixels (from its header) is refused before "
+                                      "decoding, as a decompression bomb. ",
+    ("vision", "image_token"): "The placeholder token, one per merged patch; must be in the vocabulary. ",
+    ("vision", "vision_start_token"): "Before each image's placeholders; optional. ",
+    ("vision", "vision_end_token"): "After each image's placeholders; optional. ",
+    ("vision", "pixel_dtype"): '`"uint8"`: raw pixels (normalise on the device with '
+                               '`zephon_stream.vision.normalize`); `"float32"`: normalised on the host. ',
+    ("vision", "decode_batch"): "Images per decode call. ",
+    ("schedule", "step"): "The global step from which `weights` apply. ",
+    ("schedule", "weights"): "New weights by source name (relative), e.g. `{ web = 0.3, code = 0.7 }`. ",
+}
+
+_TABLES: list[tuple[str, str, type[msgspec.Struct]]] = [
+    ("", "Top level", Config),
+    ("sources", "`[[sources]]` (one per source)", SourceConfig),
+    ("vision", "`[vision]`", VisionConfig),
+    ("schedule", "`[[schedule]]` (mixture schedule)", ScheduleEntry),
+]
+
+
+def _default(field: Any) -> str:
+    if field.required:
+        return "required"
+    value = field.default if field.default is not msgspec.NODEFAULT else field.default_factory()
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "`true`" if value else "`false`"
+    if isinstance(value, list) and not value:
+        return "none"
+    return f"`{msgspec.json.encode(value).decode()}`" if isinstance(value, str) else f"`{value!r}`"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").strip()
+
+
+def undocumented() -> list[str]:
+    """Config fields that have no meaning in MEANINGS."""
+    return [f"{table or 'top level'}.{f.name}" for table, _, struct in _TABLES
+            for f in msgspec.structs.fields(struct) if (table, f.name) not in MEANINGS]
+
+
+def config_reference() -> str:
+    """The reference as Markdown: one table per config table. *order* keys shape the samples (they
+    are in `order_digest`: a checkpoint refuses to load under other values); *exec* keys only
+    decide how fast the same samples come."""
+    out = []
+    for table, title, struct in _TABLES:
+        out += [f"**{title}**", "", "| key | default | kind | meaning |", "| --- | --- | --- | --- |"]
+        out += [f"| `{f.name}` | {_cell(_default(f))} | {'exec' if (table, f.name) in EXECUTION else 'order'} | "
+                f"{_cell(MEANINGS.get((table, f.name), ''))} |" for f in msgspec.structs.fields(struct)]
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(config_reference(), end="")
