@@ -5,6 +5,7 @@ The same checks for Ray actors run in tests/core/test_ray.py (Ray needs a networ
 
 from __future__ import annotations
 
+import io
 import multiprocessing
 import os
 import random
@@ -15,7 +16,8 @@ import numpy as np
 import pytest
 
 from zephon_stream import ZephonError
-from zephon_stream.loader.loader import Loader
+from zephon_stream.cli.progress import StreamProgress
+from zephon_stream.loader.loader import Loader, LoaderStatistics
 from zephon_stream.loader.restarts import Supervision
 from zephon_stream.loader.state import LaneState
 from zephon_stream.operators.types import Sample
@@ -97,3 +99,11 @@ def test_supervision_restarts_from_the_last_received_state_with_the_credits_left
     assert sup.skipped() == 7
     with pytest.raises(ZephonError, match=r"lane worker 0 \(test\) died, and its max_restarts = 1 .*lanes \[0\]"):
         sup.lost(0, "test")
+
+
+def test_progress_line_shows_restarts_once_there_are_some():
+    stats = dict(step=3, samples=24, tokens=3000, skipped_records=0, skipped_shards=0, buffered_batches=40,
+                 peak_buffered_batches=48, buffer_capacity=48, store_requests=0, store_retries=0, store_bytes_read=0)
+    progress = StreamProgress(lambda: None, file=io.StringIO(), tty=False, clock=lambda: 0.0)
+    assert progress.line(LoaderStatistics(**stats, worker_restarts=2), 1.0).endswith("skipped 0  restarts 2")
+    assert progress.line(LoaderStatistics(**stats), 1.0).endswith("skipped 0")

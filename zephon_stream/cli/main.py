@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-rank", type=_count, default=0, metavar="R", help="this data-parallel rank (default 0)")
     p.add_argument("--dp-size", type=int, default=1, metavar="N",
                    help="data-parallel ranks in all; must divide lanes and global_batch_size (default 1)")
-    p.add_argument("--backend", choices=["inline", "threads", "processes"], default=None, help=_BACKEND_HELP)
+    p.add_argument("--backend", choices=["inline", "threads", "processes", "ray"], default=None, help=_BACKEND_HELP)
     p.add_argument("--digests", action="store_true",
                    help="print one JSON line per sample this rank receives (step, slot, lane, tokens, sha256) "
                         "instead of progress")
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=_count, required=True, help="the global step to print (0 is the first batch)")
     p.add_argument("--resume", type=Path, nargs="+", metavar="FILE",
                    help="start from these state files (a checkpoint at or before --step) instead of step 0")
-    p.add_argument("--backend", choices=["inline", "threads", "processes"], default=None, help=_BACKEND_HELP)
+    p.add_argument("--backend", choices=["inline", "threads", "processes", "ray"], default=None, help=_BACKEND_HELP)
     _add_set_weights(p)
     p.set_defaults(func=_inspect)
 

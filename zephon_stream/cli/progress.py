@@ -173,7 +173,8 @@ class StreamProgress:
 
     def _tail(self, st: Any) -> str:
         return (f"{prefetch_text(st.buffered_batches, st.buffer_capacity)}  "
-                f"skipped {st.skipped_records + st.skipped_shards}")
+                f"skipped {st.skipped_records + st.skipped_shards}"
+                + (f"  restarts {st.worker_restarts}" if st.worker_restarts else ""))  # lane workers that died
 
     def _draw(self, st: Any) -> None:
         if self.bar is None:
