@@ -7,15 +7,22 @@ the batches of the run whose config has the schedule entry `(b, w)`: that is the
 from __future__ import annotations
 
 import json
+import random
+from pathlib import Path
 
+import msgspec
 import pytest
 
 from zephon_stream import ConfigError, IncompatibleState
 from zephon_stream.cli.main import main
 from zephon_stream.loader.config import Config, ScheduleEntry, SourceConfig
 from zephon_stream.loader.loader import Loader
+from zephon_stream.loader.state import check_lane_state
 from zephon_stream.operators.collate import source_tokens
+from zephon_stream.operators.shuffle import ShuffleState
 from zephon_stream.testing.determinism import batch_records, run_world
+
+from .conftest import write_jsonl
 
 STEPS = 16
 W1 = {"a": 0.1, "b": 0.9}
@@ -52,15 +59,21 @@ def run_calls(config: Config, dp_size: int, stop: int, *, backend: str, calls=CA
     return sorted(records, key=lambda r: r[1]), states
 
 
-@pytest.fixture()
-def scheduled(config):
-    return _scheduled(config)
+@pytest.fixture(params=["lane", "source"])
+def mixing(config, request):
+    """The conftest config with one shuffle window per lane after the mix, or one per source before it."""
+    return config.replace(shuffle_scope=request.param)
 
 
 @pytest.fixture()
-def baseline(config, scheduled):
+def scheduled(mixing):
+    return _scheduled(mixing)
+
+
+@pytest.fixture()
+def baseline(mixing, scheduled):
     records, _ = run_world(scheduled, 1, STEPS, backend="inline")
-    plain, _ = run_world(config, 1, STEPS, backend="inline")
+    plain, _ = run_world(mixing, 1, STEPS, backend="inline")
     assert [r for r in records if r[0] < 6] == [r for r in plain if r[0] < 6]  # before the first change: unchanged
     assert [r for r in records if r[0] >= 6] != [r for r in plain if r[0] >= 6]
     return records
@@ -81,24 +94,24 @@ def test_scheduled_run_resumed_onto_other_world(scheduled, baseline, cut, before
 
 
 @pytest.mark.parametrize(("dp_size", "backend"), [(1, "threads"), (1, "inline"), (3, "threads"), (2, "processes")])
-def test_set_weights_gives_the_scheduled_batches(config, baseline, dp_size, backend):
+def test_set_weights_gives_the_scheduled_batches(mixing, baseline, dp_size, backend):
     """Lanes that ran ahead past the decided step go back; batches before it are unchanged."""
-    assert run_calls(config, dp_size, STEPS, backend=backend)[0] == baseline
+    assert run_calls(mixing, dp_size, STEPS, backend=backend)[0] == baseline
 
 
 @pytest.mark.parametrize(("cut", "after"), [(4, (3, "threads")), (8, (2, "processes")), (9, (6, "inline"))])
-def test_resume_between_a_call_and_its_step(config, baseline, cut, after):
+def test_resume_between_a_call_and_its_step(mixing, baseline, cut, after):
     """Checkpoints at 4, 8 and 9 fall between a call (after step 2 / 7) and its step (6 / 11). The
     resumed trainer makes only the calls still to come (none after 8 or 9): the log holds the rest."""
-    first, states = run_calls(config, 2, cut, backend="threads")
-    rest, _ = run_calls(config, after[0], STEPS, backend=after[1], resume=states)
+    first, states = run_calls(mixing, 2, cut, backend="threads")
+    rest, _ = run_calls(mixing, after[0], STEPS, backend=after[1], resume=states)
     assert first + rest == baseline
 
 
-def test_the_resumed_trainer_repeating_its_calls_changes_nothing(config, baseline):
-    first, states = run_calls(config, 2, 9, backend="threads")
+def test_the_resumed_trainer_repeating_its_calls_changes_nothing(mixing, baseline):
+    first, states = run_calls(mixing, 2, 9, backend="threads")
     repeat = [(9, w, b) for _, w, b in CALLS]  # a trainer that replays its whole log at start: b=6 is consumed
-    rest, _ = run_calls(config, 3, STEPS, backend="threads", calls=repeat, resume=states)
+    rest, _ = run_calls(mixing, 3, STEPS, backend="threads", calls=repeat, resume=states)
     assert first + rest == baseline
 
 
@@ -214,3 +227,78 @@ def test_cli_set_weights_digests_and_inspect(config, tmp_path, capsys):
     assert main(["inspect", str(path), "--step", "7", "--set-weights", "6:a=0.1,b=0.9"]) == 0
     out = capsys.readouterr().out
     assert "⟦b⟧" in out and "⟦a⟧" in out
+
+
+# ---- the 1-point goal ---------------------------------------------------------------------------------
+
+SPAN, SETTLE = 100, 10
+
+
+def _mixture_data(root: Path) -> None:
+    """Two sources of different document lengths (prose-like and code-like), 12 shards each."""
+    rng = random.Random(11)
+    words = "the of and to in is that for it as with was on be by this are loader lane token".split()
+    for name, (lo, hi) in (("a", (20, 200)), ("b", (60, 600))):
+        (root / name).mkdir(parents=True)
+        for shard in range(12):
+            docs = [" ".join(rng.choice(words) for _ in range(rng.randint(lo, hi))) for _ in range(150)]
+            write_jsonl(root / name / f"{name}-{shard}.jsonl", docs)
+
+
+def worst_gap(config: Config, steps: int) -> tuple[float, list[float]]:
+    """The largest |share - weight| (points) over windows of SPAN steps from SETTLE steps past a change."""
+    names = [s.name for s in config.sources]
+    per_step = []
+    with Loader(config, backend="threads") as loader:
+        for batch in loader:
+            per_step.append([sum(row[n] for row in source_tokens(batch, names)) for n in names])
+            if loader.step == steps:
+                break
+    changes = config.weights_by_step()
+    gaps = []
+    for (start, weights), (end, _) in zip(changes, changes[1:] + [(steps, None)]):
+        for first in range(start + SETTLE, end - SPAN + 1):
+            window = per_step[first:first + SPAN]
+            total = sum(map(sum, window))
+            gaps.append(max(abs(sum(t[s] for t in window) / total - weights[s] / sum(weights)) for s in
+                            range(len(names))) * 100)
+    return max(gaps), gaps
+
+
+def test_realized_shares_within_one_point_at_12_lanes(dataset, tmp_path):
+    """shuffle_scope = "source": every window of 100 steps from 10 steps past a change (step 0 and
+    step 115) is within 1 point of the weights, for both sources."""
+    root, _ = dataset
+    _mixture_data(tmp_path)
+    change = SETTLE + SPAN + 5
+    sources = [SourceConfig(name="a", uri=f"file://{tmp_path}/a/", weight=0.7),
+               SourceConfig(name="b", uri=f"file://{tmp_path}/b/", weight=0.3)]
+    config = Config(seed=99, lanes=12, seq_len=1024, global_batch_size=24, tokenizer=str(root / "tokenizer.json"),
+                    split_bytes=16384, shuffle_scope="source", sources=sources,
+                    schedule=[ScheduleEntry(change, {"a": 0.3, "b": 0.7})])
+    worst, gaps = worst_gap(config, change + SETTLE + SPAN + 5)
+    assert len(gaps) == 12
+    assert worst < 1.0, f"realized shares off by up to {worst:.2f} points"
+
+
+def test_per_source_windows_are_checked(config):
+    cfg = config.replace(shuffle_scope="source")
+    loader = Loader(cfg, backend="inline")
+    it = iter(loader)
+    for _ in range(6):
+        next(it)
+    it.close()
+    ls = next(ls for ls in loader.frontier.lanes.values() if all(w.window for w in ls.shuffles))
+    assert len(ls.shuffles) == 2 and ls.shuffle == ShuffleState([], 0)
+    check_lane_state(ls, cfg)
+    with pytest.raises(IncompatibleState, match=f'lane {ls.lane} state field shuffles = .*shuffle_scope = "source"'):
+        check_lane_state(ls, config)
+    a, b = ls.shuffles
+    more = msgspec.structs.replace(ls, shuffles=[msgspec.structs.replace(a, pulls=a.pulls + 1), b])
+    with pytest.raises(IncompatibleState, match=r"the pulls of the sources' windows must add up to mix.position"):
+        check_lane_state(more, cfg)
+    mixed = msgspec.structs.replace(ls, shuffles=[msgspec.structs.replace(a, window=a.window[:-1] + b.window[:1]), b])
+    with pytest.raises(IncompatibleState, match=r"shuffles\[0\].window = .*holds only documents of source 0"):
+        check_lane_state(mixed, cfg)
+    with pytest.raises(IncompatibleState, match=r"shuffle_scope: None in the checkpoint, 'source' now"):
+        Loader(cfg).load_state_dict(Loader(config).state_dict())
