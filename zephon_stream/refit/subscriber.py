@@ -472,13 +472,12 @@ class _Pull:
             if rehash and owned:
                 h = await sub._cpu(lambda i=i: self.plans[i].digest(self.plans[i].read()))
                 routes += [Route("xor", v, h) for v, digests in known if digests[i] == h][:1]
-                blank_chunk = not routes
-            else:
-                blank_chunk = blank
-            if blank_chunk:
-                self.fresh.add(i)
+                if not routes:
+                    self.fresh.add(i)  # torn: at no version it could build on
             elif chain and not rehash:
                 routes.append(Route("xor", rec.version, rec.digests[i] if owned else None))
+            if blank:
+                self.fresh.add(i)
             if same and chain and (owned or not self.doubt):  # a held-in-part chunk in doubt: keyframe only
                 routes.append(Route("set", rec.version, None))
             routes.append(Route("key", -1, None))
