@@ -1,6 +1,7 @@
 """Loader throughput against the tokenizer alone, restore time, and checkpoint size, on real text.
 
     .venv/bin/python bench/loader.py [--mb 48] [--repeats 3] [--backend threads]
+    unshare --net -- .venv/bin/python bench/loader.py --backend ray [--mb 8] [--data /tmp/bench]
 
 Data: Debian's kernel and Python documentation (about 41 MB of English text, fetched beforehand
 by `make bench-data` with apt-get into ~/.cache/zephon-stream) topped up with the standard
@@ -11,11 +12,19 @@ process on the same cores. The loader runs one epoch (max_epochs = 1) of the sam
 The Parquet row reads the same documents from Parquet files written by pyarrow (snappy, row
 groups of about 1 MiB of text, an `id` column beside `text`), as FineWeb ships them: the loader
 from Parquet against the loader from JSONL.zst, in tokens/s and in tokens per CPU-second.
+
+`--backend ray` compares the ray backend with threads on the same data instead: one local Ray
+(started once, its start-up timed apart), then epochs on each backend in turn; per batch, the
+wall time after the first batch, and tokens per CPU-second of every process involved (this one,
+Ray's daemons and the actors, counted from /proc, the reaped ones too). Ray binds only 127.0.0.1
+here; run it under `unshare --net` (loopback is brought up) where nothing else may be reached.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import statistics
 import sys
 import time
@@ -24,6 +33,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/ (not in the wheel)
+from tests.distributed._launch import loopback_up
 from tools.corpus import collect_documents, have_debian_docs, train_tokenizer
 from zephon_stream import Config, Loader, SourceConfig, state_to_bytes
 from zephon_stream.formats import write_jsonl_shards
@@ -101,6 +111,79 @@ def restore_time(config: Config, step: int) -> tuple[float, int]:
     return statistics.median(times), len(state_to_bytes(state))
 
 
+def tree_cpu() -> float:
+    """CPU seconds of this process and its descendants, live ones and reaped ones (a parent's
+    cutime/cstime count the children it has waited for: Ray's raylet reaps its workers)."""
+    stats, parent = {}, {}
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+        except (OSError, ValueError):
+            continue
+        if entry.name.isdigit():
+            parent[int(entry.name)] = int(fields[1])
+            stats[int(entry.name)] = sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
+    mine, todo = set(), [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        mine.add(pid)
+        todo += [child for child, ppid in parent.items() if ppid == pid and child not in mine]
+    return sum(stats[pid] for pid in mine if pid in stats) / os.sysconf("SC_CLK_TCK")
+
+
+def epoch_per_batch(config: Config) -> tuple[float, float, int, int, float]:
+    """(seconds to the first batch, seconds per batch after it, batches, tokens, tokens per CPU-second
+    of the process tree) for one epoch on `config.backend`."""
+    t, c = time.perf_counter(), tree_cpu()
+    tokens, batches, first = 0, 0, 0.0
+    for batch in Loader(config):
+        tokens += int(batch["num_tokens"].sum())
+        batches += 1
+        if batches == 1:
+            first = time.perf_counter() - t
+    wall = time.perf_counter() - t
+    return first, (wall - first) / max(1, batches - 1), batches, tokens, tokens / (tree_cpu() - c)
+
+
+def compare_ray(config: Config, repeats: int) -> None:
+    """threads against ray, epoch after epoch on one local Ray: the overhead per batch, in wall
+    time and in tokens per CPU-second."""
+    import anyio.from_thread
+
+    from zephon_stream.loader.ray_backend import ray_session
+
+    if sorted(name for _, name in socket.if_nameindex()) == ["lo"]:
+        loopback_up()  # a fresh network namespace (unshare --net): loopback starts down
+    runs: dict[str, list[tuple[float, float, int, int, float]]] = {"threads": [], "ray": []}
+    with anyio.from_thread.start_blocking_portal() as portal:
+        t = time.perf_counter()
+        with portal.wrap_async_context_manager(ray_session(config, config.ray_actors)):
+            print(f"local Ray started in {time.perf_counter() - t:.1f} s (once; not in the figures below)")
+            for r in range(repeats):
+                for backend in runs:
+                    run = epoch_per_batch(config.replace(backend=backend))
+                    runs[backend].append(run)
+                    print(f"  run {r} {backend:7s}: first batch after {run[0]:.2f} s, then {run[1] * 1000:.1f} ms "
+                          f"a batch ({run[2]} batches, {run[3]:,} tokens), {run[4]:,.0f} tok/CPU-s (all processes)")
+    if {run[3] for rs in runs.values() for run in rs} != {runs["threads"][0][3]}:
+        raise SystemExit("the backends gave different token counts: not the same epoch")
+    per = {b: [run[1] * 1000 for run in rs] for b, rs in runs.items()}
+    cpu = {b: [run[4] for run in rs] for b, rs in runs.items()}
+    first = {b: [run[0] for run in rs] for b, rs in runs.items()}
+    print(f"ms a batch (after the first): threads {fmt1(per['threads'])}; ray {fmt1(per['ray'])}; overhead "
+          f"{statistics.median(per['ray']) - statistics.median(per['threads']):+.1f} ms a batch (medians)")
+    print(f"first batch (s): threads {fmt1(first['threads'])}; ray {fmt1(first['ray'])} (a lane fills its shuffle "
+          "window first; ray adds the actors' start-up)")
+    whole = {b: [(run[0] + run[1] * (run[2] - 1)) / run[2] * 1000 for run in rs] for b, rs in runs.items()}
+    print(f"ms a batch over the whole epoch: threads {fmt1(whole['threads'])}; ray {fmt1(whole['ray'])}")
+    print(f"tok/CPU-s (every process): threads {fmt(cpu['threads'])}; ray {fmt(cpu['ray'])}; ratio ray/threads "
+          f"{statistics.median(cpu['ray']) / statistics.median(cpu['threads']):.3f}")
+
+
+def fmt1(xs: list[float]) -> str:
+    return f"median {statistics.median(xs):.2f} (min {min(xs):.2f}, max {max(xs):.2f})"
+
+
 def fmt(xs: list[float]) -> str:
     return f"median {statistics.median(xs):,.0f}  (min {min(xs):,.0f}, max {max(xs):,.0f})"
 
@@ -109,7 +192,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--backend", default="threads")
+    ap.add_argument("--backend", default="threads", help="ray: compare the ray backend with threads instead")
     ap.add_argument("--data", type=Path, default=Path("data/bench"))
     args = ap.parse_args()
     texts, tok = prepare(args.data.resolve(), args.mb)
@@ -117,6 +200,9 @@ def main() -> None:
     print(f"data: {len(texts)} documents, {size / 1e6:.1f} MB of real text; tokenizer {tok}")
     config = Config(seed=1, lanes=12, seq_len=2048, global_batch_size=24, tokenizer=str(tok), max_epochs=1,
                     backend=args.backend, sources=[SourceConfig(name="text", uri=f"file://{tok.parent}/text/")])
+    if args.backend == "ray":
+        compare_ray(config, args.repeats)
+        return
     parquet = config.replace(sources=[SourceConfig(name="text", uri=f"file://{tok.parent}/parquet/")])
     base, mine, base_cpu, mine_cpu, pq_rate, pq_cpu = [], [], [], [], [], []
     for r in range(args.repeats):
