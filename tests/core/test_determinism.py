@@ -1,8 +1,10 @@
 """The determinism matrix: byte-identical per-sample digests across world sizes, backends,
 buffer sizes, injected latency and any sequence of checkpoint/resume (L = 12).
 
-Every test runs for the text config and for an image+text config (tar shards of images mixed
-with a text source), whose records digest the pixels too."""
+Every test runs for the text config, for an image+text config (tar shards of images mixed
+with a text source), whose records digest the pixels too, and for a scheduled text config (weights
+that change at two steps, a shuffle window per source: tests/core/test_mixtures.py has the
+set_weights runs)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 
 from zephon_stream import ConfigError
 from zephon_stream.engine.window import ReadWindow
+from zephon_stream.loader.config import ScheduleEntry
 from zephon_stream.loader.loader import Loader
 from zephon_stream.testing.determinism import batch_records, real, run_world
 from zephon_stream.testing.stores import WithLatency
@@ -19,8 +22,12 @@ from zephon_stream.testing.stores import WithLatency
 STEPS = 24
 
 
-@pytest.fixture(params=["text", "vision"])
+@pytest.fixture(params=["text", "vision", "scheduled"])
 def config(request):
+    if request.param == "scheduled":
+        text = request.getfixturevalue("config")
+        return text.replace(shuffle_scope="source", schedule=[ScheduleEntry(5, {"a": 0.2, "b": 0.8}),
+                                                              ScheduleEntry(13, {"a": 0.7, "b": 0.3})])
     return request.getfixturevalue("config" if request.param == "text" else "vision_config")
 
 
