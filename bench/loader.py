@@ -111,29 +111,46 @@ def restore_time(config: Config, step: int) -> tuple[float, int]:
     return statistics.median(times), len(state_to_bytes(state))
 
 
-def tree_cpu() -> float:
-    """CPU seconds of this process and its descendants, live ones and reaped ones (a parent's
-    cutime/cstime count the children it has waited for: Ray's raylet reaps its workers)."""
-    stats, parent = {}, {}
+def descendants() -> dict[int, list[str]]:
+    """This process and its descendants: pid -> the fields of /proc/<pid>/stat after the name."""
+    stats = {}
     for entry in Path("/proc").iterdir():
         try:
-            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+            stats[int(entry.name)] = (entry / "stat").read_text().rpartition(")")[2].split()
         except (OSError, ValueError):
             continue
-        if entry.name.isdigit():
-            parent[int(entry.name)] = int(fields[1])
-            stats[int(entry.name)] = sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
-    mine, todo = set(), [os.getpid()]
+    mine, todo = {}, [os.getpid()]
     while todo:
         pid = todo.pop()
-        mine.add(pid)
-        todo += [child for child, ppid in parent.items() if ppid == pid and child not in mine]
-    return sum(stats[pid] for pid in mine if pid in stats) / os.sysconf("SC_CLK_TCK")
+        mine[pid] = stats.get(pid, [])
+        todo += [child for child, fields in stats.items() if int(fields[1]) == pid and child not in mine]
+    return mine
 
 
-def epoch_per_batch(config: Config) -> tuple[float, float, int, int, float]:
-    """(seconds to the first batch, seconds per batch after it, batches, tokens, tokens per CPU-second
-    of the process tree) for one epoch on `config.backend`."""
+def tree_cpu() -> tuple[float, float]:
+    """CPU seconds (this process, its descendants): Ray's daemons and workers, live ones and
+    reaped ones (a parent's cutime/cstime count the children it has waited for: the raylet reaps
+    its workers)."""
+    ticks = {pid: sum(int(f) for f in fields[11:15]) for pid, fields in descendants().items() if fields}
+    mine = ticks.pop(os.getpid(), 0)
+    return mine / os.sysconf("SC_CLK_TCK"), sum(ticks.values()) / os.sysconf("SC_CLK_TCK")
+
+
+def actor_rss_mb() -> list[float]:
+    """Resident memory of each live lane actor (a descendant named ray::_LaneActor...), in MB."""
+    out = []
+    for pid in descendants():
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::_LaneActor"):
+                out.append(int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6)
+        except OSError:
+            continue
+    return out
+
+
+def epoch_per_batch(config: Config) -> tuple[float, float, int, int, float, float]:
+    """(seconds to the first batch, seconds per batch after it, batches, tokens, CPU seconds of this
+    process, CPU seconds of Ray's processes) for one epoch on `config.backend`."""
     t, c = time.perf_counter(), tree_cpu()
     tokens, batches, first = 0, 0, 0.0
     for batch in Loader(config):
@@ -141,8 +158,14 @@ def epoch_per_batch(config: Config) -> tuple[float, float, int, int, float]:
         batches += 1
         if batches == 1:
             first = time.perf_counter() - t
+        if batches % 25 == 1:  # (a /proc scan costs about a millisecond: not every batch)
+            RSS.extend(actor_rss_mb())
     wall = time.perf_counter() - t
-    return first, (wall - first) / max(1, batches - 1), batches, tokens, tokens / (tree_cpu() - c)
+    here, ray = tree_cpu()
+    return first, (wall - first) / max(1, batches - 1), batches, tokens, here - c[0], ray - c[1]
+
+
+RSS: list[float] = []  # lane actors' resident MB, sampled during the ray epochs
 
 
 def compare_ray(config: Config, repeats: int) -> None:
@@ -154,7 +177,7 @@ def compare_ray(config: Config, repeats: int) -> None:
 
     if sorted(name for _, name in socket.if_nameindex()) == ["lo"]:
         loopback_up()  # a fresh network namespace (unshare --net): loopback starts down
-    runs: dict[str, list[tuple[float, float, int, int, float]]] = {"threads": [], "ray": []}
+    runs: dict[str, list[tuple[float, float, int, int, float, float]]] = {"threads": [], "ray": []}
     with anyio.from_thread.start_blocking_portal() as portal:
         t = time.perf_counter()
         with portal.wrap_async_context_manager(ray_session(config, config.ray_actors)):
@@ -164,11 +187,15 @@ def compare_ray(config: Config, repeats: int) -> None:
                     run = epoch_per_batch(config.replace(backend=backend))
                     runs[backend].append(run)
                     print(f"  run {r} {backend:7s}: first batch after {run[0]:.2f} s, then {run[1] * 1000:.1f} ms "
-                          f"a batch ({run[2]} batches, {run[3]:,} tokens), {run[4]:,.0f} tok/CPU-s (all processes)")
+                          f"a batch ({run[2]} batches, {run[3]:,} tokens); CPU s: here {run[4]:.1f}, Ray's "
+                          f"processes {run[5]:.1f}")
     if {run[3] for rs in runs.values() for run in rs} != {runs["threads"][0][3]}:
         raise SystemExit("the backends gave different token counts: not the same epoch")
     per = {b: [run[1] * 1000 for run in rs] for b, rs in runs.items()}
-    cpu = {b: [run[4] for run in rs] for b, rs in runs.items()}
+    # threads: this process does all the work, Ray's idle daemons are not its cost; ray: every process
+    cpu = {"threads": [run[3] / run[4] for run in runs["threads"]],
+           "ray": [run[3] / (run[4] + run[5]) for run in runs["ray"]]}
+    idle = statistics.median(run[5] / (run[0] + run[1] * (run[2] - 1)) for run in runs["threads"])
     first = {b: [run[0] for run in rs] for b, rs in runs.items()}
     print(f"ms a batch (after the first): threads {fmt1(per['threads'])}; ray {fmt1(per['ray'])}; overhead "
           f"{statistics.median(per['ray']) - statistics.median(per['threads']):+.1f} ms a batch (medians)")
@@ -176,8 +203,13 @@ def compare_ray(config: Config, repeats: int) -> None:
           "window first; ray adds the actors' start-up)")
     whole = {b: [(run[0] + run[1] * (run[2] - 1)) / run[2] * 1000 for run in rs] for b, rs in runs.items()}
     print(f"ms a batch over the whole epoch: threads {fmt1(whole['threads'])}; ray {fmt1(whole['ray'])}")
-    print(f"tok/CPU-s (every process): threads {fmt(cpu['threads'])}; ray {fmt(cpu['ray'])}; ratio ray/threads "
-          f"{statistics.median(cpu['ray']) / statistics.median(cpu['threads']):.3f}")
+    ratio = statistics.median(cpu["ray"]) / statistics.median(cpu["threads"])
+    print(f"tok/CPU-s: threads (this process) {fmt(cpu['threads'])}; ray (this process, actors, Ray's daemons) "
+          f"{fmt(cpu['ray'])}; ratio ray/threads {ratio:.3f}; Ray's daemons alone, idle during the threads "
+          f"epochs: {idle:.2f} CPU-s a second")
+    if RSS:
+        print(f"lane actor resident memory: {fmt1(RSS)} MB ({config.ray_actors} actors of "
+              f"{config.lanes // config.ray_actors} lanes)")
 
 
 def fmt1(xs: list[float]) -> str:
