@@ -65,11 +65,12 @@ class ShardReport(msgspec.Struct, frozen=True):
 
 
 def shard(src: str, dst: str, *, target_bytes: int = 128 << 20, frame_bytes: int = 256 << 10,
-          text_field: str = "text", image_field: str | None = None, name: str = "shard",
+          text_field: str | None = None, image_field: str | None = None, name: str = "shard",
           on_bad: Literal["error", "skip"] = "error", max_record_bytes: int = 16 << 20,
           progress: bool | None = None, **store_options: Any) -> ShardReport:
     """Convert the inputs under `src` into shards under `dst` (see the module docstring).
 
+    `text_field` defaults to `"txt"` (the caption files' extension) for an image folder, else `"text"`.
     `progress`: a tqdm bar on stderr (None: when stderr is a terminal), else a plain line every 5 s.
     `store_options` go to both stores (`endpoint_url=`, `region=`, `addressing_style=` for S3).
     Bad records raise a DataError naming the object and offset, or with `on_bad="skip"` are
@@ -97,13 +98,15 @@ def _store_for(uri: str, options: dict[str, Any]) -> tuple[Store, str]:
 
 
 class _Job:
-    def __init__(self, target: int, frame: int, text_field: str, image_field: str | None, name: str,
+    def __init__(self, target: int, frame: int, text_field: str | None, image_field: str | None, name: str,
                  on_bad: Literal["error", "skip"], max_record: int) -> None:
-        self.target, self.frame, self.text_field, self.image_field = target, frame, text_field, image_field
+        self.target, self.frame, self.image_field = target, frame, image_field
+        self.field = text_field
         self.name, self.on_bad, self.max_record = name, on_bad, max_record
         self.bad = BadRecords(on_bad)
         self.documents = 0
         self.listed: set[str] = set()  # every key under the input prefix (captions beside images)
+        self.text_field = "text"  # `field`, or its default for the inputs found
 
     async def run(self, src: str, dst: str, progress: bool | None, options: dict[str, Any]) -> ShardReport:
         store_in, prefix_in = _store_for(src, options)
@@ -133,6 +136,8 @@ class _Job:
             exact = [o for o in objects if o.key == prefix]
             objects = exact or [o for o in objects if o.key.startswith(prefix + "/")]
         suffixes = self._suffixes(objects)
+        folder = self.image_field is not None and suffixes != PARQUET_SUFFIXES
+        self.text_field = self.field if self.field is not None else "txt" if folder else "text"
         found = [o for o in objects if o.key.lower().endswith(suffixes)]
         if not found:
             raise ConfigError(f"shard: no input under {src}: looked for {' '.join('*' + s for s in suffixes)}")

@@ -126,7 +126,7 @@ def test_image_folder_with_captions_becomes_tar_shards(tmp_path):
         images[i] = make_image(rng, "PNG" if i % 2 else "JPEG")
         (tmp_path / "in" / f"im{i:02d}.{'png' if i % 2 else 'jpg'}").write_bytes(images[i])
         (tmp_path / "in" / f"im{i:02d}.txt").write_text(f"caption {i}")
-    report = shard(str(tmp_path / "in"), str(tmp_path / "out"), image_field="png;jpg", text_field="txt",
+    report = shard(str(tmp_path / "in"), str(tmp_path / "out"), image_field="png;jpg",
                    target_bytes=20000, progress=False)
     assert report.documents == 12 and len(report.shards) > 1
     samples = []

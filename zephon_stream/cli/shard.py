@@ -45,9 +45,10 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
                    help="compressed bytes per shard (default 128MiB)")
     p.add_argument("--frame-size", type=parse_size, default=256 << 10, metavar="SIZE",
                    help="input bytes per zstd frame: the finest split a lane can take (default 256KiB)")
-    p.add_argument("--text-field", default="text", metavar="NAME",
-                   help="the JSON field or Parquet column (dotted for nested) with the text; with --image-field, "
-                        "the caption: a file extension (txt) beside each image, or a Parquet column (default text)")
+    p.add_argument("--text-field", metavar="NAME",
+                   help="the JSON field or Parquet column (dotted for nested) with the text (default text); with "
+                        "--image-field, the caption: a file extension beside each image (default txt), or a "
+                        "Parquet column (default text)")
     p.add_argument("--image-field", metavar="NAME",
                    help="write tar shards of images: image file extensions (png;jpg) or a Parquet image column")
     p.add_argument("--name", default="shard", help="shard names: NAME-00000.jsonl.zst, ... (default shard)")
