@@ -85,7 +85,7 @@ class _LaneActor:
     def __init__(self, run_local: Callable[..., Any], pack: Callable[[int, list[Sample]], bytes],
                  wrap_store: Callable[[Store], Store] | None) -> None:
         self.run_local, self.pack, self.wrap_store = run_local, pack, wrap_store
-        self.ready, self.stop, self.finished = anyio.Event(), anyio.Event(), anyio.Event()
+        self.ready, self.finished = anyio.Event(), anyio.Event()
         self.streams: dict[int, Any] = {}
         self.turn: dict[int, anyio.Condition] = {}
         self.next: dict[int, int] = {}
@@ -116,7 +116,7 @@ class _LaneActor:
                 async with self.run_local(cfg, plan, self.stores, tokenizer, states) as (streams, shared):
                     self.streams, self.skipped = streams, shared.skipped
                     self.ready.set()
-                    await self.stop.wait()
+                    await anyio.sleep_forever()  # the lanes run until the trainer side kills this actor
         except BaseException as exc:  # answered to the next pulls, then raised by the trainer side
             err = _exceptions.root_error(exc)
             self.error = (type(err).__name__, str(err))
