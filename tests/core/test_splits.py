@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import random
 
+import msgspec
+
 from tests.core.conftest import make_docs, write_jsonl
 from zephon_stream.loader.config import Config, SourceConfig
 from zephon_stream.loader.loader import Loader
@@ -87,3 +89,19 @@ def test_lanes_end_an_epoch_together(config):
     assert len(ends) == cfg.lanes
     assert ends[-1] - ends[0] <= 0.15 * ends[-1], ends
     assert 1 - tokens / positions < 0.1
+
+
+def test_zstd_splits_balance_decompressed_bytes_when_the_seek_table_says_them():
+    """Half the frames compress 4x better (code, say): equal compressed bytes would give some lanes
+    4x the text of others; the seek table's decompressed sizes balance the text instead."""
+    sizes = [4_000 if f < 24 else 1_000 for f in range(48)]  # compressed: the second half 4x better
+    frames = [0]
+    for n in sizes:
+        frames.append(frames[-1] + n)
+    content = [40_000 * f for f in range(49)]  # each frame holds 40 KB of text
+    shard = ShardPlan("s.zst", frames[-1], "", frames, content=content)
+    splits = plan_splits([shard], 12, 1 << 30)
+    text = [content[s.end] - content[s.start] for s in splits]
+    assert len(splits) == 12 and min(text) == max(text) == 160_000
+    blind = plan_splits([msgspec.structs.replace(shard, content=[])], 12, 1 << 30)
+    assert len({content[s.end] - content[s.start] for s in blind}) > 1

@@ -30,7 +30,8 @@ import zstandard
 from zephon_stream.connectors.base import Store
 from zephon_stream.errors import DataError
 
-__all__ = ["DECODE_PIECE", "ZstdStream", "read_seek_table", "seek_table", "walk_frames", "write_jsonl_shards"]
+__all__ = ["DECODE_PIECE", "ZstdStream", "read_seek_entries", "read_seek_table", "seek_table", "walk_frames",
+           "write_jsonl_shards"]
 
 _ZSTD_MAGIC = 0xFD2FB528
 _WALK_PART = 8 << 20  # reads of a shard whose frames are walked at planning
@@ -270,6 +271,14 @@ async def read_seek_table(store: Store, key: str, size: int) -> list[int] | None
     The table is checked for what it can say alone (sizes that fit and add up); that each listed
     offset starts a frame is checked by `ZstdStream` as the frames are read.
     """
+    entries = await read_seek_entries(store, key, size)
+    return None if entries is None else entries[0]
+
+
+async def read_seek_entries(store: Store, key: str, size: int) -> tuple[list[int], list[int]] | None:
+    """(frame offsets, running total of the frames' decompressed sizes) from the shard's seek table,
+    or None if it has none. The decompressed sizes are as the writer declared them: a planning
+    estimate of each frame's content (splits are balanced by it), never trusted for reading."""
     if size < 17:
         return None
     tail = await store.read(key, size - 9, size)
@@ -284,7 +293,8 @@ async def read_seek_table(store: Store, key: str, size: int) -> list[int] | None
     table = await store.read(key, size - total, size)
     if len(table) != total or struct.unpack_from("<II", table) != (_SEEK_FRAME_MAGIC, total - 8):
         raise DataError(f"corrupt seek table in {key!r} at byte {size - total}", key=key, offset=size - total)
-    sizes = [e[0] for e in struct.iter_unpack("<I" + "x" * (entry - 4), memoryview(table)[8:8 + n * entry])]
+    pairs = list(struct.iter_unpack("<II" + "x" * (entry - 8), memoryview(table)[8:8 + n * entry]))
+    sizes = [c for c, _ in pairs]
     small = next((i for i, c in enumerate(sizes) if c < _MIN_FRAME), None)
     if small is not None:
         raise DataError(f"corrupt seek table in {key!r}: entry {small} lists a frame of {sizes[small]} bytes, "
@@ -293,7 +303,7 @@ async def read_seek_table(store: Store, key: str, size: int) -> list[int] | None
     if offsets[-1] != size - total:
         raise DataError(f"corrupt seek table in {key!r}: frames add up to {offsets[-1]} bytes, the data is "
                         f"{size - total}", key=key, offset=size - total)
-    return offsets
+    return offsets, list(itertools.accumulate((d for _, d in pairs), initial=0))
 
 
 async def walk_frames(store: Store, key: str, size: int) -> list[int]:

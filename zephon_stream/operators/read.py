@@ -46,7 +46,7 @@ from zephon_stream.connectors.base import ObjectInfo, Store
 from zephon_stream.engine.window import ReadWindow, Spawn
 from zephon_stream.errors import ConfigError, DataError, IncompatibleState
 from zephon_stream.formats.gzip import GZIP_SUFFIXES, GzipStream, find_members
-from zephon_stream.formats.jsonl_zst import DECODE_PIECE, ZstdStream, read_seek_table, walk_frames
+from zephon_stream.formats.jsonl_zst import DECODE_PIECE, ZstdStream, read_seek_entries, walk_frames
 from zephon_stream.formats.parquet import PARQUET_SUFFIXES, chunk_bytes, read_footer, resolve_column
 
 __all__ = ["BadRecords", "FORMATS", "Parser", "SUFFIXES", "ShardPlan", "SourcePlan", "Split", "SplitReader",
@@ -68,6 +68,7 @@ class ShardPlan(msgspec.Struct, frozen=True, array_like=True):
     # tar: of every sample; parquet: the running total of the needed columns' bytes per row group (to cut splits)
     bad_tail: str = ""  # tar: why the archive ends before its size (truncated, corrupt), read as one bad record
     rows: list[int] = []  # parquet: the first row of every row group, then the number of rows
+    content: list[int] = []  # zstd with a seek table: running total of the frames' decompressed sizes (planning)
 
 
 class Split(msgspec.Struct, frozen=True, array_like=True):
@@ -121,7 +122,7 @@ async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field
                     "samples")
     if not splits:
         raise DataError(f"source {name!r}: the {fmt} shards under {uri} hold no " +
-                        ("sample" if fmt == "tar" else "row group"))
+                        {"tar": "sample", "parquet": "row group"}.get(fmt, "data"))
     return SourcePlan(name=name, uri=uri, prefix=prefix, text_field=text_field,
                       shards=shards, splits=splits, skipped_shards=skipped, format=fmt)
 
@@ -161,10 +162,10 @@ async def plan_shard(store: Store, obj: ObjectInfo) -> ShardPlan:
         return ShardPlan(obj.key, obj.size, obj.etag, await find_members(store, key, obj.size))
     if not obj.key.endswith(".zst"):
         return ShardPlan(obj.key, obj.size, obj.etag)
-    frames = await read_seek_table(store, key, obj.size)
-    if frames is None:  # no seek table: walk the frame headers once (reads the whole shard, in parts)
-        frames = await walk_frames(store, key, obj.size)
-    return ShardPlan(obj.key, obj.size, obj.etag, frames)
+    entries = await read_seek_entries(store, key, obj.size)
+    if entries is None:  # no seek table: walk the frame headers once (reads the whole shard, in parts)
+        return ShardPlan(obj.key, obj.size, obj.etag, await walk_frames(store, key, obj.size))
+    return ShardPlan(obj.key, obj.size, obj.etag, entries[0], content=entries[1])
 
 
 async def _plan_tar(store: Store, obj: ObjectInfo, max_record: int, on_bad: str) -> ShardPlan:
@@ -190,6 +191,9 @@ async def plan_parquet(store: Store, obj: ObjectInfo, columns: list[tuple[str, s
 def plan_splits(shards: list[ShardPlan], lanes: int, split_bytes: int) -> list[Split]:
     """Cut a source's shards into splits of about equal bytes, as many as a multiple of `lanes`.
 
+    The count comes from the stored bytes (what the reads fetch); the shares balance decompressed
+    bytes where a zstd seek table declares them (the text, which tokens follow), else stored bytes.
+
     An epoch's splits go round the lanes (lane `l` takes positions `l, l + L, ...` of a
     permutation), so equal splits, `k * lanes` of them, give every lane an equal share of the
     epoch, and lanes end an epoch within about one split of each other. `k` is the smallest that
@@ -197,12 +201,14 @@ def plan_splits(shards: list[ShardPlan], lanes: int, split_bytes: int) -> list[S
     remainder, at least one), cut at byte offsets (JSONL) or at the frame, member, sample or
     row-group boundary nearest an equal cut; a shard with fewer of those than its share gives fewer.
     """
-    sizes = [_extent(s) for s in shards]
+    content = all(len(s.content) == len(s.frames) and s.content[-1] > s.content[0] for s in shards if s.frames)
+    sizes = [_extent(s, content) for s in shards]
     total = sum(sizes)
     if total == 0:
         return []
+    stored = sum(s.frames[-1] - s.frames[0] if s.frames else s.size for s in shards)  # what the reads fetch
     # every shard needs a split of its own: with more shards than that, the next multiple of lanes
-    want = lanes * max(1, math.ceil(total / (lanes * split_bytes)), math.ceil(len(shards) / lanes))
+    want = lanes * max(1, math.ceil(stored / (lanes * split_bytes)), math.ceil(len(shards) / lanes))
     quotas = [want * size / total for size in sizes]
     counts = [max(1, math.floor(q)) for q in quotas]
     while sum(counts) > want:  # the at-least-one rule overshot: take from the most over-served shard
@@ -210,21 +216,31 @@ def plan_splits(shards: list[ShardPlan], lanes: int, split_bytes: int) -> list[S
         counts[i] -= 1
     for i in sorted(range(len(shards)), key=lambda i: (counts[i] - quotas[i], i))[:want - sum(counts)]:
         counts[i] += 1  # the largest remainders first (ties by shard order)
-    return [sp for i, (shard, n) in enumerate(zip(shards, counts)) for sp in _cut(i, shard, n)]
+    return [sp for i, (shard, n) in enumerate(zip(shards, counts)) for sp in _cut(i, shard, n, content)]
 
 
-def _extent(shard: ShardPlan) -> int:
+def _scale(shard: ShardPlan, content: bool) -> list[int]:
+    """Where each frame starts on the scale splits are balanced by: the decompressed bytes when every
+    seek table of the source declares them (compression ratios differ between prose and code, and
+    tokens follow the text), else the stored offsets (frames, members, samples, row-group bytes)."""
+    return shard.content if content else shard.frames
+
+
+def _extent(shard: ShardPlan, content: bool) -> int:
     """The bytes a shard's splits share out: its size, or (frames) what its frames span."""
-    return shard.frames[-1] - shard.frames[0] if shard.frames else shard.size
+    if not shard.frames:
+        return shard.size
+    scale = _scale(shard, content)
+    return scale[-1] - scale[0]
 
 
-def _cut(index: int, shard: ShardPlan, pieces: int) -> list[Split]:
+def _cut(index: int, shard: ShardPlan, pieces: int, content: bool) -> list[Split]:
     """`shard` in `pieces` splits of about equal bytes (fewer where its frames are too coarse)."""
     if not shard.frames:
         pieces = min(pieces, shard.size)
         bounds = [shard.size * k // pieces for k in range(pieces + 1)]
         return [Split(index, a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
-    frames, last = shard.frames, len(shard.frames) - 1
+    frames, last = _scale(shard, content), len(shard.frames) - 1
     if last < 1:
         return []
     cuts = [0]
