@@ -99,6 +99,15 @@ def test_set_weights_gives_the_scheduled_batches(mixing, baseline, dp_size, back
     assert run_calls(mixing, dp_size, STEPS, backend=backend)[0] == baseline
 
 
+@pytest.mark.parametrize("backend", ["inline", "threads", "processes"])
+def test_decisions_for_the_next_step_and_one_far_ahead(mixing, backend):
+    """Lanes go back to their state at the decided step: none of what they made ahead is kept for
+    the next step, all of it for a step past their read-ahead; several calls before a batch too."""
+    calls = [(3, W1, 3), (5, W2, 40), (5, W1, 30), (8, W2, 9)]
+    want, _ = run_world(_scheduled(mixing, calls), 1, 12, backend="inline")
+    assert run_calls(mixing, 2 if backend == "processes" else 1, 12, backend=backend, calls=calls)[0] == want
+
+
 @pytest.mark.parametrize(("cut", "after"), [(4, (3, "threads")), (8, (2, "processes")), (9, (6, "inline"))])
 def test_resume_between_a_call_and_its_step(mixing, baseline, cut, after):
     """Checkpoints at 4, 8 and 9 fall between a call (after step 2 / 7) and its step (6 / 11). The

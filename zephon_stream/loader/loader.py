@@ -252,9 +252,10 @@ class Loader:
         `at_step` on: the documents drawn for the samples of step `at_step` on use them (until a
         later schedule entry or decision). Every rank makes the same call.
 
-        Batches before `at_step` are unchanged. An open stream's lanes that have run ahead go back
-        to this rank's consumed position and make their samples again from there (those before
-        `at_step` come out the same); with the processes backend, that starts its workers again.
+        Batches before `at_step` are unchanged. Before an open stream's next batch, its lanes go back
+        to their state at `at_step` (the state after their last sample of an earlier step; samples
+        already made for earlier steps are kept) and run on from there with the new weights; with
+        the processes backend that starts the worker processes again.
         The call is logged: the log (one entry per call that changed it) is part of every rank's
         `state_dict()`, so a resumed run, on any dp size, continues the same without repeating the
         calls. Repeating a logged decision does nothing; a step this rank has already consumed
@@ -272,7 +273,8 @@ class Loader:
                               "batch's")
         self.decisions.append(entry)
         for stream in self._batch_streams:
-            stream.rewind = True  # its lanes start again from the consumed states before its next batch
+            # before its next batch, its lanes go back to their state at the earliest step decided
+            stream.rewind = at_step if stream.rewind is None else min(stream.rewind, at_step)
 
     def lane_config(self) -> Config:
         """The config the lanes run: this loader's, with the set_weights log merged into its schedule."""
@@ -478,7 +480,7 @@ class BatchStream:
         self.done = {lane: frontier.lanes[lane].done for lane in streams}
         self.pad_id = eos_id if config.pad_token_id is None else config.pad_token_id
         self.stopped = False
-        self.rewind = False  # set_weights was called: start the lanes again from the consumed states
+        self.rewind: int | None = None  # set_weights was called for this step: lanes go back to their state there
         self.relaunch: Callable[[dict[int, LaneState]], Any] | None = None
 
     def stop(self) -> None:
@@ -491,8 +493,8 @@ class BatchStream:
     async def __anext__(self) -> dict[str, Any]:
         if self.stopped:
             raise StopAsyncIteration
-        if self.rewind:
-            await self._rewind()
+        if self.rewind is not None:
+            await self._rewind(self.rewind)
         cfg, frontier = self.config, self.frontier
         slots = rank_slots(frontier.step, cfg.global_batch_size, self.dp_size, self.dp_rank)
         samples = [await self._sample(i % cfg.lanes, i // cfg.lanes) for i in slots]
@@ -509,13 +511,18 @@ class BatchStream:
         frontier.advance()
         return batch
 
-    async def _rewind(self) -> None:
-        """Drop what the lanes made ahead and run them again from the consumed states (set_weights)."""
-        self.rewind = False
+    async def _rewind(self, step: int) -> None:
+        """set_weights for `step`: keep the samples the lanes made for earlier steps, drop the rest,
+        and run the lanes again from their state after the last sample kept (the consumed one if none)."""
+        self.rewind = None
+        cfg, states = self.config, {}
+        for lane in self.streams:
+            kept = [s for s in self.pending[lane] if (s.index * cfg.lanes + lane) // cfg.global_batch_size < step]
+            self.pending[lane] = collections.deque(kept)
+            states[lane] = kept[-1].state if kept else self.frontier.lanes[lane]
         assert self.relaunch is not None
-        self.streams, self.credit = await self.relaunch({lane: self.frontier.lanes[lane] for lane in self.streams})
-        self.pending = {lane: collections.deque() for lane in self.streams}
-        self.done = {lane: self.frontier.lanes[lane].done for lane in self.streams}
+        self.streams, self.credit = await self.relaunch(states)
+        self.done = {lane: states[lane].done for lane in self.streams}
 
     def _ended(self) -> bool:
         """Every lane of this rank has ended and handed out all its samples. (A step of padding alone
