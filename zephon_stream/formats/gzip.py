@@ -10,8 +10,9 @@ Unlike zstd, a member's length is not in its header: its end is known only by in
 `find_members` therefore does not inflate the file. It reads it once, in parts, and takes as a
 member start every `1f 8b 08` (magic, deflate) whose header flags are valid and from which a
 trial inflate of up to `_TRY_OUT` bytes succeeds (or ends the member). The cost is one read of
-the file at planning, a `bytes.find` over it, and a tiny inflate per candidate: a few ms per
-MiB, against 3-5 ms/MiB for inflating it all. Compressed data holds `1f 8b 08` about once per
+the file at planning, a `bytes.find` over it, and a tiny inflate per candidate: measured 1.3 ms of
+CPU per compressed MiB, against 15-18 ms for inflating it all (10 MiB of gzipped JSONL, 1 or 32
+members). Compressed data holds `1f 8b 08` about once per
 16 MiB, and a random candidate almost never inflates 1 KiB without an error, so a false start
 is unlikely; if one slips in, `GzipStream` sees the member before it run past it and raises a
 `DataError` (the plan is checked, never trusted): never a silent loss.
