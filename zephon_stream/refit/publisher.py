@@ -284,8 +284,12 @@ class _Encode:
             old = view if view is not None else old_plan.read()
             obj, pos, x = codec.encode_xor(old, new, self.pub.level)
             now = new[pos]
-            was = self.base.chunks[self.first + j].plain
-            plain = (was + new_plan.change_sum(pos, now ^ x, now)) & MASK
+            dense = 2 * len(pos) > len(new)  # e.g. fp32 weights under Adam: nearly every word changes
+            if dense and not self.keyframe:  # one contiguous hash beats mixing old and new at each position
+                plain = new_plan.digest(new)  # (a keyframe keeps the delta's sum: it checks the shadow)
+            else:
+                was = self.base.chunks[self.first + j].plain
+                plain = (was + new_plan.change_sum(pos, now ^ x, now)) & MASK
             if obj is not None:
                 objects["chunk"] = obj
                 kind = codec.SPARSE_XOR if obj[4] == codec.SPARSE_XOR else codec.DENSE_XOR
@@ -294,7 +298,9 @@ class _Encode:
                     over = codec.encode_sparse(codec.SPARSE_SET, len(new), pos, now, self.pub.level)
                     objects["over"] = over
                     fields.update(over_size=len(over), over_digest=object_digest(over))
-            if view is not None:
+            if view is not None and dense:
+                np.copyto(view, new)  # the unchanged words are equal already: a copy, not a scatter
+            elif view is not None:
                 view[pos] = now
             else:
                 old_plan.write(pos, now, xor=False)
