@@ -36,7 +36,7 @@ def _zst(texts, frame_every, cut_mid_line=False, seekable=False):
 async def _read_all(store, plan, parser):
     texts = []
     for split in plan.splits:
-        reader = SplitReader(store, plan.shards[split.shard], split, 1 << 20)
+        reader = SplitReader(store, plan.shards[split.shard], split, 1 << 20, bad=parser.bad)
         async for pos, block in reader.blocks():
             texts += [t for _, _, t in parser.parse(reader, pos, block)]
     return texts

@@ -25,6 +25,7 @@ never fails the check, and the check never changes what a lane yields.
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -44,7 +45,7 @@ from zephon_stream.operators.feed import Feed
 from zephon_stream.operators.images import VisionTokens
 from zephon_stream.operators.mix import Mix, Schedule
 from zephon_stream.operators.pack import Pack
-from zephon_stream.operators.read import SplitReader
+from zephon_stream.operators.read import BadRecords, SplitReader
 from zephon_stream.operators.shuffle import Shuffle, ShuffleState
 from zephon_stream.operators.sources import make_parser, make_reader
 from zephon_stream.operators.tokenize import Tokenize
@@ -85,15 +86,19 @@ class Lanes:
     def _permutation(self, source: int, epoch: int) -> list[int]:
         return permutation(len(self.plan.sources[source].splits), self.config.seed, source, epoch)
 
-    def reader(self, source: int, lane: int, position: int) -> SplitReader | None:
-        """The reader of the split at `position` of `lane`'s sequence for `source`, or None at the end."""
+    def reader(self, source: int, lane: int, position: int, counting: bool = True) -> SplitReader | None:
+        """The reader of the split at `position` of `lane`'s sequence for `source`, or None at the end.
+
+        Its bad records count into the source's statistics under the split's epoch; with `counting`
+        False (a restore re-reading what an earlier run counted) they are skipped the same way,
+        uncounted."""
         src, cfg = self.plan.sources[source], self.config
         at = split_at(len(src.splits), cfg.lanes, cfg.max_epochs, lane, position)
         if at is None:
             return None
         split = src.splits[self._perm(source, at[0])[at[1]]]
-        return self._reader(source, split, self.parsers[source].bad, spawn=self.spawn,
-                            read_ahead=self.config.read_ahead)
+        bad = self.parsers[source].bad.at(at[0]) if counting else BadRecords(cfg.on_bad_record)
+        return self._reader(source, split, bad, spawn=self.spawn, read_ahead=self.config.read_ahead)
 
     async def check_source(self, source: int) -> None:
         """Raise DataError if no split of `source` yields a document: every epoch would be empty.
@@ -122,16 +127,23 @@ class Lanes:
     def skipped(self) -> int:
         return sum(p.skipped for p in self.parsers)
 
+    def skipped_by_epoch(self) -> dict[int, int]:
+        """Bad records skipped so far, by the epoch that read them (each once per epoch)."""
+        out: collections.Counter[int] = collections.Counter()
+        for p in self.parsers:
+            out.update(p.bad.by_epoch)
+        return dict(sorted(out.items()))
+
     def decode(self, source: int, position: int, reader: Any, pos: int, block: bytes) -> list[Doc]:
         records = self.parsers[source].parse(reader, pos, block)
         return [((source, position, off, n), text) for off, n, text in records]
 
-    def tokenize(self, source: int, docs: list[Doc], key: str) -> list[Doc]:
+    def tokenize(self, source: int, docs: list[Doc], key: str, bad: Any = None) -> list[Doc]:
         """Tokenize documents of `source` read from shard `key` (images: decode, resize and tokenize;
-        a bad image is raised or skipped and counted as the source's bad-record policy says)."""
+        a bad image is raised, or skipped and counted by `bad`, the reader's policy)."""
         if self.images[source]:
             assert self.vision is not None
-            return self.vision(docs, self.parsers[source].bad, key)
+            return self.vision(docs, bad or self.parsers[source].bad, key)
         return [(ref, ids) for (ref, _), ids in zip(docs, self.tokenizer([t for _, t in docs]))]
 
 
@@ -225,7 +237,7 @@ class TextLane:
         found: dict[tuple[int, int, int], tuple[int, Any]] = {}  # (source, position, offset) -> (length, record)
 
         async def one(source: int, position: int, offsets: set[int]) -> None:
-            reader = self.shared.reader(source, self.lane, position)
+            reader = self.shared.reader(source, self.lane, position, counting=False)  # counted by the first run
             if reader is None:
                 raise self._refused(f"sources[{source}] split position {position}: past the end of the data")
             last = max(offsets)
@@ -250,7 +262,8 @@ class TextLane:
         docs: dict[DocRef, Doc] = {}
         for source in sorted({r[0] for r in refs}):
             mine = [(r, found[r[0], r[1], r[2]][1]) for r in refs if r[0] == source]
-            tokens = await self.shared.run_cpu(self.shared.tokenize, source, mine, "a checkpoint's documents")
+            tokens = await self.shared.run_cpu(self.shared.tokenize, source, mine, "a checkpoint's documents",
+                                               BadRecords(self.shared.config.on_bad_record))
             docs.update((ref, (ref, payload)) for ref, payload in tokens)
         return docs
 
@@ -267,7 +280,8 @@ class TextLane:
                         docs = await shared.run_cpu(shared.decode, source, position, reader, pos, block)
                         found = found or bool(docs)
                         for i in range(0, len(docs), batch):
-                            tokens = await shared.run_cpu(shared.tokenize, source, docs[i:i + batch], reader.key)
+                            tokens = await shared.run_cpu(shared.tokenize, source, docs[i:i + batch], reader.key,
+                                                          reader.bad)
                             await send.send(tokens)
                 except IncompatibleState as exc:  # the cursor is not a record start
                     raise self._refused(f"sources[{source}] = {(position, offset)}: {exc}") from None

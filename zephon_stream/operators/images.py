@@ -141,7 +141,7 @@ class ImageParser:
             try:
                 out.append((sample.offset - reader.base, sample.length, self._record(reader, sample)))
             except DataError as err:
-                self.bad(err)
+                reader.bad(err)  # the reader's policy: it counts into the epoch of its split
         return out
 
     def _record(self, reader: TarSplitReader, sample: Any) -> ImageRecord:

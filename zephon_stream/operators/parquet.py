@@ -164,7 +164,7 @@ class ParquetParser:
                 else:
                     out.append((pos, 1, self._image(reader, pos, text, images[i], names[i] if names else None)))
             except DataError as err:
-                self.bad(err)
+                reader.bad(err)  # the reader's policy: it counts into the epoch of its split
         return out
 
     def _error(self, reader: ParquetSplitReader, pos: int, column: str, what: str) -> DataError:

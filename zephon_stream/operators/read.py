@@ -30,6 +30,7 @@ about 1 MiB, whatever size a frame declares, and one record of at most `max_reco
 from __future__ import annotations
 
 import bisect
+import collections
 import functools
 import itertools
 import logging
@@ -257,19 +258,43 @@ def _cut(index: int, shard: ShardPlan, pieces: int, content: bool) -> list[Split
 # ---- reading -------------------------------------------------------------------------------------
 
 class BadRecords:
-    """A source's bad-record policy: raise the DataError (`on_bad_record = "error"`) or count it."""
+    """A source's bad-record policy: raise the DataError (`on_bad_record = "error"`) or count it,
+    by the epoch of the split it was read in. A reader gets `at(epoch)`, bound to its split's epoch;
+    a record is counted once for each epoch that reads it."""
 
     def __init__(self, on_bad: Literal["error", "skip"] = "error") -> None:
         self.skipping = on_bad == "skip"
-        self.count = 0
+        self.by_epoch: collections.Counter[int] = collections.Counter()
         self.first: str | None = None  # the first skipped record's error, for a later message
 
-    def __call__(self, err: DataError) -> None:
+    @property
+    def count(self) -> int:
+        return sum(self.by_epoch.values())
+
+    def __call__(self, err: DataError, epoch: int = 0) -> None:
         if not self.skipping:
             raise err
-        self.count += 1
+        self.by_epoch[epoch] += 1
         if self.first is None:
             self.first = str(err)
+
+    def at(self, epoch: int) -> _AtEpoch:
+        """This policy, counting into `epoch`."""
+        return _AtEpoch(self, epoch)
+
+
+class _AtEpoch:
+    __slots__ = ("records", "epoch")
+
+    def __init__(self, records: BadRecords, epoch: int) -> None:
+        self.records, self.epoch = records, epoch
+
+    @property
+    def skipping(self) -> bool:
+        return self.records.skipping
+
+    def __call__(self, err: DataError) -> None:
+        self.records(err, self.epoch)
 
 
 Piece = bytes | DataError  # decoded bytes, or a corrupt frame skipped at that point (skip mode)
@@ -286,7 +311,7 @@ class SplitReader:
 
     def __init__(self, store: Store, shard: ShardPlan, split: Split, max_record: int,
                  run_cpu: Callable[..., Awaitable[Any]] | None = None, *, spawn: Spawn | None = None,
-                 read_ahead: int = 1, bad: BadRecords | None = None) -> None:
+                 read_ahead: int = 1, bad: BadRecords | _AtEpoch | None = None) -> None:
         self.store, self.key, self.shard, self.split = store, shard.key, shard, split
         self.max_record = max_record
         self.run_cpu = run_cpu or anyio.to_thread.run_sync
@@ -552,7 +577,7 @@ class Parser:
             n = len(line) + 1
             if line.strip():
                 if n > reader.max_record + 1:
-                    self.bad(reader.too_long(pos, line))
+                    reader.bad(reader.too_long(pos, line))
                 elif (text := self._decode(reader, pos, line)) is not None:
                     out.append((pos, n, text))
             pos += n
@@ -569,7 +594,7 @@ class Parser:
             err = DataError(f"bad record in {reader.key!r} at {reader.where(pos)}: {_why(exc, line)}{hint}",
                             key=reader.key, offset=pos)
             err.__cause__ = exc
-            self.bad(err)
+            reader.bad(err)  # the reader's policy: it counts into the epoch of its split
             return None
 
 
