@@ -22,9 +22,9 @@ REPO = ROOT.parent
 TOP_LEVEL = {
     "AccessDenied", "AlreadyExists", "BaseVersionMismatch", "BatchStream", "CheckpointError", "Config",
     "ConfigError", "ConnectorError", "DataError", "DigestMismatch", "IncompatibleState", "LaneState", "Loader",
-    "LoaderState", "LoaderStatistics", "ObjectNotFound", "Publisher", "RefitError", "Sharding", "SourceConfig",
-    "StateHeader", "Subscriber", "Throttled", "VersionConflict", "ZephonError", "state_from_bytes",
-    "state_to_bytes",
+    "LoaderState", "LoaderStatistics", "ObjectNotFound", "Publisher", "RefitError", "ScheduleEntry", "Sharding",
+    "SourceConfig", "StateHeader", "Subscriber", "Throttled", "VersionConflict", "VisionConfig", "ZephonError",
+    "state_from_bytes", "state_to_bytes",
 }
 
 

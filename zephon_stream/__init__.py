@@ -17,7 +17,7 @@ from zephon_stream.errors import (
     Throttled,
     ZephonError,
 )
-from zephon_stream.loader.config import Config, SourceConfig
+from zephon_stream.loader.config import Config, ScheduleEntry, SourceConfig, VisionConfig
 from zephon_stream.loader.loader import BatchStream, Loader, LoaderStatistics
 from zephon_stream.loader.state import LaneState, LoaderState, StateHeader, state_from_bytes, state_to_bytes
 
@@ -41,8 +41,10 @@ __all__ = [
     "Loader",
     "LoaderState",
     "LoaderStatistics",
+    "ScheduleEntry",
     "SourceConfig",
     "StateHeader",
+    "VisionConfig",
     "state_from_bytes",
     "state_to_bytes",
     "AccessDenied",
