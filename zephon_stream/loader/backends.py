@@ -184,6 +184,7 @@ class _Workers:
         self.cfg, self.plan, self.wrap_store, self.sup = cfg, plan, wrap_store, sup
         self.ctx = multiprocessing.get_context("spawn")
         self.sends: dict[int, Any] = {}
+        self.group_of = {lane: w for w, group in enumerate(sup.groups) for lane in group}
         self.ctrl: list[Any] = [None] * len(sup.groups)  # each live worker's credit pipe
         self.counters: list[Any] = []
         self.counted_before = [[0] * len(_COUNTERS) for _ in sup.groups]  # the counts of dead workers
@@ -196,9 +197,8 @@ class _Workers:
     def credit(self, lane: int) -> None:
         """The sequencer took a batch of `lane`: its worker may send one more."""
         self.sup.credited(lane)
-        w = next(w for w, group in enumerate(self.sup.groups) if lane in group)
         try:
-            self.ctrl[w].send_bytes(lane.to_bytes(4, "little"))
+            self.ctrl[self.group_of[lane]].send_bytes(lane.to_bytes(4, "little"))
         except OSError:
             pass  # the worker died: its successor starts with the credits counted here
 
