@@ -80,6 +80,18 @@ def test_skip_policy_is_deterministic_and_counted(config, tmp_path, case):
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("backend", ["inline", "threads", "processes"])
+def test_a_bad_record_counts_once_per_epoch_and_names_it(config, tmp_path, backend):
+    """Two epochs read the bad record once each: 2 skipped, one in epoch 0 and one in epoch 1."""
+    name, data, _ = CASES["malformed"]
+    cfg = _config(config, tmp_path, name, data).replace(on_bad_record="skip", max_epochs=2)
+    loader = Loader(cfg, backend=backend)
+    for _ in loader:
+        pass
+    stats = loader.statistics()
+    assert stats.skipped_by_epoch == {0: 1, 1: 1} and stats.skipped_records == 2, stats
+
+
 async def _first_batch(cfg, backend="threads"):
     with anyio.fail_after(60):  # before the fix: 100% CPU, no batch, no error, forever
         async with Loader(cfg, backend=backend).open() as stream:

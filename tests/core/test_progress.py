@@ -32,7 +32,8 @@ class Stats:
 
     def __call__(self) -> LoaderStatistics:
         return LoaderStatistics(step=self.step, samples=self.step * 8, tokens=self.step * self.per_step,
-                                skipped_records=1, skipped_shards=0, buffered_batches=self.buffered,
+                                skipped_records=1, skipped_by_epoch={0: 1}, skipped_shards=0,
+                                buffered_batches=self.buffered,
                                 peak_buffered_batches=48, buffer_capacity=48, store_requests=0, store_retries=0,
                                 store_bytes_read=0)
 

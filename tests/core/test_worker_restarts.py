@@ -92,17 +92,18 @@ def test_supervision_restarts_from_the_last_received_state_with_the_credits_left
     assert sup.credits(0) == 3 and sup.credits(4) == 4  # one batch of lane 0 still waits here
     assert sup.states(0) == [batch[-1].state, states[4]] and batch[-1].state.samples == 2
     sup.ended.add(4)
-    sup.set_skipped(0, 5)
+    sup.set_skipped(0, {0: 5})
     sup.lost(0, "test")
-    assert sup.live(0) == [0] and sup.total_restarts() == 1 and sup.skipped() == 5
-    sup.set_skipped(0, 2)  # the successor counts from zero
-    assert sup.skipped() == 7
+    assert sup.live(0) == [0] and sup.total_restarts() == 1 and sup.skipped() == {0: 5}
+    sup.set_skipped(0, {0: 1, 1: 1})  # the successor counts from zero
+    assert sup.skipped() == {0: 6, 1: 1}
     with pytest.raises(ZephonError, match=r"lane worker 0 \(test\) died, and its max_restarts = 1 .*lanes \[0\]"):
         sup.lost(0, "test")
 
 
 def test_progress_line_shows_restarts_once_there_are_some():
-    stats = dict(step=3, samples=24, tokens=3000, skipped_records=0, skipped_shards=0, buffered_batches=40,
+    stats = dict(step=3, samples=24, tokens=3000, skipped_records=0, skipped_by_epoch={}, skipped_shards=0,
+                 buffered_batches=40,
                  peak_buffered_batches=48, buffer_capacity=48, store_requests=0, store_retries=0, store_bytes_read=0)
     progress = StreamProgress(lambda: None, file=io.StringIO(), tty=False, clock=lambda: 0.0)
     assert progress.line(LoaderStatistics(**stats, worker_restarts=2), 1.0).endswith("skipped 0  restarts 2")

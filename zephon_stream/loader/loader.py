@@ -36,7 +36,8 @@ class LoaderStatistics(msgspec.Struct, frozen=True):
     step: int
     samples: int
     tokens: int
-    skipped_records: int
+    skipped_records: int  # bad records skipped (on_bad_record = "skip"), each once per epoch that read it
+    skipped_by_epoch: dict[int, int]  # the same, by the epoch whose split held them
     skipped_shards: int
     buffered_batches: int  # sample batches waiting in lane buffers now
     peak_buffered_batches: int
@@ -155,7 +156,7 @@ class Loader:
         self._plan: DataPlan | None = None
         self._streams: dict[int, Any] = {}
         self._store_stats: list[Any] = []
-        self._skipped: Callable[[], int] = lambda: 0
+        self._skipped: Callable[[], dict[int, int]] = dict
         self._worker_stores: Callable[[], StoreStatistics] = StoreStatistics
         self._restarts: Callable[[], int] = lambda: 0  # of the lanes' current run
         self._restarts_before = 0
@@ -450,9 +451,10 @@ class Loader:
         buffered = sum(s.statistics().current_buffer_used for s in self._streams.values())
         stores = [s.statistics() for s in self._store_stats] + [self._worker_stores()]
         skipped_shards = sum(len(s.skipped_shards) for s in self._plan.sources) if self._plan else 0
+        skipped = self._skipped()
         return LoaderStatistics(
             step=self.step, samples=self.frontier.samples, tokens=self.frontier.tokens,
-            skipped_records=self._skipped(), skipped_shards=skipped_shards,
+            skipped_records=sum(skipped.values()), skipped_by_epoch=skipped, skipped_shards=skipped_shards,
             buffered_batches=buffered, peak_buffered_batches=self.frontier.peak_buffered,
             buffer_capacity=self.config.sample_buffer * len(self.lanes),
             store_requests=sum(s.requests for s in stores), store_retries=sum(s.retries for s in stores),

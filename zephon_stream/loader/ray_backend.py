@@ -68,7 +68,7 @@ class _Reply(msgspec.Struct, array_like=True):
 
     kind: str  # "batch" | "end" | "error"
     batch: bytes = b""
-    skipped: int = 0  # records the actor's lanes skipped so far
+    skipped: dict[int, int] = {}  # records the actor's lanes skipped so far, by epoch
     counters: tuple[int, int, int] = (0, 0, 0)  # the actor's store requests, retries, bytes_read
     error: tuple[str, str] = ("", "")
 
@@ -90,7 +90,7 @@ class _LaneActor:
         self.turn: dict[int, anyio.Condition] = {}
         self.next: dict[int, int] = {}
         self.error = ("", "")
-        self.skipped: Callable[[], int] = lambda: 0
+        self.skipped: Callable[[], dict[int, int]] = dict
         self.stores: list[Store] = []
         self.task: Any = None
 
@@ -114,7 +114,7 @@ class _LaneActor:
                 self.stores = await open_stores(cfg, stack, self.wrap_store)
                 tokenizer = Tokenize.for_config(cfg)
                 async with self.run_local(cfg, plan, self.stores, tokenizer, states) as (streams, shared):
-                    self.streams, self.skipped = streams, shared.skipped
+                    self.streams, self.skipped = streams, shared.skipped_by_epoch
                     self.ready.set()
                     await anyio.sleep_forever()  # the lanes run until the trainer side kills this actor
         except BaseException as exc:  # answered to the next pulls, then raised by the trainer side

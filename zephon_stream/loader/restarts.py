@@ -18,6 +18,8 @@ less those still waiting here, so the bound on what is in flight holds across re
 
 from __future__ import annotations
 
+import collections
+
 from zephon_stream.errors import ZephonError
 from zephon_stream.loader.config import Config
 from zephon_stream.loader.state import LaneState
@@ -38,8 +40,8 @@ class Supervision:
         self.outstanding = {lane: 0 for lane in states}  # batches received here, not yet taken by the sequencer
         self.ended: set[int] = set()
         self.restarts = [0] * len(groups)
-        self._skipped = [0] * len(groups)  # the live worker's count
-        self._skipped_before = [0] * len(groups)  # the counts of its dead predecessors
+        self._skipped: list[dict[int, int]] = [{} for _ in groups]  # the live worker's counts, by epoch
+        self._skipped_before: list[collections.Counter[int]] = [collections.Counter() for _ in groups]  # dead ones
 
     def received(self, lane: int, samples: list[Sample]) -> None:
         if samples:
@@ -60,11 +62,16 @@ class Supervision:
     def states(self, w: int) -> list[LaneState]:
         return [self.last[lane] for lane in self.live(w)]
 
-    def set_skipped(self, w: int, count: int) -> None:
-        self._skipped[w] = count
+    def set_skipped(self, w: int, by_epoch: dict[int, int]) -> None:
+        self._skipped[w] = by_epoch
 
-    def skipped(self) -> int:
-        return sum(self._skipped) + sum(self._skipped_before)
+    def skipped(self) -> dict[int, int]:
+        """Bad records skipped by every worker, live and dead, by epoch."""
+        out: collections.Counter[int] = collections.Counter()
+        for live, dead in zip(self._skipped, self._skipped_before):
+            out.update(live)
+            out.update(dead)
+        return dict(sorted(out.items()))
 
     def lost(self, w: int, what: str) -> None:
         """Worker `w` died (`what` says how): count a restart, or raise once `max_restarts` are spent."""
@@ -75,8 +82,8 @@ class Supervision:
                 f"{[self.last[lane].samples for lane in self.live(w)]}; see the worker's output for why it died "
                 "(memory? a signal?), then raise max_restarts or resume from the last checkpoint")
         self.restarts[w] += 1
-        self._skipped_before[w] += self._skipped[w]
-        self._skipped[w] = 0
+        self._skipped_before[w].update(self._skipped[w])
+        self._skipped[w] = {}
 
     def total_restarts(self) -> int:
         return sum(self.restarts)
