@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from typing import Any
 
 import anyio.from_thread
 
+from tests.core.test_worker_restarts import sigkill_and_wait
 from tests.distributed._launch import loopback_up
 from zephon_stream import Config, ConfigError, Loader, ZephonError
 from zephon_stream.loader.ray_backend import ACTOR_NAME, ray_session
@@ -57,7 +57,7 @@ def killed_run(config: Config, steps: int, cuts: set[int], seed: int) -> dict[st
         records += batch_records(batch)
         actors = lane_actors()
         if batch["step"] in cuts and actors:
-            os.kill(rng.choice(actors), signal.SIGKILL)
+            sigkill_and_wait(rng.choice(actors))
             killed += 1
         if loader.step == steps:
             break
@@ -71,7 +71,7 @@ def refused_after_max_restarts(config: Config) -> str:
     try:
         for _ in loader:
             for pid in lane_actors()[:1]:
-                os.kill(pid, signal.SIGKILL)
+                sigkill_and_wait(pid)
     except ZephonError as exc:
         return str(exc)
     return "no error"

@@ -9,6 +9,7 @@ import io
 import multiprocessing
 import os
 import random
+import select
 import signal
 
 import msgspec
@@ -34,8 +35,19 @@ def kill_worker(rng: random.Random, only: str = WORKER) -> int | None:
     if not alive:
         return None
     victim = rng.choice(alive)
-    os.kill(victim.pid, signal.SIGKILL)
+    sigkill_and_wait(victim.pid)
     return victim.pid
+
+
+def sigkill_and_wait(pid: int) -> None:
+    """SIGKILL `pid` and wait until it has exited (its pidfd turns readable), so that the next cut
+    cannot pick the same dying process again."""
+    fd = os.pidfd_open(pid)
+    try:
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+        assert select.select([fd], [], [], 60)[0], f"process {pid} outlived SIGKILL by 60 s"
+    finally:
+        os.close(fd)
 
 
 def killed_run(loader: Loader, steps: int, cuts: set[int], kill) -> list:
