@@ -38,7 +38,7 @@ from zephon_stream.loader.config import Config
 from zephon_stream.loader.lane import Lanes, TextLane
 from zephon_stream.loader.plan import DataPlan, open_stores
 from zephon_stream.loader.ray_backend import Wire, run_ray
-from zephon_stream.loader.restarts import Supervision
+from zephon_stream.loader.restarts import Supervision, supervised
 from zephon_stream.loader.state import LaneState
 from zephon_stream.operators.tokenize import Tokenize
 from zephon_stream.operators.types import Sample
@@ -160,19 +160,8 @@ async def _run_processes(cfg: Config, plan: DataPlan, states: dict[int, LaneStat
     check_spawn_allowed()
     pool = _Workers(cfg, plan, wrap_store, Supervision(cfg, states, groups))
     await pool.allocate_counters()
-    streams: Streams = {}
-    for lane in lanes:
-        pool.sends[lane], streams[lane] = anyio.create_memory_object_stream[list[Sample]](cfg.sample_buffer + 1)
-    async with anyio.create_task_group() as tg:
-        for w in range(len(groups)):
-            tg.start_soon(pool.supervise, w)
-        try:
-            yield streams, pool.credit, pool.sup.skipped, pool.store_statistics, pool.sup.total_restarts
-        finally:
-            tg.cancel_scope.cancel()
-            for lane in lanes:
-                pool.sends[lane].close()
-                streams[lane].close()
+    async with supervised(pool, lanes, len(groups), cfg.sample_buffer) as out:
+        yield out
 
 
 class _Workers:

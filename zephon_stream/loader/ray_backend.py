@@ -42,7 +42,7 @@ from zephon_stream.connectors.base import Store, StoreStatistics
 from zephon_stream.errors import ConfigError
 from zephon_stream.loader.config import Config
 from zephon_stream.loader.plan import DataPlan, open_stores
-from zephon_stream.loader.restarts import Supervision
+from zephon_stream.loader.restarts import Supervision, supervised
 from zephon_stream.loader.state import LaneState
 from zephon_stream.operators.tokenize import Tokenize
 from zephon_stream.operators.types import Sample
@@ -173,19 +173,8 @@ async def run_ray(cfg: Config, plan: DataPlan, states: dict[int, LaneState],
     groups = [lanes[w::cfg.ray_actors] for w in range(min(cfg.ray_actors, len(lanes)))]
     async with ray_session(cfg, len(groups)):
         pool = _Actors(cfg, plan, wrap_store, wire, Supervision(cfg, states, groups))
-        streams = {}
-        for lane in lanes:
-            pool.sends[lane], streams[lane] = anyio.create_memory_object_stream[list[Sample]](cfg.sample_buffer + 1)
-        async with anyio.create_task_group() as tg:
-            for w in range(len(groups)):
-                tg.start_soon(pool.supervise, w)
-            try:
-                yield streams, pool.credit, pool.sup.skipped, pool.store_statistics, pool.sup.total_restarts
-            finally:
-                tg.cancel_scope.cancel()
-                for lane in lanes:
-                    pool.sends[lane].close()
-                    streams[lane].close()
+        async with supervised(pool, lanes, len(groups), cfg.sample_buffer) as out:
+            yield out
 
 
 class _Actors:

@@ -19,13 +19,18 @@ less those still waiting here, so the bound on what is in flight holds across re
 from __future__ import annotations
 
 import collections
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
 
 from zephon_stream.errors import ZephonError
 from zephon_stream.loader.config import Config
 from zephon_stream.loader.state import LaneState
 from zephon_stream.operators.types import Sample
 
-__all__ = ["Supervision"]
+__all__ = ["Supervision", "supervised"]
 
 
 class Supervision:
@@ -87,3 +92,22 @@ class Supervision:
 
     def total_restarts(self) -> int:
         return sum(self.restarts)
+
+
+@asynccontextmanager
+async def supervised(pool: Any, lanes: list[int], workers: int, buffer: int) -> AsyncIterator[tuple[Any, ...]]:
+    """Run `pool` (processes or Ray actors: `sends`, `supervise(w)`, `credit`, `sup`, `store_statistics`)
+    for `lanes` over `workers` workers; yield what `backends.run_lanes` yields for them."""
+    streams = {}
+    for lane in lanes:
+        pool.sends[lane], streams[lane] = anyio.create_memory_object_stream[list[Sample]](buffer + 1)
+    async with anyio.create_task_group() as tg:
+        for w in range(workers):
+            tg.start_soon(pool.supervise, w)
+        try:
+            yield streams, pool.credit, pool.sup.skipped, pool.store_statistics, pool.sup.total_restarts
+        finally:
+            tg.cancel_scope.cancel()
+            for lane in lanes:
+                pool.sends[lane].close()
+                streams[lane].close()
