@@ -20,6 +20,7 @@ from zephon_stream.testing.determinism import batch_records, real, run_world
 from zephon_stream.testing.stores import WithLatency
 
 STEPS = 24
+_BASELINES: dict[str, list] = {}  # config TOML -> baseline records (runs are pure functions of the config)
 
 
 @pytest.fixture(params=["text", "vision", "scheduled"])
@@ -33,7 +34,11 @@ def config(request):
 
 @pytest.fixture()
 def baseline(config):
-    records, _ = run_world(config, 1, STEPS, backend="inline")
+    """The uninterrupted inline run every case compares with: computed once per config and session."""
+    key = config.to_toml()
+    if key not in _BASELINES:
+        _BASELINES[key] = run_world(config, 1, STEPS, backend="inline")[0]
+    records = list(_BASELINES[key])
     assert len(records) == STEPS * config.global_batch_size
     distinct = len({r[4] for r in records})
     if config.vision is None:
