@@ -57,8 +57,7 @@ def killed_run(config: Config, steps: int, cuts: set[int], seed: int) -> dict[st
         records += batch_records(batch)
         actors = lane_actors()
         if batch["step"] in cuts and actors:
-            sigkill_and_wait(rng.choice(actors))
-            killed += 1
+            killed += sigkill_and_wait(rng.choice(actors))  # False: it had exited already, nothing killed
         if loader.step == steps:
             break
     st = loader.statistics()

@@ -30,22 +30,31 @@ WORKER = "zephon-lanes-"  # the processes backend's worker names: zephon-lanes-<
 
 
 def kill_worker(rng: random.Random, only: str = WORKER) -> int | None:
-    """SIGKILL one live lane worker process (chosen by `rng`); its pid, or None if none is alive."""
+    """SIGKILL one live lane worker process (chosen by `rng`); its pid, or None if none is alive.
+
+    A process can be listed but already dead (exited, not yet reaped): killing it kills nothing,
+    so the next candidate is tried."""
     alive = sorted((p for p in multiprocessing.active_children() if p.name.startswith(only)), key=lambda p: p.name)
-    if not alive:
-        return None
-    victim = rng.choice(alive)
-    sigkill_and_wait(victim.pid)
-    return victim.pid
+    rng.shuffle(alive)
+    for victim in alive:
+        if sigkill_and_wait(victim.pid):
+            return victim.pid
+    return None
 
 
-def sigkill_and_wait(pid: int) -> None:
+def sigkill_and_wait(pid: int) -> bool:
     """SIGKILL `pid` and wait until it has exited (its pidfd turns readable), so that the next cut
-    cannot pick the same dying process again."""
-    fd = os.pidfd_open(pid)
+    cannot pick the same dying process again. False if it had exited already: nothing was killed."""
     try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    try:
+        if select.select([fd], [], [], 0)[0]:  # readable before the signal: it had already exited
+            return False
         signal.pidfd_send_signal(fd, signal.SIGKILL)
         assert select.select([fd], [], [], 60)[0], f"process {pid} outlived SIGKILL by 60 s"
+        return True
     finally:
         os.close(fd)
 
