@@ -15,6 +15,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
+import anyio.lowlevel
+
+from zephon_stream.errors import ConnectorError
 
 __all__ = ["Fetch", "ReadWindow", "Spawn"]
 
@@ -23,10 +26,10 @@ Fetch = Callable[[int, int], Awaitable[bytes]]  # the bytes [start, end) of the 
 
 
 class _Part:
-    __slots__ = ("data", "error", "done")
+    __slots__ = ("data", "error", "done", "cancelled")
 
     def __init__(self) -> None:
-        self.data, self.error, self.done = b"", None, anyio.Event()
+        self.data, self.error, self.done, self.cancelled = b"", None, anyio.Event(), False
 
 
 class ReadWindow:
@@ -56,6 +59,9 @@ class ReadWindow:
             part.data = await self.fetch(start, end)
         except Exception as exc:  # raised where the part is taken, in the lane
             part.error = exc
+        except BaseException:  # cancelled (the lanes are stopping): the reader must not take b"" for the data
+            part.cancelled = True
+            raise
         finally:
             part.done.set()
 
@@ -72,4 +78,8 @@ class ReadWindow:
         await part.done.wait()
         if part.error is not None:
             raise part.error
+        if part.cancelled:  # the request's task was cancelled with the task group: so is this reader
+            await anyio.lowlevel.checkpoint()
+            raise ConnectorError(f"the read of bytes [{self.ranges[self._taken - 1][0]}, "
+                                 f"{self.ranges[self._taken - 1][1]}) was cancelled")
         return part.data
