@@ -20,7 +20,7 @@ import msgspec
 from zephon_stream.errors import ConfigError
 from zephon_stream.vision.image import ImageSpec
 
-__all__ = ["Backend", "Config", "ScheduleEntry", "SourceConfig", "VisionConfig"]
+__all__ = ["Backend", "Config", "ScheduleEntry", "SourceConfig", "TransformStep", "VisionConfig"]
 
 Backend = Literal["inline", "threads", "processes", "ray"]
 
@@ -75,6 +75,23 @@ class VisionConfig(ImageSpec, frozen=True, forbid_unknown_fields=True):
         return [getattr(self, f) for f in self.__struct_fields__ if f != "decode_batch"]
 
 
+class TransformStep(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One step of a source's `transforms`: exactly one of `map` and `filter`, an import path
+    (`"mypkg.clean:strip_boilerplate"`) of a pure function of the record (see
+    `zephon_stream.operators.transforms`)."""
+
+    map: str | None = None
+    filter: str | None = None
+
+    def __post_init__(self) -> None:
+        _check((self.map is None) != (self.filter is None), "transforms", {"map": self.map, "filter": self.filter},
+               'each step is exactly one of { map = "pkg.module:function" } or { filter = "pkg.module:function" }')
+        path = self.map or self.filter or ""
+        module, _, name = path.partition(":")
+        _check(bool(module) and bool(name) and " " not in path, "transforms", path,
+               'must be an import path "pkg.module:function"')
+
+
 class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
     """A named dataset: every `*.jsonl` and `*.jsonl.zst` object under `uri`, sorted by key.
 
@@ -103,9 +120,16 @@ class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
     addressing_style: Literal["auto", "path", "virtual"] | None = None
     connect_timeout: float = 10.0
     read_timeout: float = 30.0
+    messages_field: str | None = None  # makes it a chat source: the field holding a list of {role, content}
+    chat_template: str | None = None  # a Jinja file; unset: the tokenizer_config.json next to the tokenizer
+    loss_on: Literal["assistant", "last_assistant", "all"] = "assistant"
+    transforms: list[TransformStep] = []  # map / filter steps on each record, in order, before tokenizing
 
     def __post_init__(self) -> None:
         where = f"sources[{self.name}]"
+        if self.messages_field is not None:
+            _check(self.image_field is None, f"{where}.messages_field", self.messages_field,
+                   "a source is a chat source or an image+text source, not both: unset image_field")
         if self.image_field is not None:
             _check(bool(self.image_extensions), f"{where}.image_field", self.image_field,
                    'must list member extensions, e.g. "png" or "jpg;jpeg;png;webp"')
@@ -191,6 +215,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     read_ahead: int = 4  # ranged reads (1 MiB) of a split in flight per lane; 1 = one at a time
     vision: VisionConfig | None = None  # the [vision] table; needed by sources with image_field
     schedule: list[ScheduleEntry] = []  # [[schedule]] tables: weights from given global steps on (an order setting)
+    packing: Literal["concat", "best_fit", "none"] = "concat"  # how documents become samples
+    packing_window: int = 64  # best_fit: documents per lane that a sample is chosen from
+    truncate: bool = False  # packing = "none": cut a longer document at seq_len (counted) instead of splitting it
 
     def __post_init__(self) -> None:
         _check(0 <= self.seed < 1 << 64, "seed", self.seed, "must be in [0, 2**64): seeds are 64-bit")
@@ -215,6 +242,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         for field in ("workers", "cpu_threads", "tokenize_batch", "doc_buffer", "sample_buffer", "sample_batch",
                       "read_ahead"):
             _check(getattr(self, field) >= 1, field, getattr(self, field), "must be >= 1")
+        _check(self.packing_window >= 1, "packing_window", self.packing_window, "must be >= 1")
+        _check(not self.truncate or self.packing == "none", "truncate", self.truncate,
+               'applies to packing = "none" only (concat and best_fit split long documents)')
+        _check(self.packing == "concat" or self.vision is None, "packing", self.packing,
+               'image+text sources pack with "concat" only')
         _check(self.max_restarts >= 0, "max_restarts", self.max_restarts, "must be >= 0 (0: fail at the first death)")
         _check(self.ray_actors >= 1, "ray_actors", self.ray_actors, "must be >= 1")
         _check(self.ray_num_cpus > 0 and math.isfinite(self.ray_num_cpus), "ray_num_cpus", self.ray_num_cpus,
@@ -325,6 +357,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         tokenizer = self.tokenizer if Path(self.tokenizer).is_absolute() else str(root / self.tokenizer)
         sources = [msgspec.structs.replace(s, uri=_file_uri(root / s.uri)) if "://" not in s.uri else s
                    for s in self.sources]
+        sources = [msgspec.structs.replace(s, chat_template=str(root / s.chat_template))
+                   if s.chat_template is not None and not Path(s.chat_template).is_absolute() else s
+                   for s in sources]
         return self.replace(tokenizer=tokenizer, sources=sources)
 
     def replace(self, **changes: object) -> Config:
@@ -344,6 +379,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
             order["labels"] = self.labels
         order["split_plan"] = SPLIT_PLAN
         order["sources"] = [[s.name, s.weight, s.text_field] + ([s.image_field] if s.image_field else [])
+                            + (_chat_order(s, self.tokenizer) if s.messages_field is not None else [])
+                            + ([[[t.map, t.filter] for t in s.transforms]] if s.transforms else [])
                             for s in self.sources]
         if self.vision is not None:
             order["vision"] = self.vision.order_settings()
@@ -351,12 +388,23 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
             order["shuffle_scope"] = self.shuffle_scope
         if self.schedule:  # absent when empty: configs without one keep their digests (and checkpoints)
             order["schedule"] = [[e.step, self.check_weights(e.weights, "schedule")] for e in self.schedule]
+        if self.packing != "concat":  # absent at its default: older configs keep their digests
+            order.update(packing=self.packing, packing_window=self.packing_window, truncate=self.truncate)
         order["tokenizer_sha256"] = tokenizer_sha
         return order
 
     def order_digest(self, tokenizer_sha: str) -> str:
         """Digest of `order_settings`: equal digests, equal sample sequences on equal data."""
         return hashlib.sha256(msgspec.json.encode(self.order_settings(tokenizer_sha))).hexdigest()[:32]
+
+
+def _chat_order(s: SourceConfig, tokenizer: str) -> list[Any]:
+    """A chat source's order settings: its field, loss scope and the bytes of its template file (a
+    template edited in place is a new order), or of the tokenizer_config.json next to the
+    tokenizer when it has no `chat_template`."""
+    path = Path(s.chat_template) if s.chat_template is not None else Path(tokenizer).parent / "tokenizer_config.json"
+    template = path.read_bytes() if path.is_file() else b""
+    return [[s.messages_field, s.loss_on, hashlib.sha256(template).hexdigest()[:16]]]
 
 
 def _file_uri(path: Path) -> str:

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from zephon_stream.loader.config import Config, ScheduleEntry, SourceConfig, VisionConfig
+from zephon_stream.loader.config import Config, ScheduleEntry, SourceConfig, TransformStep, VisionConfig
 
 __all__ = ["EXECUTION", "MEANINGS", "config_reference", "undocumented"]
 
@@ -65,6 +65,12 @@ MEANINGS: dict[tuple[str, str], str] = {
     ("", "read_ahead"): "Ranged reads (up to 1 MiB) of a split in flight per lane; 1 = one at a time. ",
     ("", "vision"): "The `[vision]` table (below); needed by sources with `image_field`.",
     ("", "schedule"): "The `[[schedule]]` tables (below).",
+    ("", "packing"): '`"concat"`: concatenate documents and cut every seq_len tokens; `"best_fit"`: whole '
+                     'documents, chosen best-fit from a window, padded; `"none"`: one document per sample, padded. '
+                     "A document longer than seq_len is split into seq_len pieces under all three. ",
+    ("", "packing_window"): '`packing = "best_fit"`: documents per lane that each sample is filled from. ',
+    ("", "truncate"): '`packing = "none"`: cut a longer document at seq_len (counted in statistics) instead of '
+                      "splitting it. ",
     ("sources", "name"): "The source's name, unique: in schedules, statistics and digests.",
     ("sources", "uri"): "`file:///abs/dir/`, `s3://bucket/prefix/`, or a plain path relative to the config "
                         "file: every shard under it, sorted by key. ",
@@ -73,6 +79,14 @@ MEANINGS: dict[tuple[str, str], str] = {
                                "that holds the text. ",
     ("sources", "image_field"): "Makes it an image+text source: the tar member extensions (`png`, "
                                 "`jpg;jpeg;png`) or Parquet column that hold the image. ",
+    ("sources", "messages_field"): "Makes it a chat source: the field that holds a conversation, a list of "
+                                   "`{role, content}` messages (OpenAI / Hugging Face style). ",
+    ("sources", "chat_template"): "Chat sources: a Jinja chat template file (relative to the config file); "
+                                  "unset: the `chat_template` of the `tokenizer_config.json` next to the tokenizer. ",
+    ("sources", "loss_on"): 'Chat sources: the tokens trained on, `"assistant"` (every assistant message), '
+                            '`"last_assistant"` or `"all"`; labels are -100 elsewhere. ',
+    ("sources", "transforms"): "`[[sources.transforms]]` steps (below), applied to each record in order "
+                               "before tokenizing. ",
     ("sources", "endpoint_url"): "S3: the endpoint (http://host:port). ",
     ("sources", "region"): "S3: the region. ",
     ("sources", "addressing_style"): 'S3: `"auto"`, `"path"` or `"virtual"`. ',
@@ -92,6 +106,9 @@ MEANINGS: dict[tuple[str, str], str] = {
     ("vision", "pixel_dtype"): '`"uint8"`: raw pixels (normalise on the device with '
                                '`zephon_stream.vision.normalize`); `"float32"`: normalised on the host. ',
     ("vision", "decode_batch"): "Images per decode call. ",
+    ("transforms", "map"): '`"pkg.module:function"`: replaces each record with the function\'s result. ',
+    ("transforms", "filter"): '`"pkg.module:function"`: keeps the records for which it is true; the others are '
+                              "counted per source in statistics. ",
     ("schedule", "step"): "The global step from which `weights` apply. ",
     ("schedule", "weights"): "New weights by source name (relative), e.g. `{ web = 0.3, code = 0.7 }`. ",
 }
@@ -100,6 +117,7 @@ _TABLES: list[tuple[str, str, type[msgspec.Struct]]] = [
     ("", "Top level", Config),
     ("sources", "`[[sources]]` (one per source)", SourceConfig),
     ("vision", "`[vision]`", VisionConfig),
+    ("transforms", "`[[sources.transforms]]` (one per step, exactly one key)", TransformStep),
     ("schedule", "`[[schedule]]` (mixture schedule)", ScheduleEntry),
 ]
 
