@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["IGNORE", "Doc", "DocRef", "ImageDoc", "Sample"]
+__all__ = ["IGNORE", "ChatDoc", "Doc", "DocRef", "ImageDoc", "Sample", "trained_mask"]
 
 DocRef = tuple[int, int, int, int]  # (source, split position in the lane, decoded offset, length in bytes)
 Doc = tuple[DocRef, Any]  # (reference, token ids: a uint32 array, or text before tokenizing)
@@ -36,6 +36,35 @@ class ImageDoc:
 
     def __repr__(self) -> str:
         return f"ImageDoc({len(self.ids)} ids, image {self.image.shape[1]}x{self.image.shape[0]}, grid {self.grid})"
+
+
+class ChatDoc:
+    """The tokens of a rendered conversation, and which of them are trained on.
+
+    `trained[i]` is True where token `i` is a target (inside the spans of `loss_on`); a label
+    whose target is not trained is -100. `len()` and indexing act on the ids, as for `ImageDoc`.
+    """
+
+    __slots__ = ("ids", "trained")
+
+    def __init__(self, ids: np.ndarray, trained: np.ndarray) -> None:
+        if len(trained) != len(ids):
+            raise ValueError(f"ChatDoc: {len(ids)} ids but {len(trained)} trained flags")
+        self.ids, self.trained = ids, trained
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.ids[index]
+
+    def __repr__(self) -> str:
+        return f"ChatDoc({len(self.ids)} ids, {int(self.trained.sum())} trained)"
+
+
+def trained_mask(tokens: Any) -> np.ndarray | None:
+    """Which tokens of a document are targets: a ChatDoc's `trained`, None for all (text, images)."""
+    return tokens.trained if isinstance(tokens, ChatDoc) else None
 
 
 class Sample:
