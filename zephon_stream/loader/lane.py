@@ -97,7 +97,8 @@ class Lanes:
         if at is None:
             return None
         split = src.splits[self._perm(source, at[0])[at[1]]]
-        bad = self.parsers[source].bad.at(at[0]) if counting else BadRecords(cfg.on_bad_record)
+        # uncounted: a policy of its own, still bound to the epoch (transforms' per-record seeds depend on it)
+        bad = (self.parsers[source].bad if counting else BadRecords(cfg.on_bad_record)).at(at[0])
         return self._reader(source, split, bad, spawn=self.spawn, read_ahead=self.config.read_ahead)
 
     async def check_source(self, source: int) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from zephon_stream.connectors.base import Store
 from zephon_stream.engine.window import ReadWindow, Spawn
@@ -36,6 +36,9 @@ from zephon_stream.formats.parquet import (
 )
 from zephon_stream.operators.images import ImageRecord
 from zephon_stream.operators.read import BadRecords, ShardPlan, Split
+
+if TYPE_CHECKING:
+    from zephon_stream.operators.transforms import Records
 
 __all__ = ["ParquetParser", "ParquetSplitReader"]
 
@@ -131,13 +134,18 @@ class ParquetSplitReader:
 
 class ParquetParser:
     """Decodes blocks of Parquet rows into `(offset, 1, text)` records, or `(offset, 1, ImageRecord)`
-    with `image_field` (then `text_field` is the caption column)."""
+    with `image_field` (then `text_field` is the caption column).
+
+    With `records` (a source's transforms, or a chat source's field) each row is a dict of the
+    columns read, and `records.payload` makes the payload (a text longer than `max_record` after
+    the transforms is still a bad record)."""
 
     def __init__(self, text_field: str, image_field: str | None, on_bad: Literal["error", "skip"],
-                 max_record: int) -> None:
+                 max_record: int, records: Records | None = None) -> None:
         self.text_field, self.image_field, self.max_record = text_field, image_field, max_record
         self.on_bad = on_bad
         self.bad = BadRecords(on_bad)
+        self.records = records if records is not None and not records.plain else None
 
     @property
     def skipped(self) -> int:
@@ -153,6 +161,8 @@ class ParquetParser:
                 f"on_bad={self.on_bad!r})")
 
     def parse(self, reader: ParquetSplitReader, block_pos: int, block: Any) -> list[tuple[int, int, Any]]:
+        if self.records is not None:
+            return self._parse_records(reader, block_pos, block, self.records)
         texts = _values(block, self.text_field)
         images, names = _image_values(block, self.image_field) if self.image_field else (None, None)
         out = []
@@ -165,6 +175,25 @@ class ParquetParser:
                     out.append((pos, 1, self._image(reader, pos, text, images[i], names[i] if names else None)))
             except DataError as err:
                 reader.bad(err)  # the reader's policy: it counts into the epoch of its split
+        return out
+
+    def _parse_records(self, reader: ParquetSplitReader, block_pos: int, block: Any,
+                       records: Records) -> list[tuple[int, int, Any]]:
+        """Rows as dicts of the columns read (a dotted field also under its dotted name), through `records`."""
+        rows = block.to_pylist()
+        if records.field not in block.column_names:
+            for row, value in zip(rows, _values(block, records.field)):
+                row[records.field] = value
+        out = []
+        for i, row in enumerate(rows):
+            pos = block_pos + i
+            payload = records.payload(row, reader, pos)
+            if payload is None:
+                continue
+            try:
+                out.append((pos, 1, payload if records.chat else self._text(reader, pos, payload)))
+            except DataError as err:
+                reader.bad(err)
         return out
 
     def _error(self, reader: ParquetSplitReader, pos: int, column: str, what: str) -> DataError:

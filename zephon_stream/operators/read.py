@@ -37,7 +37,7 @@ import logging
 import math
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import msgspec
@@ -49,6 +49,9 @@ from zephon_stream.errors import ConfigError, DataError, IncompatibleState
 from zephon_stream.formats.gzip import GZIP_SUFFIXES, GzipStream, find_members
 from zephon_stream.formats.jsonl_zst import DECODE_PIECE, ZstdStream, read_seek_entries, walk_frames
 from zephon_stream.formats.parquet import PARQUET_SUFFIXES, chunk_bytes, read_footer, resolve_column
+
+if TYPE_CHECKING:
+    from zephon_stream.operators.transforms import Records
 
 __all__ = ["BadRecords", "FORMATS", "Parser", "SUFFIXES", "ShardPlan", "SourcePlan", "Split", "SplitReader",
            "plan_parquet", "plan_shard", "plan_source", "plan_splits"]
@@ -265,11 +268,15 @@ def _cut(index: int, shard: ShardPlan, pieces: int, content: bool) -> list[Split
 class BadRecords:
     """A source's bad-record policy: raise the DataError (`on_bad_record = "error"`) or count it,
     by the epoch of the split it was read in. A reader gets `at(epoch)`, bound to its split's epoch;
-    a record is counted once for each epoch that reads it."""
+    a record is counted once for each epoch that reads it. Records that a transform's filter
+    drops are counted here too (`filtered`), the same way."""
+
+    epoch = 0  # unbound: what a reader outside a lane's sequence (a source check, a test) counts into
 
     def __init__(self, on_bad: Literal["error", "skip"] = "error") -> None:
         self.skipping = on_bad == "skip"
         self.by_epoch: collections.Counter[int] = collections.Counter()
+        self.filtered_by_epoch: collections.Counter[int] = collections.Counter()
         self.first: str | None = None  # the first skipped record's error, for a later message
 
     @property
@@ -282,6 +289,10 @@ class BadRecords:
         self.by_epoch[epoch] += 1
         if self.first is None:
             self.first = str(err)
+
+    def filtered(self, epoch: int = 0) -> None:
+        """A filter dropped a record of `epoch`."""
+        self.filtered_by_epoch[epoch] += 1
 
     def at(self, epoch: int) -> _AtEpoch:
         """This policy, counting into `epoch`."""
@@ -300,6 +311,9 @@ class _AtEpoch:
 
     def __call__(self, err: DataError) -> None:
         self.records(err, self.epoch)
+
+    def filtered(self) -> None:
+        self.records.filtered(self.epoch)
 
 
 Piece = bytes | DataError  # decoded bytes, or a corrupt frame skipped at that point (skip mode)
@@ -542,15 +556,19 @@ def _nesting(line: bytes) -> int:
 
 
 class Parser:
-    """Decodes blocks of JSON lines into (offset, length, text) records, strictly.
+    """Decodes blocks of JSON lines into (offset, length, payload) records, strictly.
 
     `text_field` may be any JSON key. A record nesting deeper than 512 levels is a bad record
     (whatever the caller's stack depth, so the same records are skipped on every backend).
+    With `records` (a source's transforms, or a chat source's `messages_field`) a line is
+    decoded whole, as a JSON object, and `records.payload` makes the payload; without, only
+    the text field is decoded (the fast path).
     """
 
-    def __init__(self, text_field: str, on_bad: Literal["error", "skip"]) -> None:
+    def __init__(self, text_field: str, on_bad: Literal["error", "skip"], records: Records | None = None) -> None:
         self.text_field, self.on_bad = text_field, on_bad
         self.bad = BadRecords(on_bad)
+        self.records = records if records is not None and not records.plain else None
         try:
             record = msgspec.defstruct("Record", [("text", str)], rename={"text": text_field})
             self._record = msgspec.json.Decoder(record)
@@ -558,13 +576,16 @@ class Parser:
         except ValueError:  # a key msgspec cannot rename to (a quote, backslash or control character)
             self._fields = msgspec.json.Decoder(dict[str, msgspec.Raw])
             self._text = self._text_any_key
+        if self.records is not None:
+            self._text = _OBJECT.decode
 
     @property
     def skipped(self) -> int:
         return self.bad.count
 
     def __repr__(self) -> str:
-        return f"Parser(text_field={self.text_field!r}, on_bad={self.on_bad!r})"
+        more = f", records={self.records!r}" if self.records is not None else ""
+        return f"Parser(text_field={self.text_field!r}, on_bad={self.on_bad!r}{more})"
 
     def _text_field(self, line: bytes) -> str:
         return self._record.decode(line).text
@@ -575,8 +596,8 @@ class Parser:
             raise msgspec.ValidationError(f"Object missing required field `{self.text_field}`")
         return msgspec.json.decode(raw, type=str)
 
-    def parse(self, reader: SplitReader, block_pos: int, block: bytes) -> list[tuple[int, int, str]]:
-        """Records of `block` as (decoded offset, length incl. newline, text)."""
+    def parse(self, reader: SplitReader, block_pos: int, block: bytes) -> list[tuple[int, int, Any]]:
+        """Records of `block` as (decoded offset, length incl. newline, payload)."""
         out, pos = [], block_pos
         for line in block.split(b"\n"):
             n = len(line) + 1
@@ -588,12 +609,12 @@ class Parser:
             pos += n
         return out
 
-    def _decode(self, reader: SplitReader, pos: int, line: bytes) -> str | None:
-        """The text of one record, or None if it is bad and skipped."""
+    def _decode(self, reader: SplitReader, pos: int, line: bytes) -> Any:
+        """The payload of one record, or None if it is bad and skipped (or filtered out)."""
         try:
             if line.count(b"[") + line.count(b"{") > _MAX_DEPTH and _nesting(line) > _MAX_DEPTH:
                 raise _TooDeep
-            return self._text(line)
+            value = self._text(line)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, _TooDeep) as exc:
             hint = "" if self.bad.skipping else ' (set on_bad_record = "skip" to skip such records)'
             err = DataError(f"bad record in {reader.key!r} at {reader.where(pos)}: {_why(exc, line)}{hint}",
@@ -601,6 +622,10 @@ class Parser:
             err.__cause__ = exc
             reader.bad(err)  # the reader's policy: it counts into the epoch of its split
             return None
+        return value if self.records is None else self.records.payload(value, reader, pos)
+
+
+_OBJECT = msgspec.json.Decoder(dict[str, Any])  # a whole record, for transforms and chat sources
 
 
 def _why(exc: Exception, line: bytes) -> str:

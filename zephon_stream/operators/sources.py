@@ -16,6 +16,7 @@ from zephon_stream.loader.config import Config
 from zephon_stream.operators.images import ImageParser, TarSplitReader
 from zephon_stream.operators.parquet import ParquetParser, ParquetSplitReader
 from zephon_stream.operators.read import Parser, SourcePlan, Split, SplitReader
+from zephon_stream.operators.transforms import Records
 
 __all__ = ["make_parser", "make_reader"]
 
@@ -23,11 +24,12 @@ __all__ = ["make_parser", "make_reader"]
 def make_parser(config: Config, source: int, plan: SourcePlan) -> Parser | ImageParser | ParquetParser:
     """A fresh parser (with its own bad-record counter) for `source`."""
     src = config.sources[source]
+    records = Records(config, source)  # the source's transforms (resolved here, in every process) and payload
     if plan.format == "parquet":
-        return ParquetParser(plan.text_field, src.image_field, config.on_bad_record, config.max_record_bytes)
+        return ParquetParser(plan.text_field, src.image_field, config.on_bad_record, config.max_record_bytes, records)
     if plan.format == "tar":
         return ImageParser(plan.text_field, src.image_extensions, config.on_bad_record, config.max_record_bytes)
-    return Parser(plan.text_field, config.on_bad_record)
+    return Parser(plan.text_field, config.on_bad_record, records)
 
 
 def make_reader(config: Config, source: int, plan: SourcePlan, store: Store, split: Split, run_cpu: Any,
