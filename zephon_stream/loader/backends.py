@@ -40,14 +40,16 @@ from zephon_stream.loader.plan import DataPlan, open_stores
 from zephon_stream.loader.ray_backend import Wire, run_ray
 from zephon_stream.loader.restarts import Supervision, supervised
 from zephon_stream.loader.state import LaneState
+from zephon_stream.operators.read import RecordCounts
 from zephon_stream.operators.tokenize import Tokenize
 from zephon_stream.operators.types import Sample
 
 __all__ = ["NO_MAIN_GUARD", "check_spawn_allowed", "cpu_policy", "run_lanes"]
 
 Streams = dict[int, anyio.abc.ObjectReceiveStream[list[Sample]]]
-#: (streams, credit(lane), skipped records by epoch, the workers' store counters, worker restarts)
-LaneRun = tuple[Streams, Callable[[int], None], Callable[[], int], Callable[[], StoreStatistics], Callable[[], int]]
+#: (streams, credit(lane), records skipped and filtered, the workers' store counters, worker restarts)
+LaneRun = tuple[Streams, Callable[[int], None], Callable[[], RecordCounts], Callable[[], StoreStatistics],
+                Callable[[], int]]
 
 #: The exit status of a spawned worker that found itself importing a script without a main guard.
 NO_MAIN_GUARD = 86
@@ -75,7 +77,7 @@ async def run_lanes(config: Config, tokenizer: Tokenize, plan: DataPlan, stores:
             yield out
         return
     async with _run_local(config, plan, stores, tokenizer, states) as (streams, shared):
-        yield streams, lambda lane: None, shared.skipped_by_epoch, StoreStatistics, lambda: 0
+        yield streams, lambda lane: None, shared.record_counts, StoreStatistics, lambda: 0
 
 
 def check_spawn_allowed() -> None:
@@ -128,7 +130,7 @@ class _Msg(msgspec.Struct, array_like=True):
     lane: int = -1
     samples: list[tuple[int, bytes, bytes, bytes, list[int], int, LaneState, list[_Image], bytes, list[int]]] = []
     error: tuple[str, str] = ("", "")
-    epochs: dict[int, int] = {}  # "skipped": the worker's bad records skipped so far, by epoch
+    counts: RecordCounts = RecordCounts()  # "skipped": the worker's records skipped and filtered so far
 
 
 _enc = msgspec.msgpack.Encoder()
@@ -245,7 +247,7 @@ class _Workers:
                 self.sup.ended.add(msg.lane)
                 await self.sends[msg.lane].aclose()
             elif msg.kind == "skipped":
-                self.sup.set_skipped(w, msg.epochs)
+                self.sup.set_skipped(w, msg.counts)
             else:
                 raise _worker_error(*msg.error)
         return True
@@ -310,7 +312,7 @@ async def _forward(lane: int, recv: Any, credit: anyio.Semaphore, out: Any, shar
             await credit.acquire()
             _write_counters(shared.stores, counters)  # before the batch leaves: the parent sees its reads
             await out.send(_pack(lane, batch))
-            await out.send(_enc.encode(_Msg("skipped", epochs=shared.skipped_by_epoch())))
+            await out.send(_enc.encode(_Msg("skipped", counts=shared.record_counts())))
         _write_counters(shared.stores, counters)
         await out.send(_enc.encode(_Msg("end", lane)))
 

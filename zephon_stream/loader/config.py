@@ -344,7 +344,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         if vision is not None:
             lines += ["", "[vision]"] + [f"{k} = {_toml_value(v)}" for k, v in vision.items() if v is not None]
         for src in sources:
+            steps = src.pop("transforms", [])
             lines += ["", "[[sources]]"] + [f"{k} = {_toml_value(v)}" for k, v in src.items() if v is not None]
+            for step in steps:  # tables of the source above: [[sources.transforms]]
+                lines += ["[[sources.transforms]]"] + [f"{k} = {_toml_value(v)}" for k, v in step.items() if v]
         for entry in schedule:
             weights = ", ".join(f"{_toml_value(k)} = {_toml_value(v)}" for k, v in entry["weights"].items())
             lines += ["", "[[schedule]]", f"step = {entry['step']}", f"weights = {{ {weights} }}"]

@@ -45,7 +45,7 @@ from zephon_stream.operators.feed import Feed
 from zephon_stream.operators.images import VisionTokens
 from zephon_stream.operators.mix import Mix, Schedule
 from zephon_stream.operators.pack import Pack
-from zephon_stream.operators.read import BadRecords, SplitReader
+from zephon_stream.operators.read import BadRecords, RecordCounts, SplitReader
 from zephon_stream.operators.shuffle import Shuffle, ShuffleState
 from zephon_stream.operators.sources import make_parser, make_reader
 from zephon_stream.operators.tokenize import Tokenize
@@ -120,13 +120,21 @@ class Lanes:
                 if await self.run_cpu(parser.parse, reader, pos, block):
                     self._has_documents[source] = True
                     return
+        filtered = sum(parser.bad.filtered_by_epoch.values())
         what = (f"all {parser.skipped} of its records are bad and skipped (on_bad_record = \"skip\"); the first: "
-                f"{parser.bad.first}" if parser.skipped else "its shards hold nothing but blank lines")
+                f"{parser.bad.first}" if parser.skipped else
+                f"its transforms' filters drop all {filtered} of its records" if filtered else
+                "its shards hold nothing but blank lines")
         raise DataError(f"source {src.name!r} ({src.uri}) yields no document in a whole epoch of its "
                         f"{len(src.splits)} splits, so no batch could ever be made: {what}")
 
     def skipped(self) -> int:
         return sum(p.skipped for p in self.parsers)
+
+    def record_counts(self) -> RecordCounts:
+        """Bad records skipped and records filtered out so far (each once per epoch that read it)."""
+        return RecordCounts(self.skipped_by_epoch(), {s: dict(p.bad.filtered_by_epoch)
+                                                      for s, p in enumerate(self.parsers) if p.bad.filtered_by_epoch})
 
     def skipped_by_epoch(self) -> dict[int, int]:
         """Bad records skipped so far, by the epoch that read them (each once per epoch)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,9 @@ from zephon_stream.loader.sequencer import check_world, consumed, rank_lanes, ra
 from zephon_stream.loader.state import FORMAT_VERSION, LaneState, LoaderState, StateHeader, check_lane_state
 from zephon_stream.operators.collate import collate, padding_sample
 from zephon_stream.operators.mix import Schedule
+from zephon_stream.operators.read import RecordCounts
 from zephon_stream.operators.tokenize import Tokenize
+from zephon_stream.operators.transforms import Transform, check_transforms, with_transforms
 from zephon_stream.operators.types import Sample
 
 __all__ = ["BatchStream", "Frontier", "Loader", "LoaderStatistics"]
@@ -49,6 +51,8 @@ class LoaderStatistics(msgspec.Struct, frozen=True):
     source_shares: dict[str, float] = {}  # the same as shares of their sum: the realized mix
     weights: dict[str, float] = {}  # the weights in force at the next step (schedule and set_weights)
     worker_restarts: int = 0  # lane workers (processes, Ray actors) that died and were started again
+    filtered_records: dict[str, int] = {}  # records each source's filters dropped, each once per epoch that read it
+    filtered_by_epoch: dict[int, int] = {}  # the same, all sources, by the epoch whose split held them
 
 
 #: Steps back that `Loader.state_dict(step=...)` can still give: more than a trainer prefetches.
@@ -133,15 +137,21 @@ class Loader:
 
     def __init__(self, config: Config, *, dp_rank: int | None = None, dp_size: int | None = None,
                  dp_group: Any = None, device_mesh: Any = None, mesh_dim: str = "dp",
-                 backend: str | None = None, wrap_store: StoreWrapper | None = None) -> None:
+                 backend: str | None = None, wrap_store: StoreWrapper | None = None,
+                 transforms: Mapping[str, Sequence[Transform]] | None = None) -> None:
         """`dp_rank`/`dp_size` come, in order of precedence, from the arguments, from `dp_group`
         (a torch.distributed process group), from `device_mesh[mesh_dim]`, or from the default
         process group when torch.distributed is initialized; else rank 0 of 1. Ranks that share a
-        DP rank (tensor/pipeline/context-parallel peers) receive identical batches."""
+        DP rank (tensor/pipeline/context-parallel peers) receive identical batches.
+
+        `transforms` ({source name: [Map(fn), Filter(fn)]}) appends steps to those sources'
+        `transforms`, as their import paths (`zephon_stream.operators.transforms`)."""
+        config = with_transforms(config, transforms)
         if dp_size is None:
             dp_rank, dp_size = _dist_rank_size(dp_group, device_mesh, mesh_dim) if dp_rank is None else (dp_rank, 1)
         self.config = config.replace(backend=backend) if backend else config
         self.dp_rank, self.dp_size = dp_rank or 0, dp_size
+        check_transforms(self.config)  # every path imports here, before a worker starts
         check_world(config.lanes, config.global_batch_size, self.dp_size, self.dp_rank)
         self.tokenizer = _tokenizer(config)
         import torch  # noqa: F401  (loaded here, not on the event loop at the first batch)
@@ -156,7 +166,7 @@ class Loader:
         self._plan: DataPlan | None = None
         self._streams: dict[int, Any] = {}
         self._store_stats: list[Any] = []
-        self._skipped: Callable[[], dict[int, int]] = dict
+        self._skipped: Callable[[], RecordCounts] = RecordCounts
         self._worker_stores: Callable[[], StoreStatistics] = StoreStatistics
         self._restarts: Callable[[], int] = lambda: 0  # of the lanes' current run
         self._restarts_before = 0
@@ -451,7 +461,8 @@ class Loader:
         buffered = sum(s.statistics().current_buffer_used for s in self._streams.values())
         stores = [s.statistics() for s in self._store_stats] + [self._worker_stores()]
         skipped_shards = sum(len(s.skipped_shards) for s in self._plan.sources) if self._plan else 0
-        skipped = self._skipped()
+        counts = self._skipped()
+        skipped = counts.skipped
         return LoaderStatistics(
             step=self.step, samples=self.frontier.samples, tokens=self.frontier.tokens,
             skipped_records=sum(skipped.values()), skipped_by_epoch=skipped, skipped_shards=skipped_shards,
@@ -459,7 +470,15 @@ class Loader:
             buffer_capacity=self.config.sample_buffer * len(self.lanes),
             store_requests=sum(s.requests for s in stores), store_retries=sum(s.retries for s in stores),
             store_bytes_read=sum(s.bytes_read for s in stores), **self._mix_statistics(),
-            worker_restarts=self._restarts_before + self._restarts())
+            worker_restarts=self._restarts_before + self._restarts(), **self._filtered(counts))
+
+    def _filtered(self, counts: RecordCounts) -> dict[str, Any]:
+        by_epoch: collections.Counter[int] = collections.Counter()
+        for epochs in counts.filtered.values():
+            by_epoch.update(epochs)
+        return {"filtered_records": {s.name: sum(counts.filtered.get(i, {}).values())
+                                     for i, s in enumerate(self.config.sources) if s.transforms},
+                "filtered_by_epoch": dict(sorted(by_epoch.items()))}
 
     def _mix_statistics(self) -> dict[str, Any]:
         names = [s.name for s in self.config.sources]

@@ -44,6 +44,7 @@ from zephon_stream.loader.config import Config
 from zephon_stream.loader.plan import DataPlan, open_stores
 from zephon_stream.loader.restarts import Supervision, supervised
 from zephon_stream.loader.state import LaneState
+from zephon_stream.operators.read import RecordCounts
 from zephon_stream.operators.tokenize import Tokenize
 from zephon_stream.operators.types import Sample
 
@@ -68,7 +69,7 @@ class _Reply(msgspec.Struct, array_like=True):
 
     kind: str  # "batch" | "end" | "error"
     batch: bytes = b""
-    skipped: dict[int, int] = {}  # records the actor's lanes skipped so far, by epoch
+    skipped: RecordCounts = RecordCounts()  # records the actor's lanes skipped and filtered so far
     counters: tuple[int, int, int] = (0, 0, 0)  # the actor's store requests, retries, bytes_read
     error: tuple[str, str] = ("", "")
 
@@ -90,7 +91,7 @@ class _LaneActor:
         self.turn: dict[int, anyio.Condition] = {}
         self.next: dict[int, int] = {}
         self.error = ("", "")
-        self.skipped: Callable[[], dict[int, int]] = dict
+        self.skipped: Callable[[], RecordCounts] = RecordCounts
         self.stores: list[Store] = []
         self.task: Any = None
 
@@ -114,7 +115,7 @@ class _LaneActor:
                 self.stores = await open_stores(cfg, stack, self.wrap_store)
                 tokenizer = Tokenize.for_config(cfg)
                 async with self.run_local(cfg, plan, self.stores, tokenizer, states) as (streams, shared):
-                    self.streams, self.skipped = streams, shared.skipped_by_epoch
+                    self.streams, self.skipped = streams, shared.record_counts
                     self.ready.set()
                     await anyio.sleep_forever()  # the lanes run until the trainer side kills this actor
         except BaseException as exc:  # answered to the next pulls, then raised by the trainer side

@@ -18,7 +18,6 @@ less those still waiting here, so the bound on what is in flight holds across re
 
 from __future__ import annotations
 
-import collections
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -28,6 +27,7 @@ import anyio
 from zephon_stream.errors import ZephonError
 from zephon_stream.loader.config import Config
 from zephon_stream.loader.state import LaneState
+from zephon_stream.operators.read import RecordCounts
 from zephon_stream.operators.types import Sample
 
 __all__ = ["Supervision", "supervised"]
@@ -45,8 +45,8 @@ class Supervision:
         self.outstanding = {lane: 0 for lane in states}  # batches received here, not yet taken by the sequencer
         self.ended: set[int] = set()
         self.restarts = [0] * len(groups)
-        self._skipped: list[dict[int, int]] = [{} for _ in groups]  # the live worker's counts, by epoch
-        self._skipped_before: list[collections.Counter[int]] = [collections.Counter() for _ in groups]  # dead ones
+        self._skipped = [RecordCounts() for _ in groups]  # the live worker's counts (bad records, filtered)
+        self._skipped_before = [RecordCounts() for _ in groups]  # the dead ones'
 
     def received(self, lane: int, samples: list[Sample]) -> None:
         if samples:
@@ -67,16 +67,12 @@ class Supervision:
     def states(self, w: int) -> list[LaneState]:
         return [self.last[lane] for lane in self.live(w)]
 
-    def set_skipped(self, w: int, by_epoch: dict[int, int]) -> None:
-        self._skipped[w] = by_epoch
+    def set_skipped(self, w: int, counts: RecordCounts) -> None:
+        self._skipped[w] = counts
 
-    def skipped(self) -> dict[int, int]:
-        """Bad records skipped by every worker, live and dead, by epoch."""
-        out: collections.Counter[int] = collections.Counter()
-        for live, dead in zip(self._skipped, self._skipped_before):
-            out.update(live)
-            out.update(dead)
-        return dict(sorted(out.items()))
+    def skipped(self) -> RecordCounts:
+        """Records skipped (bad) and filtered out by every worker, live and dead."""
+        return sum((c for pair in zip(self._skipped, self._skipped_before) for c in pair), RecordCounts())
 
     def lost(self, w: int, what: str) -> None:
         """Worker `w` died (`what` says how): count a restart, or raise once `max_restarts` are spent."""
@@ -87,8 +83,8 @@ class Supervision:
                 f"{[self.last[lane].samples for lane in self.live(w)]}; see the worker's output for why it died "
                 "(memory? a signal?), then raise max_restarts or resume from the last checkpoint")
         self.restarts[w] += 1
-        self._skipped_before[w].update(self._skipped[w])
-        self._skipped[w] = {}
+        self._skipped_before[w] += self._skipped[w]
+        self._skipped[w] = RecordCounts()
 
     def total_restarts(self) -> int:
         return sum(self.restarts)

@@ -53,8 +53,8 @@ from zephon_stream.formats.parquet import PARQUET_SUFFIXES, chunk_bytes, read_fo
 if TYPE_CHECKING:
     from zephon_stream.operators.transforms import Records
 
-__all__ = ["BadRecords", "FORMATS", "Parser", "SUFFIXES", "ShardPlan", "SourcePlan", "Split", "SplitReader",
-           "plan_parquet", "plan_shard", "plan_source", "plan_splits"]
+__all__ = ["BadRecords", "FORMATS", "Parser", "RecordCounts", "SUFFIXES", "ShardPlan", "SourcePlan", "Split",
+           "SplitReader", "plan_parquet", "plan_shard", "plan_source", "plan_splits"]
 
 SUFFIXES = (".jsonl", ".jsonl.zst", *GZIP_SUFFIXES)  # JSON lines, read by SplitReader
 FORMATS = {"lines": SUFFIXES, "parquet": PARQUET_SUFFIXES, "tar": (".tar",)}  # a source's shards are one of these
@@ -297,6 +297,26 @@ class BadRecords:
     def at(self, epoch: int) -> _AtEpoch:
         """This policy, counting into `epoch`."""
         return _AtEpoch(self, epoch)
+
+
+class RecordCounts(msgspec.Struct, frozen=True, array_like=True):
+    """What the parsers of a process (or several, summed with `+`) counted so far: bad records
+    skipped by epoch, and records that filters dropped, by source and epoch. Workers send it to
+    the loader, which shows it in `statistics()`."""
+
+    skipped: dict[int, int] = {}  # epoch -> bad records skipped
+    filtered: dict[int, dict[int, int]] = {}  # source -> epoch -> records filtered out
+
+    def __add__(self, other: RecordCounts) -> RecordCounts:
+        filtered = {s: dict(_summed(self.filtered.get(s, {}), other.filtered.get(s, {})))
+                    for s in sorted(self.filtered.keys() | other.filtered.keys())}
+        return RecordCounts(dict(sorted(_summed(self.skipped, other.skipped).items())), filtered)
+
+
+def _summed(a: dict[int, int], b: dict[int, int]) -> collections.Counter[int]:
+    out = collections.Counter(a)
+    out.update(b)
+    return out
 
 
 class _AtEpoch:
