@@ -34,6 +34,7 @@ from typing import Any
 
 import anyio
 
+from zephon_stream.chat import ChatTokens
 from zephon_stream.connectors.base import Store
 from zephon_stream.engine.operator import Operator
 from zephon_stream.engine.rng import mix64, permutation
@@ -67,6 +68,8 @@ class Lanes:
         self.images = [s.image_field is not None for s in config.sources]
         self.parsers = [self._parser(s) for s in range(len(plan.sources))]
         self.vision = VisionTokens(config.vision, tokenizer, config.seq_len) if any(self.images) else None
+        self.chats = [ChatTokens.for_source(config, s, tokenizer) if src.messages_field is not None else None
+                      for s, src in enumerate(config.sources)]
         self._perm = lru_cache(maxsize=8)(self._permutation)
         self.spawn: Callable[..., Any] | None = None  # the lanes' task group, for read-ahead requests
         self._has_documents = [False] * len(plan.sources)  # checked once per process, see `check_source`
@@ -149,10 +152,13 @@ class Lanes:
 
     def tokenize(self, source: int, docs: list[Doc], key: str, bad: Any = None) -> list[Doc]:
         """Tokenize documents of `source` read from shard `key` (images: decode, resize and tokenize;
-        a bad image is raised, or skipped and counted by `bad`, the reader's policy)."""
+        conversations: render with the chat template and mark the trained tokens; a bad image or
+        conversation is raised, or skipped and counted by `bad`, the reader's policy)."""
         if self.images[source]:
             assert self.vision is not None
             return self.vision(docs, bad or self.parsers[source].bad, key)
+        if (chat := self.chats[source]) is not None:  # conversations: rendered, tokenized, trained tokens marked
+            return chat(docs, bad or self.parsers[source].bad, key)
         return [(ref, ids) for (ref, _), ids in zip(docs, self.tokenizer([t for _, t in docs]))]
 
 

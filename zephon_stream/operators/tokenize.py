@@ -70,5 +70,9 @@ class Tokenize:
             out.append(arr)
         return out
 
+    def encodings(self, texts: list[str]) -> list[Any]:
+        """The `tokenizers` Encodings of `texts` (ids and character offsets), no special tokens added."""
+        return self._tok.encode_batch(texts, add_special_tokens=False)
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)

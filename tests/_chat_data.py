@@ -1,0 +1,140 @@
+"""Chat test data: public chat template formats, a BPE tokenizer with their special tokens, and
+conversations.
+
+Real conversations come from the Python 3.11 FAQ (Debian's `python3.11-doc`, fetched into the
+cache by `tools.corpus`): each FAQ question (a section heading) is a user message and its
+section's text the assistant's answer, the FAQ's title the system message. Nothing is invented.
+Small generated conversations are built from the test corpus words (`tests.core.conftest.WORDS`).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from tests.core.conftest import make_docs
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
+           "<|end_header_id|>", "<|eot_id|>", "<s>", "</s>"]
+
+# The templates below are the public formats, written out; each `*_GEN` is the same format with
+# `{% generation %}` markers around what an assistant mask marks (the content and the end of turn).
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>'"
+          " + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML_GEN = ("{% for message in messages %}{% if message['role'] == 'assistant' %}{{'<|im_start|>assistant\n'}}"
+              "{% generation %}{{message['content'] + '<|im_end|>'}}{% endgeneration %}{{'\n'}}{% else %}"
+              "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endif %}"
+              "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+# Llama 3 (Meta-Llama-3-8B-Instruct): BOS written by the template, content trimmed
+LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+          "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + "
+          "'<|eot_id|>' %}"
+          "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+LLAMA3_GEN = ("{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+              "'<|end_header_id|>\n\n' }}{% if message['role'] == 'assistant' %}{% generation %}"
+              "{{ message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}{% else %}"
+              "{{ message['content'] | trim + '<|eot_id|>' }}{% endif %}{% endfor %}")
+
+# Llama 2 chat: the system prompt folded into the first user turn, roles that must alternate
+# (raise_exception), BOS before each user turn and EOS after each assistant turn
+LLAMA2 = ("{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}{% set system_message = "
+          "messages[0]['content'] %}{% else %}{% set loop_messages = messages %}{% set system_message = false %}"
+          "{% endif %}{% for message in loop_messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+          "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+          "{% if loop.index0 == 0 and system_message != false %}{% set content = '<<SYS>>\\n' + system_message + "
+          "'\\n<</SYS>>\\n\\n' + message['content'] %}{% else %}{% set content = message['content'] %}{% endif %}"
+          "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+          "{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}"
+          "{% endfor %}")
+LLAMA2_GEN = LLAMA2.replace("{{ ' '  + content.strip() + ' ' + eos_token }}",
+                            "{{ ' ' }}{% generation %}{{ content.strip() + ' ' + eos_token }}{% endgeneration %}")
+
+# Qwen 2.5 style: a default system prompt when the conversation has none
+QWEN = ("{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + "
+        "'<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a "
+        "helpful assistant.<|im_end|>\\n' }}{%- endif %}{%- for message in messages %}{%- if message.role == 'user' or "
+        "(message.role == 'system' and not loop.first) or message.role == 'tool' %}{{- '<|im_start|>' + message.role + "
+        "'\\n' + message.content + '<|im_end|>' + '\\n' }}{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + "
+        "message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}")
+QWEN_GEN = QWEN.replace("{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}",
+                        "{{- '<|im_start|>' + message.role + '\\n' }}{% generation %}{{- message.content + "
+                        "'<|im_end|>' }}{% endgeneration %}{{- '\\n' }}")
+
+# name: (plain template, marked template, eos_token, bos_token)
+TEMPLATES: dict[str, tuple[str, str, str, str | None]] = {
+    "chatml": (CHATML, CHATML_GEN, "<|endoftext|>", None),
+    "llama3": (LLAMA3, LLAMA3_GEN, "<|endoftext|>", "<|begin_of_text|>"),
+    "llama2": (LLAMA2, LLAMA2_GEN, "</s>", "<s>"),
+    "qwen": (QWEN, QWEN_GEN, "<|endoftext|>", None),
+}
+
+
+def train_tokenizer(path: Path, texts: list[str]) -> Path:
+    """A byte-level BPE with the templates' special tokens, trained on `texts`, saved at `path`."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.save(str(path))
+    return path
+
+
+def word_conversations(seed: int, n: int, turns: int = 3) -> list[list[dict[str, Any]]]:
+    """Generated conversations of the test corpus words: an optional system message, then
+    user/assistant turns (contents with edge spaces and newlines, some empty)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        conv = [{"role": "system", "content": make_docs(rng, 1, 8)[0]}] if rng.random() < 0.5 else []
+        for _ in range(rng.randint(1, turns)):
+            for role in ("user", "assistant"):
+                text = make_docs(rng, 1, 30)[0]
+                conv.append({"role": role, "content": rng.choice(["", " ", "\n"]) + text if rng.random() < 0.3
+                             else text})
+        out.append(conv)
+    return out
+
+
+_HEADING = re.compile(r"^(?P<title>\S.*)\n(?P<line>([=\-~^\"'`#*+])\3{2,})\n", re.MULTILINE)
+
+
+def faq_conversations(max_turns: int = 3) -> list[list[dict[str, Any]]]:
+    """Conversations from the Python 3.11 FAQ (questions and their answers, in order), or skip."""
+    from tools.corpus import ensure_debian_docs
+
+    root = ensure_debian_docs()
+    faq = root / "usr/share/doc/python3.11/html/_sources/faq" if root else None
+    if faq is None or not faq.is_dir():
+        pytest.skip("the Python 3.11 FAQ (Debian python3.11-doc) is not in the cache and cannot be fetched "
+                    "(apt-get download unavailable)")
+    out = []
+    for path in sorted(faq.glob("*.rst.txt")):
+        title, pairs = _questions(path.read_text(encoding="utf-8"))
+        for i in range(0, len(pairs), max_turns):
+            conv = [{"role": "system", "content": title}]
+            for question, answer in pairs[i:i + max_turns]:
+                conv += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+            out.append(conv)
+    assert out, f"no questions found under {faq}"
+    return out
+
+
+def _questions(text: str) -> tuple[str, list[tuple[str, str]]]:
+    """An FAQ file's title and its (question heading, answer text) sections, in order."""
+    heads = [m for m in _HEADING.finditer(text) if len(m["line"]) >= len(m["title"].rstrip())]
+    pairs = []
+    for m, nxt in zip(heads, heads[1:] + [None]):
+        body = text[m.end():nxt.start() if nxt else len(text)].strip()
+        if m["title"].rstrip().endswith("?") and body:
+            pairs.append((m["title"].strip(), body))
+    title = next((m["title"].strip() for m in heads if not m["title"].strip().endswith("?")), "Python FAQ")
+    return title, pairs

@@ -1,0 +1,324 @@
+"""Chat templates and trained tokens (`zephon_stream.chat`), checked against `transformers`.
+
+For each public template format (ChatML, Llama 3, Llama 2 with its system prompt, Qwen 2.5's
+default system prompt), with and without `{% generation %}` markers, the token ids and trained
+flags equal `transformers`' `apply_chat_template(..., return_assistant_tokens_mask=True)` on the
+marked template, exactly: on the Python FAQ's questions and answers and on generated
+conversations. `transformers` is only a test dependency; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests._chat_data import (
+    CHATML,
+    CHATML_GEN,
+    LLAMA2,
+    TEMPLATES,
+    faq_conversations,
+    train_tokenizer,
+    word_conversations,
+)
+from tests.core.conftest import make_docs
+from zephon_stream.chat import FIXED_NOW, ROLES, ChatTemplate, ChatTokens, load_template, token_mask
+from zephon_stream.errors import ConfigError, DataError
+from zephon_stream.operators.read import BadRecords
+from zephon_stream.operators.tokenize import Tokenize
+
+REF = (0, 0, 0, 1)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import random
+
+    return train_tokenizer(tmp_path_factory.mktemp("chat") / "tokenizer.json", make_docs(random.Random(5), 400, 40))
+
+
+def _tokens(path: Path, name: str, marked: bool, loss_on: str = "assistant") -> ChatTokens:
+    plain, gen, eos, bos = TEMPLATES[name]
+    template = ChatTemplate(gen if marked else plain, name, {"eos_token": eos, "bos_token": bos})
+    return ChatTokens(template, Tokenize(str(path), eos, bos), loss_on)
+
+
+def _reference(path: Path, name: str, conversations: list[list[dict[str, Any]]]) -> list[tuple[list[int], list[int]]]:
+    """`transformers`' ids and assistant mask of each conversation, on the marked template."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+
+    _, gen, eos, bos = TEMPLATES[name]
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(path)), eos_token=eos,
+                                              bos_token=bos)
+    out = []
+    for conv in conversations:
+        got = hf.apply_chat_template(conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                                     chat_template=gen)
+        out.append((list(got["input_ids"]), list(got["assistant_masks"])))
+    return out
+
+
+def _expected(tok: Tokenize, ids: list[int], mask: list[int], all_trained: bool = False) -> tuple[list[int], list[int]]:
+    """The document the loader makes of a render's ids: BOS first unless there, EOS last unless there."""
+    head = [tok.bos_id] if tok.bos_id is not None and ids[:1] != [tok.bos_id] else []
+    tail = [] if ids[-1:] == [tok.eos_id] else [tok.eos_id]
+    return head + ids + tail, [0] * len(head) + mask + [int(all_trained)] * len(tail)
+
+
+def _check_equal(tokens: ChatTokens, path: Path, name: str, conversations: list[list[dict[str, Any]]]) -> int:
+    docs = tokens([(REF, c) for c in conversations], BadRecords(), "test.jsonl")
+    assert len(docs) == len(conversations)
+    trained = 0
+    for (_, doc), (ids, mask) in zip(docs, _reference(path, name, conversations)):
+        want_ids, want_mask = _expected(tokens.tokenizer, ids, mask)
+        assert doc.ids.tolist() == want_ids
+        assert doc.trained.astype(int).tolist() == want_mask
+        trained += int(doc.trained.sum())
+    return trained
+
+
+@pytest.mark.parametrize("marked", [False, True], ids=["prefix-renders", "generation-markers"])
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_python_faq_matches_transformers(tokenizer_path, name, marked):
+    conversations = faq_conversations()
+    if name == "llama2":  # its roles must alternate after the system prompt: they do
+        assert all(m["role"] == ("user", "assistant")[i % 2] for c in conversations for i, m in enumerate(c[1:]))
+    assert _check_equal(_tokens(tokenizer_path, name, marked), tokenizer_path, name, conversations) > 10_000
+
+
+@pytest.mark.parametrize("marked", [False, True], ids=["prefix-renders", "generation-markers"])
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_generated_conversations_match_transformers(tokenizer_path, name, marked):
+    conversations = word_conversations(seed=len(name), n=60)
+    assert _check_equal(_tokens(tokenizer_path, name, marked), tokenizer_path, name, conversations) > 0
+
+
+@pytest.mark.parametrize("marked", [False, True])
+def test_last_assistant_is_the_last_run_of_the_assistant_mask(tokenizer_path, marked):
+    conversations = word_conversations(seed=9, n=40, turns=4)
+    tokens = _tokens(tokenizer_path, "chatml", marked, "last_assistant")
+    tokenizer = tokens.tokenizer
+    docs = tokens([(REF, c) for c in conversations], None, "k")
+    for (_, doc), (ids, mask) in zip(docs, _reference(tokenizer_path, "chatml", conversations)):
+        last = np.array(mask)
+        runs = np.flatnonzero(np.diff(np.concatenate([[0], last])) == 1)  # where each run of ones starts
+        last[:runs[-1]] = 0
+        assert doc.trained.astype(int).tolist() == _expected(tokenizer, ids, last.tolist())[1]
+
+
+def test_all_trains_every_token_but_bos(tokenizer_path):
+    conversations = word_conversations(seed=3, n=20)
+    for name in ("chatml", "llama3"):
+        tokens = _tokens(tokenizer_path, name, False, "all")
+        for (_, doc), (ids, _) in zip(tokens([(REF, c) for c in conversations], None, "k"),
+                                      _reference(tokenizer_path, name, conversations)):
+            want_ids, _ = _expected(tokens.tokenizer, ids, [1] * len(ids), all_trained=True)
+            assert doc.ids.tolist() == want_ids
+            bos = tokens.tokenizer.bos_id  # llama3: the template writes it; chatml: none
+            assert doc.trained.astype(int).tolist() == [int(not (k == 0 and i == bos)) for k, i in enumerate(want_ids)]
+
+
+def test_bos_and_eos_are_added_once(tokenizer_path):
+    conv = [{"role": "user", "content": "the loader"}, {"role": "assistant", "content": "reads a shard"}]
+    tok = Tokenize(str(tokenizer_path), "</s>", "<s>")
+    llama2 = ChatTokens(ChatTemplate(LLAMA2, "llama2", {"eos_token": "</s>", "bos_token": "<s>"}), tok, "assistant")
+    (_, doc), = llama2([(REF, conv)], None, "k")
+    assert doc.ids.tolist().count(tok.bos_id) == 1 and doc.ids[0] == tok.bos_id  # the template's own BOS
+    assert doc.ids.tolist().count(tok.eos_id) == 1 and doc.ids[-1] == tok.eos_id  # and its own EOS, trained
+    assert doc.trained[-1] and not doc.trained[0]
+    chatml = ChatTokens(ChatTemplate(CHATML, "chatml"), tok, "assistant")
+    (_, doc), = chatml([(REF, conv)], None, "k")
+    assert doc.ids[0] == tok.bos_id and doc.ids[-1] == tok.eos_id  # added: the template writes neither
+    assert not doc.trained[0] and not doc.trained[-1]  # the loader's EOS is trained under "all" only
+    assert tok.decode(doc.ids[doc.trained].tolist()) == "reads a shard<|im_end|>"
+
+
+def test_trained_text_is_the_content_and_the_end_of_turn(tokenizer_path):
+    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is a lane?"},
+            {"role": "assistant", "content": "  a lane reads splits\n"}, {"role": "user", "content": "and?"},
+            {"role": "assistant", "content": ""}]
+    for name, want in [("chatml", "  a lane reads splits\n<|im_end|><|im_end|>"),
+                       ("llama3", "a lane reads splits<|eot_id|><|eot_id|>")]:
+        tokens = _tokens(tokenizer_path, name, False)
+        text, spans = tokens.template.spans(conv, "assistant")
+        assert "".join(text[a:b] for a, b in spans) == want
+        assert _tokens(tokenizer_path, name, True).template.spans(conv, "assistant") == (text, spans)
+
+
+def test_generation_marks_survive_buffered_output(tokenizer_path):
+    """A generation block inside a macro: its output is buffered before it is written, which
+    would shift recorded indices; marks travel with the text."""
+    template = ("{% macro turn(m) %}<{{ m.role }}>{% if m.role == 'assistant' %}{% generation %}{{ m.content }}</a>"
+                "{% endgeneration %}{% else %}{{ m.content }}{% endif %}{{ '\\n' }}{% endmacro %}"
+                "{% for m in messages %}{{ turn(m) }}{% endfor %}")
+    conv = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "shard"},
+            {"role": "user", "content": "y"}, {"role": "assistant", "content": "lane"}]
+    text, spans = ChatTemplate(template).spans(conv, "assistant")
+    assert text == "<user>x\n<assistant>shard</a>\n<user>y\n<assistant>lane</a>\n"
+    assert [text[a:b] for a, b in spans] == ["shard</a>", "lane</a>"]
+    assert ChatTemplate(template).spans(conv, "last_assistant")[1] == spans[-1:]
+
+
+def test_marks_avoid_characters_in_the_conversation():
+    conv = [{"role": "user", "content": "\ue000\ue001"}, {"role": "assistant", "content": "\ue002 ok"}]
+    text, spans = ChatTemplate(CHATML_GEN).spans(conv, "assistant")
+    assert text == ChatTemplate(CHATML).render(conv)
+    assert [text[a:b] for a, b in spans] == ["\ue002 ok<|im_end|>"]
+    assert ChatTemplate(CHATML).spans(conv, "assistant") == (text, spans)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.integers(0, 4)), max_size=20),
+       st.lists(st.tuples(st.integers(0, 30), st.integers(0, 6)), max_size=5))
+def test_token_mask_is_transformers_single_pass_rule(tokens, spans):
+    """token_mask equals the loop of `transformers`' apply_chat_template for sorted tokens and spans."""
+    offsets = np.array(sorted((s, s + n) for s, n in tokens), dtype=np.int64).reshape(-1, 2)
+    cut, spans_ = 0, []
+    for start, n in sorted(spans):  # disjoint, in order, as renders give them
+        if start >= cut:
+            spans_.append((start, start + n))
+            cut = start + n + 1
+    want, k = [0] * len(offsets), 0
+    for i, (s, e) in enumerate(offsets.tolist()):
+        while k < len(spans_) and s >= spans_[k][1]:
+            k += 1
+        if k == len(spans_):
+            break
+        if e > spans_[k][0]:
+            want[i] = 1
+    assert token_mask(offsets, spans_).astype(int).tolist() == want
+
+
+# ---- refusals and bad input ------------------------------------------------------------------
+
+def test_a_template_whose_prefixes_are_not_prefixes_is_refused():
+    closing = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if loop.last %}<end>{% endif %}{% endfor %}"
+    conv = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    with pytest.raises(DataError, match=r"not incremental.*first 1 messages is not a prefix.*generation"):
+        ChatTemplate(closing).spans(conv, "assistant")
+    assert ChatTemplate(closing).spans(conv, "all") == ("<user>x<assistant>y<end>", [(0, 24)])
+
+
+def test_content_the_template_changes_is_trained_as_rendered():
+    """A template that renders only part of the content (reasoning dropped, as Qwen 3 does): the
+    part between the head and the tail of the turn is trained."""
+    think = ("{% for m in messages %}<{{ m.role }}>{% if '</think>' in m.content %}"
+             "{{ m.content.split('</think>')[1] }}{% else %}{{ m.content }}{% endif %}<end>{% endfor %}")
+    conv = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "<think>a lane</think>b"}]
+    text, spans = ChatTemplate(think).spans(conv, "assistant")
+    assert text == "<user>x<end><assistant>b<end>" and [text[a:b] for a, b in spans] == ["b<end>"]
+
+
+def test_a_turn_whose_surroundings_depend_on_the_content_is_refused():
+    tools = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if 'call(' in m.content %}<call>{% else %}"
+             "<end>{% endif %}{% endfor %}")
+    conv = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "call(lane)"}]
+    with pytest.raises(DataError, match=r"message 1 \(assistant\) in a way its content cannot be found.*generation"):
+        ChatTemplate(tools).spans(conv, "assistant")
+
+
+@pytest.mark.parametrize(("messages", "problem"), [
+    ([], "the conversation is empty"),
+    ("hello", "the conversation is str 'hello', not a list of messages"),
+    ([{"content": "x"}], "message 0 has no role"),
+    ([{"role": "user", "content": "x"}, {"role": "robot", "content": "y"}],
+     "message 1 has role 'robot'; a role is one of system, user, assistant, tool"),
+    ([{"role": "user", "content": ["x"]}], r"message 0 \(user\) has content that is list \['x'\], not a string"),
+    ([{"role": "assistant", "content": None}], r"message 0 \(assistant\) has content that is null"),
+    ([{"role": "user"}], r"message 0 \(user\) has no content"),
+    (["user: x"], "message 0 is str 'user: x', not an object"),
+    ([{"role": "assistant", "content": "x"}, {"role": "assistant", "content": "y"}],
+     "raised on its first 1 messages: TemplateError: Conversation roles must alternate"),
+])
+def test_bad_conversations_are_data_errors_naming_the_shard(tokenizer_path, messages, problem):
+    tokens = _tokens(tokenizer_path, "llama2", False)
+    with pytest.raises(DataError, match=problem) as info:
+        tokens([((0, 3, 4096, 80), messages)], BadRecords(), "sft/part-0.jsonl")
+    assert info.value.key == "sft/part-0.jsonl" and info.value.offset == 4096
+    assert "bad conversation in 'sft/part-0.jsonl' (the record at byte 4096 of its split)" in str(info.value)
+
+
+def test_bad_conversations_are_skipped_and_counted(tokenizer_path):
+    good = word_conversations(seed=1, n=3)
+    bad_ones = [[], [{"role": "robot", "content": "x"}], [{"role": "user", "content": 3}],
+                [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}]]
+    docs = [((0, 0, i, 1), c) for i, c in enumerate(good[:1] + bad_ones + good[1:])]
+    skip = BadRecords("skip")
+    out = _tokens(tokenizer_path, "llama2", False)(docs, skip.at(2), "k")
+    assert [ref[2] for ref, _ in out] == [0, 5, 6]
+    assert skip.count == 4 and skip.by_epoch == {2: 4} and "the conversation is empty" in skip.first
+
+
+def test_a_template_that_raises_anything_is_a_data_error():
+    for body, what in [("{{ 1 // 0 }}", "ZeroDivisionError"), ("{{ messages[0].content.nope() }}", "UndefinedError"),
+                       ("{{ raise_exception('no tools here') }}", "TemplateError: no tools here")]:
+        with pytest.raises(DataError, match=f"raised on the whole conversation: {what}"):
+            ChatTemplate(body).render([{"role": "tool", "content": "x"}])
+
+
+def test_the_sandbox_refuses_python_internals():
+    escape = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    with pytest.raises(DataError, match="SecurityError|UndefinedError"):
+        ChatTemplate(escape).render([{"role": "user", "content": "x"}])
+    ns = "{% set ns = namespace(_hidden=1) %}{{ ns }}"
+    with pytest.raises(DataError, match="SecurityError: .*underscore"):
+        ChatTemplate(ns).render([{"role": "user", "content": "x"}])
+    with pytest.raises(DataError, match="SecurityError"):  # immutable: a template cannot change the conversation
+        ChatTemplate("{{ messages.append(1) }}").render([{"role": "user", "content": "x"}])
+
+
+def test_the_environment_is_the_one_of_transformers():
+    t = ChatTemplate("  {% for m in messages %}\n{{ m.content | tojson }}{% break %}{% endfor %}\n"
+                     "{{ dict(a=1) | tojson(indent=1) }}|{{ strftime_now('%Y-%m-%d') }}")
+    # lstrip_blocks and trim_blocks drop the block lines' whitespace; tojson keeps <, > and non-ASCII
+    assert t.render([{"role": "user", "content": "<é>"}, {"role": "user", "content": "2"}]) == \
+        f'"<é>"{{\n "a": 1\n}}|{FIXED_NOW:%Y-%m-%d}'
+    assert ROLES == ("system", "user", "assistant", "tool")
+
+
+# ---- loading a template ----------------------------------------------------------------------
+
+def test_template_from_a_file_with_special_tokens_from_tokenizer_config(tmp_path):
+    (tmp_path / "t.jinja").write_text("{{ bos_token }}{{ messages[0].content }}{{ eos_token }}")
+    tok = str(tmp_path / "tokenizer.json")
+    t = load_template(str(tmp_path / "t.jinja"), tok, defaults={"eos_token": "<eos>", "bos_token": None})
+    assert t.render([{"role": "user", "content": "x"}]) == "x<eos>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"content": "<|begin_of_text|>", "special": True}, "eos_token": "<|eot_id|>",
+        "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ bos_token }}"}]}))
+    t = load_template(str(tmp_path / "t.jinja"), tok, defaults={"eos_token": "<eos>"})
+    assert t.render([{"role": "user", "content": "x"}]) == "<|begin_of_text|>x<|eot_id|>"
+    assert load_template(None, tok).render([{"role": "user", "content": "x"}]) == "D<|begin_of_text|>"
+
+
+def test_a_missing_template_says_what_to_set(tmp_path):
+    tok = str(tmp_path / "tokenizer.json")
+    with pytest.raises(ConfigError, match=r"source 'sft' is a chat source .* there is no .*tokenizer_config.json\. "
+                                          r"Set chat_template = "):
+        load_template(None, tok, "source 'sft'")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    with pytest.raises(ConfigError, match="tokenizer_config.json has no chat_template. Set chat_template"):
+        load_template(None, tok, "source 'sft'")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "a", "template": "A"},
+                                                                                  {"name": "b", "template": "B"}]}))
+    with pytest.raises(ConfigError, match="several chat templates .a, b. and none named 'default'"):
+        load_template(None, tok)
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="is not a readable JSON file"):
+        load_template(None, tok)
+    (tmp_path / "tokenizer_config.json").unlink()
+    with pytest.raises(ConfigError, match="chat_template '/nonexistent/t.jinja' cannot be read"):
+        load_template("/nonexistent/t.jinja", tok)
+
+
+def test_a_template_that_does_not_compile_is_a_config_error(tmp_path):
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}\n{{ m.content }\n")
+    with pytest.raises(ConfigError, match=r"t.jinja does not compile \(line 2\)"):
+        load_template(str(tmp_path / "t.jinja"), str(tmp_path / "tokenizer.json"))
