@@ -42,12 +42,14 @@ from zephon_stream.errors import DataError, IncompatibleState
 from zephon_stream.loader.config import Config
 from zephon_stream.loader.plan import DataPlan
 from zephon_stream.loader.state import LaneState, split_at
+from zephon_stream.operators.best_fit import BestFitPack
 from zephon_stream.operators.feed import Feed
 from zephon_stream.operators.images import VisionTokens
 from zephon_stream.operators.mix import Mix, Schedule
 from zephon_stream.operators.pack import Pack
 from zephon_stream.operators.read import BadRecords, RecordCounts, SplitReader
 from zephon_stream.operators.shuffle import Shuffle, ShuffleState
+from zephon_stream.operators.single import SinglePack
 from zephon_stream.operators.sources import make_parser, make_reader
 from zephon_stream.operators.tokenize import Tokenize
 from zephon_stream.operators.types import Doc, DocRef, Sample
@@ -162,6 +164,15 @@ class Lanes:
         return [(ref, ids) for (ref, _), ids in zip(docs, self.tokenizer([t for _, t in docs]))]
 
 
+def _packer(cfg: Config, pad: int, upstream: Operator[Doc]) -> Operator[Sample]:
+    """The lane's last operator, as `packing` says: concat, best_fit (a window) or none (one document each)."""
+    if cfg.packing == "best_fit":
+        return BestFitPack(cfg.seq_len, pad, cfg.mask_cross_document_labels, cfg.packing_window, upstream)
+    if cfg.packing == "none":
+        return SinglePack(cfg.seq_len, pad, cfg.truncate, upstream)
+    return Pack(cfg.seq_len, pad, cfg.mask_cross_document_labels, upstream)
+
+
 class TextLane:
     """One lane, a composition of operators: its output depends only on (config, seed, lane id, data).
 
@@ -187,7 +198,7 @@ class TextLane:
                        self.source_shuffles or self.sources)
         self.shuffle = Shuffle(0 if by_source else cfg.shuffle_window, cfg.seed, lane, self.mix)
         pad = shared.tokenizer.eos_id if cfg.pad_token_id is None else cfg.pad_token_id
-        self.pack = Pack(cfg.seq_len, pad, cfg.mask_cross_document_labels, self.shuffle)
+        self.pack = _packer(cfg, pad, self.shuffle)
 
     def __repr__(self) -> str:
         return f"TextLane({self.lane})"

@@ -53,6 +53,10 @@ class LoaderStatistics(msgspec.Struct, frozen=True):
     worker_restarts: int = 0  # lane workers (processes, Ray actors) that died and were started again
     filtered_records: dict[str, int] = {}  # records each source's filters dropped, each once per epoch that read it
     filtered_by_epoch: dict[int, int] = {}  # the same, all sources, by the epoch whose split held them
+    # packing = "none" with truncate: documents cut at seq_len in the samples this rank's lanes handed
+    # out since the run began (counted in the lane states, so resumes keep them), and their tokens dropped
+    truncated_documents: int = 0
+    truncated_tokens: int = 0
 
 
 #: Steps back that `Loader.state_dict(step=...)` can still give: more than a trainer prefetches.
@@ -470,7 +474,9 @@ class Loader:
             buffer_capacity=self.config.sample_buffer * len(self.lanes),
             store_requests=sum(s.requests for s in stores), store_retries=sum(s.retries for s in stores),
             store_bytes_read=sum(s.bytes_read for s in stores), **self._mix_statistics(),
-            worker_restarts=self._restarts_before + self._restarts(), **self._filtered(counts))
+            worker_restarts=self._restarts_before + self._restarts(), **self._filtered(counts),
+            truncated_documents=sum(ls.pack.truncated for ls in self.frontier.lanes.values()),
+            truncated_tokens=sum(ls.pack.dropped for ls in self.frontier.lanes.values()))
 
     def _filtered(self, counts: RecordCounts) -> dict[str, Any]:
         by_epoch: collections.Counter[int] = collections.Counter()

@@ -2,15 +2,16 @@
 
 A lane's state nests the states of its operators, in pipeline order, plus the lane's own
 counters; it holds counters, cursors and document references, never payloads: restore
-re-reads the (at most `shuffle_window + 1`) referenced documents. Its size is bounded by the
-shuffle window and the number of sources, whatever the dataset size or position.
+re-reads the (at most `shuffle_window + 1`, plus `packing_window` with best_fit packing)
+referenced documents. Its size is bounded by the shuffle and packing windows and the number of
+sources, whatever the dataset size or position.
 
 ```
 LaneState(lane=3, samples=120, done=False,
           sources=[FeedState(position=4, offset=8812), ...],   # one per source: the next unread document
           mix=MixState(counts=[...], position=517, since=0, base=[]),   # since/base: see operators.mix
           shuffle=ShuffleState(window=[(0, 4, 1200, 310), ...], pulls=453),
-          pack=PackState(carry=(1, 2, 0, 2048), offset=96))
+          pack=PackState(carry=(1, 2, 0, 2048), offset=96))   # best_fit: window=[((0, 3, 88, 940), 0), ...]
 ```
 
 Format 2 is this nesting; format 1 (one flat record per lane) is still read and converted.
@@ -231,8 +232,8 @@ def _check_counters(ls: LaneState, config: Config, bad: Refusal) -> None:
     if not config.shuffle_window and shuffle.pulls:
         bad("shuffle.pulls", shuffle.pulls, "must be 0 with shuffle_window = 0")
     if ls.done and (not config.max_epochs or shuffle.window or any(w.window for w in ls.shuffles)
-                    or pack.carry is not None):
-        bad("done", ls.done, "a lane is done only with max_epochs > 0, once its window and carry are empty")
+                    or pack.carry is not None or pack.window):
+        bad("done", ls.done, "a lane is done only with max_epochs > 0, once its windows and carry are empty")
 
 
 def _by_source(config: Config) -> bool:
@@ -293,8 +294,7 @@ def _check_refs(ls: LaneState, config: Config, bad: Refusal) -> None:
     if len(ls.shuffle.window) > config.shuffle_window:
         bad("shuffle.window", f"{len(ls.shuffle.window)} documents",
             f"holds at most shuffle_window = {config.shuffle_window}")
-    if ls.pack.carry is None and ls.pack.offset:
-        bad("pack.offset", ls.pack.offset, "must be 0 when no document is carried")
+    _check_pack(ls.pack, config, bad)
     seen: set[tuple[int, int, int]] = set()
     for field, ref in _refs(ls):
         source, position, offset, length = ref
@@ -313,7 +313,33 @@ def _check_refs(ls: LaneState, config: Config, bad: Refusal) -> None:
 def _refs(ls: LaneState) -> list[tuple[str, DocRef]]:
     refs = [(f"shuffle.window[{i}]", ref) for i, ref in enumerate(ls.shuffle.window)]
     refs += [(f"shuffles[{s}].window[{i}]", ref) for s, w in enumerate(ls.shuffles) for i, ref in enumerate(w.window)]
+    refs += [(f"pack.window[{i}]", ref) for i, (ref, _) in enumerate(ls.pack.window)]
     return refs + ([("pack.carry", ls.pack.carry)] if ls.pack.carry is not None else [])
+
+
+def _check_pack(pack: PackState, config: Config, bad: Refusal) -> None:
+    """The fields each packing strategy writes: concat and none a carry (and none with truncate
+    its counters, never a carry), best_fit a window of pieces starting at multiples of seq_len."""
+    if pack.carry is None and pack.offset:
+        bad("pack.offset", pack.offset, "must be 0 when no document is carried")
+    if config.packing == "best_fit":
+        if pack.carry is not None:
+            bad("pack.carry", tuple(pack.carry), 'packing = "best_fit" carries nothing but its window')
+        if len(pack.window) > config.packing_window:
+            bad("pack.window", f"{len(pack.window)} documents", f"holds at most packing_window = "
+                f"{config.packing_window}")
+    elif pack.window:
+        bad("pack.window", f"{len(pack.window)} documents", f'only packing = "best_fit" has a window, not '
+            f"{config.packing!r}")
+    offsets = [off for _, off in pack.window] + ([pack.offset] if config.packing != "concat" else [])
+    if any(off < 0 or off % config.seq_len for off in offsets):
+        bad("pack.window" if pack.window else "pack.offset", offsets, f"pieces start at multiples of seq_len = "
+            f"{config.seq_len}")
+    if pack.truncated < 0 or pack.dropped < pack.truncated or (pack.truncated and not config.truncate):
+        bad("pack.truncated", (pack.truncated, pack.dropped), "counts cut documents and their dropped tokens "
+            "(0 <= truncated <= dropped), only with truncate = true")
+    if config.truncate and pack.carry is not None:
+        bad("pack.carry", tuple(pack.carry), "with truncate a document is never carried past its sample")
 
 
 def split_at(n_splits: int, lanes: int, max_epochs: int, lane: int, position: int) -> tuple[int, int] | None:

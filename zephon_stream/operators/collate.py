@@ -20,7 +20,7 @@ import numpy as np
 
 from zephon_stream.operators.types import IGNORE, Sample
 
-__all__ = ["collate", "padding_sample", "sample_digests", "source_tokens"]
+__all__ = ["collate", "document_ids", "padding_sample", "sample_digests", "source_tokens"]
 
 
 def padding_sample(seq_len: int, pad_id: int, lane: int, index: int) -> Sample:
@@ -34,6 +34,12 @@ def collate(samples: list[Sample], step: int, slots: range, config: Any = None) 
 
     `cu_seqlens` are the document boundaries over the flattened batch (padding is one segment
     of its own), ready for varlen attention; `num_tokens` counts non-padding tokens per sample.
+    `document_ids` `[B, seq_len]` numbers the documents (pieces of documents) of each sample
+    0, 1, 2... in order and marks padding -1, the per-token ids flex attention's document mask
+    compares: `doc[b, q] == doc[b, kv]` and `q >= kv` keeps every row non-empty (a padding
+    query sees the padding before it) and never lets a token see another document.
+    `labels` are -100 where a target is not trained (a chat source's tokens outside `loss_on`,
+    image spans, and, with `mask_cross_document_labels`, across documents).
     `segment_sources` gives the source index of each of those segments (-1 for padding), e.g. for
     per-source losses: `segment_sources.repeat_interleave(cu_seqlens.diff())` is a source per token.
     """
@@ -55,6 +61,7 @@ def collate(samples: list[Sample], step: int, slots: range, config: Any = None) 
         "input_ids": torch.from_numpy(np.stack([s.input_ids for s in samples]).astype(np.int64)),
         "labels": torch.from_numpy(np.stack([s.labels for s in samples]).astype(np.int64)),
         "position_ids": torch.from_numpy(np.stack([s.position_ids for s in samples]).astype(np.int64)),
+        "document_ids": torch.from_numpy(np.stack([document_ids(s.segments, seq_len) for s in samples])),
         "cu_seqlens": torch.tensor(bounds, dtype=torch.int32),
         "segment_sources": torch.tensor(sources, dtype=torch.int64),
         "max_seqlen": int(lengths.max()) if len(lengths) else 0,
@@ -68,6 +75,14 @@ def collate(samples: list[Sample], step: int, slots: range, config: Any = None) 
     if config is not None and config.vision is not None:
         batch.update(_images(samples, config.vision))
     return batch
+
+
+def document_ids(segments: Sequence[int], seq_len: int) -> np.ndarray:
+    """Which segment of a sample each position belongs to (0, 1, ...), -1 for padding: int64 `[seq_len]`."""
+    out = np.full(seq_len, -1, dtype=np.int64)
+    filled = sum(segments)
+    out[:filled] = np.repeat(np.arange(len(segments), dtype=np.int64), segments)
+    return out
 
 
 def _images(samples: list[Sample], vision: Any) -> dict[str, object]:
@@ -95,7 +110,8 @@ def sample_digests(batch: dict[str, Any], source_names: Sequence[str] = ()) -> l
     `sha256` digests the sample's `input_ids` (little-endian uint32); `pixels_sha256` the bytes
     of its rows of `pixel_values` exactly as in the batch (null without images); `source_tokens`
     the sample's non-padding tokens per source, by name (`source_names`, in config order; without
-    them, by index as a string).
+    them, by index as a string); `trained` the positions of its `labels` (as the batch holds them:
+    shifted, or unshifted with `labels = "unshifted"`) that are not -100.
     """
     ids = batch["input_ids"].numpy().astype("<u4")
     per_sample: list[list[bytes]] = [[] for _ in range(len(ids))]
@@ -105,13 +121,14 @@ def sample_digests(batch: dict[str, Any], source_names: Sequence[str] = ()) -> l
         starts = np.cumsum([0, *counts])
         for i, row in enumerate(batch["image_sample"].tolist()):
             per_sample[row].append(np.ascontiguousarray(pixels[starts[i]:starts[i + 1]]).tobytes())
+    trained = (batch["labels"] != IGNORE).sum(dim=1).tolist()
     return [{"step": batch["step"], "slot": slot, "lane": lane, "tokens": n,
              "sha256": hashlib.sha256(row.tobytes()).hexdigest(), "images": len(images),
              "pixels_sha256": hashlib.sha256(b"".join(images)).hexdigest() if images else None,
-             "source_tokens": tokens}
-            for row, slot, lane, n, images, tokens in zip(ids, batch["slots"].tolist(), batch["lanes"].tolist(),
-                                                          batch["num_tokens"].tolist(), per_sample,
-                                                          source_tokens(batch, source_names))]
+             "source_tokens": tokens, "trained": t}
+            for row, slot, lane, n, images, tokens, t in zip(ids, batch["slots"].tolist(), batch["lanes"].tolist(),
+                                                             batch["num_tokens"].tolist(), per_sample,
+                                                             source_tokens(batch, source_names), trained)]
 
 
 def source_tokens(batch: dict[str, Any], source_names: Sequence[str] = ()) -> list[dict[str, int]]:

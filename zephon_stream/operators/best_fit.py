@@ -1,0 +1,113 @@
+"""BestFitPack (`packing = "best_fit"`): whole documents, chosen best-fit from a bounded window.
+
+```
+docs:     a:5  b:6  c:2  d:3  e:12  f:1  g:4        (length after ':'; seq_len = 8, packing_window = 3)
+window:   [a b c]      a, the oldest, opens sample 1 (3 left); refilled: [b c d]; d (3) fits best
+samples:  [a a a a a d d d]  [b b b b b b c c]  [e e e e e e e e]  [e e e e g g g g]  [f . . . . . . .]
+document_ids: 0 0 0 0 0 1 1 1 ...                   [0 0 0 0 1 1 1 1]  [0 -1 -1 ...]
+```
+
+Each sample opens with the window's oldest piece, then takes, while space is left, the largest
+piece that fits in it (ties: the oldest); the window is topped up from upstream after every
+piece taken. So a sample is a pure function of the window's contents, and every document
+leaves the window within the samples its older pieces fill (within `window` samples for
+documents no longer than `seq_len`): no periodic flush is needed, and none happens.
+
+A document longer than `seq_len` is cut into `seq_len` pieces, never dropped: it stays in the
+window with the offset of its next piece (`e` above: 8, then 4 and `g` beside it). Labels are
+each token's target in its document (`pack.assemble`), so the last label of a piece is the first
+token of the next piece. At the end of the data (`max_epochs > 0`) the window drains.
+
+The state is the window: `(document reference, offset)` per entry, in window order; restore
+re-reads those documents, so a checkpoint holds at most `window` references, whatever the data.
+"""
+
+from __future__ import annotations
+
+from zephon_stream.engine.operator import Operator, Resolve, refuse
+from zephon_stream.operators.pack import Cut, PackState, assemble, check_counters, check_piece
+from zephon_stream.operators.types import Doc, DocRef, Sample
+
+__all__ = ["BestFitPack"]
+
+
+class BestFitPack:
+    def __init__(self, seq_len: int, pad_id: int, mask_cross_document: bool, window: int,
+                 upstream: Operator[Doc]) -> None:
+        if seq_len < 2:
+            raise ValueError(f"BestFitPack seq_len must be >= 2, got {seq_len}")
+        if window < 1:
+            raise ValueError(f"BestFitPack window must be >= 1 document, got {window}")
+        self.seq_len, self.pad_id, self.mask, self.size = seq_len, pad_id, mask_cross_document, window
+        self.upstream = upstream
+        self.window: list[tuple[Doc, int]] = []  # (document, its tokens already packed), oldest first
+        self._ended = False
+
+    def __repr__(self) -> str:
+        return f"BestFitPack(seq_len={self.seq_len}, window={self.size}, mask_cross_document={self.mask})"
+
+    async def next(self) -> Sample | None:
+        await self._fill()
+        if not self.window:
+            return None
+        cuts = [self._take(0)]
+        free = self.seq_len - cuts[0].take
+        while free:
+            await self._fill()
+            best = self._best(free)
+            if best is None:
+                break
+            cuts.append(self._take(best))
+            free -= cuts[-1].take
+        return assemble(cuts, self.seq_len, self.pad_id, self.mask)
+
+    async def _fill(self) -> None:
+        while not self._ended and len(self.window) < self.size:
+            doc = await self.upstream.next()
+            if doc is None:
+                self._ended = True
+            else:
+                self.window.append((doc, 0))
+
+    def _best(self, free: int) -> int | None:
+        """The window position of the largest piece that fits in `free` tokens (the oldest of equals)."""
+        best, at = 0, None
+        for i, (doc, offset) in enumerate(self.window):
+            piece = min(len(doc[1]) - offset, self.seq_len)
+            if best < piece <= free:
+                best, at = piece, i
+                if piece == free:
+                    break
+        return at
+
+    def _take(self, i: int) -> Cut:
+        """Take the next piece of the document at window position `i`; the rest stays in its place."""
+        doc, offset = self.window[i]
+        take = min(len(doc[1]) - offset, self.seq_len)
+        if offset + take == len(doc[1]):
+            del self.window[i]
+        else:
+            self.window[i] = (doc, offset + take)
+        return Cut(doc, offset, take)
+
+    def state(self) -> PackState:
+        return PackState(None, 0, [(doc[0], offset) for doc, offset in self.window])
+
+    def refs(self, state: PackState) -> list[DocRef]:
+        return [tuple(ref) for ref, _ in state.window]
+
+    def restore(self, state: PackState, resolve: Resolve) -> None:
+        check_counters(state, window=True, truncate=False)
+        if state.carry is not None or state.offset:
+            refuse("pack.carry", (state.carry, state.offset), 'packing = "best_fit" carries nothing but its window')
+        refs = self.refs(state)
+        if len(refs) > self.size:
+            refuse("pack.window", f"{len(refs)} documents", f"holds at most packing_window = {self.size}")
+        if len(set(refs)) != len(refs):
+            refuse("pack.window", refs, "refers to the same document twice")
+        window = [(resolve(ref), offset) for ref, (_, offset) in zip(refs, state.window)]
+        for i, (doc, offset) in enumerate(window):
+            check_piece(f"pack.window[{i}]", doc, offset, self.seq_len, "the document")
+        self.window, self._ended = window, False
+
+
