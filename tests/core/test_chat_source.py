@@ -1,0 +1,234 @@
+"""Chat sources end to end: JSONL records with a `messages` field, rendered with a ChatML template.
+
+Labels are checked against an oracle that reads the batch's own tokens (ChatML turns open with
+the special token `<|im_start|>`, then the role and a newline, and close with `<|im_end|>`): a
+label is the next token where that token lies in an assistant turn's content or end, else -100.
+Exactly once, checkpoint resume and the processes backend are checked on the same data.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from tests._chat_data import CHATML, faq_conversations, train_tokenizer, word_conversations
+from tests.core.conftest import make_docs
+from zephon_stream import ConfigError, DataError
+from zephon_stream.chat import ChatTokens
+from zephon_stream.loader.config import Config, SourceConfig
+from zephon_stream.loader.loader import Loader
+from zephon_stream.operators.tokenize import Tokenize
+from zephon_stream.operators.types import IGNORE
+from zephon_stream.testing.determinism import lane_token_streams, rank_records
+
+STEPS = 10
+
+
+def _plain(conversations: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+    """Contents without edge whitespace, so the oracle's header newline is a token of its own."""
+    return [[{**m, "content": m["content"].strip() or "the"} for m in c] for c in conversations]
+
+
+def _write(root: Path, conversations: list[list[dict[str, Any]]], shards: int = 3) -> None:
+    root.mkdir(parents=True)
+    per = -(-len(conversations) // shards)
+    for s in range(shards):
+        part = conversations[s * per:(s + 1) * per]
+        (root / f"part-{s}.jsonl").write_bytes(b"".join(msgspec.json.encode({"id": i, "messages": c}) + b"\n"
+                                                        for i, c in enumerate(part)))
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[dict[str, Any]]]]:
+    root = tmp_path_factory.mktemp("chat")
+    conversations = _plain(word_conversations(seed=21, n=360, turns=3))
+    _write(root / "sft", conversations)
+    train_tokenizer(root / "tokenizer.json", make_docs(random.Random(5), 400, 40))
+    (root / "chatml.jinja").write_text(CHATML)
+    return root, conversations
+
+
+def _config(root: Path, **changes: Any) -> Config:
+    cfg = Config(seed=1234, lanes=12, seq_len=64, global_batch_size=24, tokenizer=str(root / "tokenizer.json"),
+                 shuffle_window=8, split_bytes=4096, sample_batch=2,
+                 sources=[SourceConfig(name="sft", uri=f"file://{root}/sft/", messages_field="messages",
+                                       chat_template=str(root / "chatml.jinja"))])
+    return cfg.replace(**changes)
+
+
+@pytest.fixture()
+def chat_config(chat_data) -> Config:
+    return _config(chat_data[0])
+
+
+def oracle_trained(ids: list[int], tok: Tokenizer) -> tuple[np.ndarray, int]:
+    """Which tokens a ChatML assistant mask marks, read from the tokens alone; and the first
+    position the oracle knows (a sample may open inside a turn: its role is not in the sample)."""
+    start, end = tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>")
+    trained = np.zeros(len(ids), dtype=bool)
+    role: str | None = None
+    header: list[int] | None = None
+    known = next((i for i, t in enumerate(ids) if t == start), len(ids))
+    for i, t in enumerate(ids[known:], known):
+        if t == start:
+            header, role = [], None
+        elif header is not None:
+            header.append(t)
+            if "\n" in tok.decode([t], skip_special_tokens=False):
+                role, header = tok.decode(header, skip_special_tokens=False).strip(), None
+        elif role == "assistant":
+            trained[i] = True
+            if t == end:
+                role = None
+    return trained, known
+
+
+def _check_labels(batch: dict[str, Any], tok: Tokenizer) -> int:
+    """Labels against the oracle in every row; the number of positions checked that are trained."""
+    trained_seen = 0
+    for row, labels in zip(batch["input_ids"].tolist(), batch["labels"].tolist()):
+        trained, known = oracle_trained(row, tok)
+        for j in range(known, len(row) - 1):  # the last label's target opens the next sample
+            assert labels[j] == (row[j + 1] if trained[j + 1] else IGNORE), (j, row, labels)
+            trained_seen += bool(trained[j + 1])
+    return trained_seen
+
+
+def test_labels_are_ignored_outside_assistant_turns(chat_config):
+    tok = Tokenizer.from_file(chat_config.tokenizer)
+    seen = 0
+    for step, batch in enumerate(Loader(chat_config, backend="threads")):
+        seen += _check_labels(batch, tok)
+        if step == STEPS:
+            break
+    assert seen > 1000
+
+
+def test_python_faq_conversations_end_to_end(tmp_path, chat_data):
+    conversations = faq_conversations()
+    _write(tmp_path / "sft", conversations, shards=2)
+    cfg = _config(chat_data[0], seq_len=256, lanes=4, global_batch_size=8).replace(
+        sources=[SourceConfig(name="faq", uri=f"file://{tmp_path}/sft/", messages_field="messages",
+                              chat_template=str(chat_data[0] / "chatml.jinja"))])
+    tok = Tokenizer.from_file(cfg.tokenizer)
+    seen = sum(_check_labels(batch, tok) for batch in Loader(cfg.replace(max_epochs=1), backend="threads"))
+    assert seen > 20_000
+
+
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_every_conversation_once_per_epoch_with_its_trained_labels(chat_config, chat_data, dp_size):
+    _, conversations = chat_data
+    cfg = chat_config.replace(max_epochs=1)
+    tok = Tokenize(cfg.tokenizer, cfg.eos_token)
+    batches = [b for rank in range(dp_size) for b in Loader(cfg, dp_rank=rank, dp_size=dp_size, backend="threads")]
+    docs = [doc for _, doc in ChatTokens.for_source(cfg, 0, tok)([((0, 0, 0, 1), c) for c in conversations],
+                                                                 None, "all")]
+    got = Counter(tuple(d) for s in lane_token_streams(batches).values() for d in _split(s, tok.eos_id))
+    assert got == Counter(tuple(d.ids.tolist()) for d in docs)
+    labels = sum(int((b["labels"] != IGNORE).sum()) for b in batches)
+    assert labels == sum(int(d.trained[1:].sum()) for d in docs)  # a document's first token is no one's target
+
+
+def _split(tokens: list[int], eos: int) -> list[list[int]]:
+    out, cur = [], []
+    for t in tokens:
+        cur.append(t)
+        if t == eos:
+            out.append(cur)
+            cur = []
+    assert not cur
+    return out
+
+
+def _batches(cfg: Config, steps: int, backend: str, state: Any = None) -> tuple[list[dict[str, Any]], Any]:
+    loader = Loader(cfg, backend=backend)
+    if state is not None:
+        loader.load_state_dict(state)
+    out = []
+    for step, batch in enumerate(loader):
+        out.append({k: batch[k].clone() for k in ("input_ids", "labels", "position_ids")})
+        if step + 1 == steps:
+            break
+    return out, loader.state_dict()
+
+
+def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        for k in x:
+            assert x[k].equal(y[k]), k
+
+
+def test_resume_gives_the_same_batches(chat_config):
+    whole, _ = _batches(chat_config, STEPS, "threads")
+    first, state = _batches(chat_config, 4, "threads")
+    rest, _ = _batches(chat_config, STEPS - 4, "threads", state)
+    _same(whole, first + rest)
+
+
+def test_processes_backend_gives_the_batches_of_threads(chat_config):
+    threads, _ = _batches(chat_config, STEPS, "threads")
+    processes, _ = _batches(chat_config.replace(workers=2), STEPS, "processes")
+    _same(threads, processes)
+    records = rank_records(Loader(chat_config, backend="inline"), STEPS)
+    assert records == rank_records(Loader(chat_config.replace(workers=2), backend="processes"), STEPS)
+
+
+# ---- bad input and configuration -------------------------------------------------------------
+
+_BAD = [[], [{"role": "user", "content": "x"}, {"role": "robot", "content": "y"}], [{"content": "x"}],
+        [{"role": "user", "content": {"text": "x"}}]]
+
+
+def _with_bad(tmp_path: Path, chat_data) -> Path:
+    good = chat_data[1][:40]
+    rows = good[:10] + _BAD + good[10:]
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "part-0.jsonl").write_bytes(b"".join(msgspec.json.encode({"messages": c}) + b"\n"
+                                                             for c in rows))
+    return tmp_path / "sft"
+
+
+def _source(uri: Path, root: Path, **more: Any) -> list[SourceConfig]:
+    return [SourceConfig(name="sft", uri=f"file://{uri}/", messages_field="messages",
+                         chat_template=str(root / "chatml.jinja"), **more)]
+
+
+def test_bad_conversations_are_errors_naming_the_shard(tmp_path, chat_data):
+    cfg = _config(chat_data[0], lanes=1, global_batch_size=2, sources=_source(_with_bad(tmp_path, chat_data),
+                                                                              chat_data[0]))
+    with pytest.raises(DataError, match=r"bad conversation in '.*part-0.jsonl' .*: the conversation is empty"):
+        for _ in Loader(cfg.replace(max_epochs=1), backend="threads"):
+            pass
+
+
+@pytest.mark.parametrize("backend", ["threads", "processes"])
+def test_bad_conversations_are_skipped_and_counted(tmp_path, chat_data, backend):
+    cfg = _config(chat_data[0], lanes=1, global_batch_size=2, max_epochs=2, on_bad_record="skip",
+                  sources=_source(_with_bad(tmp_path, chat_data), chat_data[0]))
+    loader = Loader(cfg, backend=backend)
+    tok = Tokenize(cfg.tokenizer, cfg.eos_token)
+    batches = list(loader)
+    docs = [d for s in lane_token_streams(batches).values() for d in _split(s, tok.eos_id)]
+    assert len(docs) == 2 * 40
+    stats = loader.statistics()
+    assert stats.skipped_records == 2 * len(_BAD) and stats.skipped_by_epoch == {0: len(_BAD), 1: len(_BAD)}
+
+
+def test_a_chat_source_without_a_template_is_refused_before_reading(tmp_path, chat_data):
+    root = chat_data[0]
+    (tmp_path / "tokenizer.json").write_bytes((root / "tokenizer.json").read_bytes())
+    cfg = _config(root, tokenizer=str(tmp_path / "tokenizer.json"),
+                  sources=[SourceConfig(name="sft", uri=f"file://{root}/sft/", messages_field="messages")])
+    with pytest.raises(ConfigError, match="source 'sft' is a chat source .*without a chat template.*Set chat_template"):
+        next(iter(Loader(cfg, backend="threads")))
+    (tmp_path / "tokenizer_config.json").write_text(msgspec.json.encode({"chat_template": CHATML}).decode())
+    batch = next(iter(Loader(cfg, backend="threads")))  # the template next to the tokenizer
+    assert _check_labels(batch, Tokenizer.from_file(cfg.tokenizer)) > 0
