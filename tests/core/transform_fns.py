@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-__all__ = ["NOT_CALLABLE", "at_least_words", "drop_bang", "keep_some", "lang_en", "raises", "returns_list",
+__all__ = ["NOT_CALLABLE", "at_least_words", "drop_bang", "keep_some", "nested_lang_en", "raises", "returns_list",
            "returns_none", "returns_str", "seeded_word", "shout", "to_messages", "to_text_key"]
 
 NOT_CALLABLE = 3
@@ -46,8 +46,9 @@ def to_text_key(record: dict[str, Any]) -> dict[str, Any]:
     return {"text": record["body"]}
 
 
-def lang_en(record: dict[str, Any]) -> bool:
-    return record.get("lang") == "en"
+def nested_lang_en(record: dict[str, Any]) -> bool:
+    """Keep records whose struct `doc` says lang = "en" (a record without `doc` is dropped)."""
+    return record.get("doc", {}).get("lang") == "en"
 
 
 def to_messages(record: dict[str, Any]) -> dict[str, Any]:

@@ -85,7 +85,7 @@ class ParquetSplitReader:
                                     f"({rows[split.end] - self.base} rows)")
         first = bisect.bisect_right(rows, target, split.start, split.end) - 1
         footer = await read_footer(self.store, self.key, self.shard.size, self.shard.etag)
-        columns = [resolve_column(footer, name, kind) for name, kind in self.columns]
+        columns = _resolve(footer, self.columns)
         groups = [g for g in range(first, split.end) if rows[g + 1] > target]
         async for group, parts in self._chunks(footer, groups, columns):
             table = await self.run_cpu(decode_row_group, footer, group, columns, parts)
@@ -132,13 +132,23 @@ class ParquetSplitReader:
             yield await self.store.read(self.key, lo, hi)
 
 
+def _resolve(footer: ParquetFooter, specs: list[tuple[str, str]]) -> list[Column]:
+    """The columns to fetch: those named, their types checked; with `("*", "record")` among them
+    (a source with transforms, whose records hold whole rows) every top-level column."""
+    named = [resolve_column(footer, name, kind) for name, kind in specs if name != "*"]
+    if ("*", "record") not in specs:
+        return named
+    return [Column(name, [name], "record") for name in footer.schema.names]
+
+
 class ParquetParser:
     """Decodes blocks of Parquet rows into `(offset, 1, text)` records, or `(offset, 1, ImageRecord)`
     with `image_field` (then `text_field` is the caption column).
 
     With `records` (a source's transforms, or a chat source's field) each row is a dict of the
-    columns read, and `records.payload` makes the payload (a text longer than `max_record` after
-    the transforms is still a bad record)."""
+    columns read (every column, for a source with transforms: its reader fetches them all), and
+    `records.payload` makes the payload (a text longer than `max_record` after the transforms is
+    still a bad record)."""
 
     def __init__(self, text_field: str, image_field: str | None, on_bad: Literal["error", "skip"],
                  max_record: int, records: Records | None = None) -> None:

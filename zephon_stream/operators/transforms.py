@@ -40,8 +40,9 @@ not noticed; give the changed function a new name (or version the module) to sta
 Image+text sources take no transforms (`ConfigError`): their records are images and captions,
 not JSON records.
 
-Parquet sources: the record is a dict of the columns the source reads (its `text_field` column,
-or its `messages_field` column).
+Parquet sources: the record is the row, a dict of every column (a source with transforms fetches
+them all, where one without fetches only its text column); a dotted `text_field` ("doc.body")
+is also under its dotted name.
 """
 
 from __future__ import annotations
