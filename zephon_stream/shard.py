@@ -41,6 +41,7 @@ import zstandard
 
 from zephon_stream.connectors import open_store, parse_uri
 from zephon_stream.connectors.base import ObjectInfo, Store
+from zephon_stream.engine import threads
 from zephon_stream.errors import ConfigError, DataError
 from zephon_stream.formats.jsonl_zst import seek_table, write_jsonl_shards
 from zephon_stream.formats.parquet import PARQUET_SUFFIXES
@@ -284,7 +285,7 @@ class _ZstOut:
 
     async def _frame(self) -> None:
         raw = b"".join(self._lines)
-        out = await anyio.to_thread.run_sync(self._cctx.compress, raw)
+        out = await threads.run_sync(self._cctx.compress, raw)
         self._frames.append(out)
         self._sizes.append((len(out), len(raw)))
         self._size += len(out)
@@ -328,7 +329,7 @@ class _TarOut:
         from zephon_stream.formats.tar import write_tar_shards
 
         with tempfile.TemporaryDirectory() as tmp:
-            paths = await anyio.to_thread.run_sync(
+            paths = await threads.run_sync(
                 lambda: write_tar_shards(self._samples, tmp, shard_bytes=1 << 62, prefix="part"))
             data = paths[0].read_bytes()
         key = f"{self.prefix}{self.job.name}-{len(self.keys):05d}.tar"

@@ -11,9 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import anyio
-
 from zephon_stream.connectors.base import ObjectInfo, StoreStatistics
+from zephon_stream.engine import threads
 from zephon_stream.errors import AccessDenied, AlreadyExists, ObjectNotFound
 
 __all__ = ["LocalStore"]
@@ -41,7 +40,7 @@ class LocalStore:
         return path
 
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
-        return await anyio.to_thread.run_sync(self._list, prefix)
+        return await threads.run_sync(self._list, prefix)
 
     def _list(self, prefix: str) -> list[ObjectInfo]:
         self._requests += 1
@@ -66,10 +65,10 @@ class LocalStore:
 
     async def head(self, key: str) -> ObjectInfo:
         self._requests += 1
-        return await anyio.to_thread.run_sync(self._info, key)
+        return await threads.run_sync(self._info, key)
 
     async def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
-        data = await anyio.to_thread.run_sync(self._read, key, start, end)
+        data = await threads.run_sync(self._read, key, start, end)
         self._requests += 1
         self._bytes_read += len(data)
         return data
@@ -86,7 +85,7 @@ class LocalStore:
             raise ObjectNotFound(f"{key!r} under {self.root} is a directory, not an object") from exc
 
     async def put(self, key: str, data: bytes, *, if_none_match: bool = False) -> None:
-        await anyio.to_thread.run_sync(self._put, key, data, if_none_match)
+        await threads.run_sync(self._put, key, data, if_none_match)
         self._requests += 1
         self._bytes_written += len(data)
 
@@ -108,7 +107,7 @@ class LocalStore:
 
     async def delete(self, key: str) -> None:
         self._requests += 1
-        await anyio.to_thread.run_sync(lambda: self._path(key).unlink(missing_ok=True))
+        await threads.run_sync(lambda: self._path(key).unlink(missing_ok=True))
 
     async def copy(self, src_key: str, dst_key: str) -> None:
         data = await self.read(src_key)

@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 
 import anyio
 
+from zephon_stream.engine import threads
+
 __all__ = ["CpuPolicy", "default_threads"]
 
 T = TypeVar("T")
@@ -44,4 +46,4 @@ class CpuPolicy:
     async def __call__(self, fn: Callable[..., T], *args: Any) -> T:
         if self.inline:
             return fn(*args)
-        return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+        return await threads.run_sync(fn, *args, limiter=self.limiter)

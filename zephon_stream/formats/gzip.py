@@ -28,9 +28,8 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 
-import anyio
-
 from zephon_stream.connectors.base import Store
+from zephon_stream.engine import threads
 from zephon_stream.errors import DataError
 
 __all__ = ["GZIP_SUFFIXES", "GzipStream", "find_members"]
@@ -77,7 +76,7 @@ async def find_members(store: Store, key: str, size: int) -> list[int]:
         buf += await store.read(key, lo, hi)
         at_end = hi == size
         upto = len(buf) if at_end else max(0, len(buf) - _TRY_IN)  # later candidates wait for their try bytes
-        starts += await anyio.to_thread.run_sync(_scan, buf, base, upto, at_end)
+        starts += await threads.run_sync(_scan, buf, base, upto, at_end)
         buf, base = buf[upto:], base + upto
     return starts + [size]
 

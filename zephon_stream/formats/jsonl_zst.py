@@ -23,11 +23,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import anyio
 import msgspec
 import zstandard
 
 from zephon_stream.connectors.base import Store
+from zephon_stream.engine import threads
 from zephon_stream.errors import DataError
 
 __all__ = ["DECODE_PIECE", "ZstdStream", "read_seek_entries", "read_seek_table", "seek_table", "walk_frames",
@@ -311,7 +311,7 @@ async def walk_frames(store: Store, key: str, size: int) -> list[int]:
     walk = ZstdStream(key, 0, decode=False)
     for start in range(0, size, _WALK_PART):
         data = await store.read(key, start, min(size, start + _WALK_PART))
-        await anyio.to_thread.run_sync(walk.pull, DECODE_PIECE, data)
+        await threads.run_sync(walk.pull, DECODE_PIECE, data)
     walk.expect_end(size)
     return walk.starts + [size]
 

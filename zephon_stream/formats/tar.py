@@ -33,10 +33,10 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Literal, NamedTuple
 
-import anyio
 import msgspec
 
 from zephon_stream.connectors.base import Store
+from zephon_stream.engine import threads
 from zephon_stream.errors import DataError
 from zephon_stream.formats.jsonl_zst import atomic_write
 
@@ -398,7 +398,7 @@ async def tar_index(store: Store, key: str, size: int, max_member: int, *, read:
         if len(data) != end - start:
             raise DataError(f"{key!r} returned {len(data)} bytes for bytes {start}..{end} of a {size}-byte object: "
                             "it changed while being indexed; restart the loader", key=key, offset=start + len(data))
-        await anyio.to_thread.run_sync(walk.feed, start, data)
+        await threads.run_sync(walk.feed, start, data)
     return walk.result()
 
 

@@ -42,13 +42,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, NamedTuple
 
-import anyio
 import msgspec
 import numpy as np
 import torch
 
 from zephon_stream.connectors.base import Store
 from zephon_stream.connectors.location import location
+from zephon_stream.engine import threads
 from zephon_stream.engine.cpu import CpuPolicy, default_threads
 from zephon_stream.engine.ordered import resolve_workers, run_ordered
 from zephon_stream.errors import (
@@ -240,7 +240,7 @@ class Subscriber(StoreOwner):
     async def _save(self, record: LocalRecord) -> None:
         self.record = record
         if self.record_path is not None:
-            await anyio.to_thread.run_sync(_write_atomic, self.record_path, msgspec.msgpack.encode(record))
+            await threads.run_sync(_write_atomic, self.record_path, msgspec.msgpack.encode(record))
 
     # -- pull -----------------------------------------------------------------------------
 
@@ -282,7 +282,7 @@ class Subscriber(StoreOwner):
         await self._save(msgspec.structs.replace(rec, target=latest, file=None))  # unbound until applied
         await job.apply()
         if sync is not None:
-            await anyio.to_thread.run_sync(sync)
+            await threads.run_sync(sync)
         identity = FileIdentity.of(self.weights) if self.weights is not None else None  # after our own writes
         await self._save(LocalRecord(latest, None, geometry(m), [c.plain for c in m.chunks], m.model_digest,
                                      self._where, identity))
