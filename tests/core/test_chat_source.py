@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 import numpy as np
 import pytest
@@ -232,3 +233,22 @@ def test_a_chat_source_without_a_template_is_refused_before_reading(tmp_path, ch
     (tmp_path / "tokenizer_config.json").write_text(msgspec.json.encode({"chat_template": CHATML}).decode())
     batch = next(iter(Loader(cfg, backend="threads")))  # the template next to the tokenizer
     assert _check_labels(batch, Tokenizer.from_file(cfg.tokenizer)) > 0
+
+
+async def _first_batch(cfg: Config, backend: str) -> Any:
+    with anyio.fail_after(60):  # before the fix: no batch, no error, forever
+        async with Loader(cfg, backend=backend).open() as stream:
+            return await stream.__anext__()
+
+
+@pytest.mark.parametrize("backend", ["threads", "processes"])
+def test_a_source_whose_conversations_are_all_bad_is_an_error_not_a_spin(tmp_path, chat_data, backend):
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "part-0.jsonl").write_bytes(b"".join(
+        msgspec.json.encode({"messages": [{"role": "robot", "content": w}]}) + b"\n" for w in "the of and to".split()))
+    cfg = _config(chat_data[0], lanes=2, global_batch_size=2, on_bad_record="skip",
+                  sources=_source(tmp_path / "sft", chat_data[0]))
+    with pytest.raises(DataError, match=r"source 'sft' .* yields no document in a whole epoch .*: all 4 of its records "
+                                        r"are bad and skipped .*the first: bad conversation in 'part-0.jsonl' .*: "
+                                        r"message 0 has role 'robot'"):
+        anyio.run(_first_batch, cfg, backend)

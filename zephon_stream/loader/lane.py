@@ -122,7 +122,10 @@ class Lanes:
         for split in src.splits:
             reader = self._reader(source, split, parser.bad)
             async for pos, block in reader.blocks():
-                if await self.run_cpu(parser.parse, reader, pos, block):
+                records = await self.run_cpu(parser.parse, reader, pos, block)
+                docs = [((source, 0, off, n), payload) for off, n, payload in records]
+                # tokenized too: images and conversations can be bad (and skipped) only there
+                if docs and await self.run_cpu(self.tokenize, source, docs, reader.key, parser.bad):
                     self._has_documents[source] = True
                     return
         filtered = sum(parser.bad.filtered_by_epoch.values())
@@ -304,10 +307,10 @@ class TextLane:
                 try:
                     async for pos, block in reader.blocks(offset):
                         docs = await shared.run_cpu(shared.decode, source, position, reader, pos, block)
-                        found = found or bool(docs)
                         for i in range(0, len(docs), batch):
                             tokens = await shared.run_cpu(shared.tokenize, source, docs[i:i + batch], reader.key,
                                                           reader.bad)
+                            found = found or bool(tokens)  # a bad image or conversation skipped is no document
                             await send.send(tokens)
                 except IncompatibleState as exc:  # the cursor is not a record start
                     raise self._refused(f"sources[{source}] = {(position, offset)}: {exc}") from None
