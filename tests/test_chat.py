@@ -285,17 +285,22 @@ def test_the_environment_is_the_one_of_transformers():
 
 # ---- loading a template ----------------------------------------------------------------------
 
-def test_template_from_a_file_with_special_tokens_from_tokenizer_config(tmp_path):
+def test_template_variables_come_from_where_the_template_does(tmp_path):
+    """A template file sees the config's tokens; the template of a tokenizer_config.json sees that
+    file's special tokens (the bytes the order digest holds decide the render)."""
     (tmp_path / "t.jinja").write_text("{{ bos_token }}{{ messages[0].content }}{{ eos_token }}")
     tok = str(tmp_path / "tokenizer.json")
-    t = load_template(str(tmp_path / "t.jinja"), tok, defaults={"eos_token": "<eos>", "bos_token": None})
-    assert t.render([{"role": "user", "content": "x"}]) == "x<eos>"
+    defaults = {"eos_token": "<eos>", "bos_token": None}
+    assert load_template(str(tmp_path / "t.jinja"), tok, defaults=defaults).render(
+        [{"role": "user", "content": "x"}]) == "x<eos>"
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": {"content": "<|begin_of_text|>", "special": True}, "eos_token": "<|eot_id|>",
-        "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ bos_token }}"}]}))
-    t = load_template(str(tmp_path / "t.jinja"), tok, defaults={"eos_token": "<eos>"})
-    assert t.render([{"role": "user", "content": "x"}]) == "<|begin_of_text|>x<|eot_id|>"
-    assert load_template(None, tok).render([{"role": "user", "content": "x"}]) == "D<|begin_of_text|>"
+        "chat_template": [{"name": "tool_use", "template": "T"},
+                          {"name": "default", "template": "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}"}]}))
+    assert load_template(str(tmp_path / "t.jinja"), tok, defaults=defaults).render(
+        [{"role": "user", "content": "x"}]) == "x<eos>"
+    assert load_template(None, tok, defaults=defaults).render(
+        [{"role": "user", "content": "x"}]) == "<|begin_of_text|>x<|eot_id|>"
 
 
 def test_a_missing_template_says_what_to_set(tmp_path):

@@ -273,31 +273,32 @@ def load_template(chat_template: str | None, tokenizer: str, owner: str = "this 
     """The chat template of a chat source: the file `chat_template`, else the `chat_template` of
     the `tokenizer_config.json` next to `tokenizer`.
 
-    Its variables are the special tokens (`*_token`) of that tokenizer_config.json, where there
-    is one (what `transformers` passes), and `defaults` (the config's `eos_token`, `bos_token`)
-    for those it does not set. A missing or unreadable template is a ConfigError that says what
-    to set.
+    Its variables come from where the template does, so that the bytes in the order digest
+    (`Config.order_settings`: the template file, or that tokenizer_config.json) decide the
+    renders: `defaults` (the config's `eos_token`, `bos_token`) with a template file; the special
+    tokens (`*_token`) of the tokenizer_config.json with its template (what `transformers`
+    passes), `defaults` for those it does not set. A missing or unreadable template is a
+    ConfigError that says what to set.
     """
-    config_path = Path(tokenizer).parent / "tokenizer_config.json"
-    tok_config = _read_tokenizer_config(config_path) if config_path.is_file() else {}
     variables = {k: v for k, v in (defaults or {}).items() if v is not None}
-    variables.update(_special_tokens(tok_config))
     if chat_template is not None:
         try:
             return ChatTemplate(Path(chat_template).read_text(encoding="utf-8"), chat_template, variables)
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{owner}: chat_template {chat_template!r} cannot be read ({exc}): set chat_template "
                               "to the path of a Jinja chat template file") from exc
+    config_path = Path(tokenizer).parent / "tokenizer_config.json"
+    tok_config = _read_tokenizer_config(config_path) if config_path.is_file() else {}
     source = _named_template(tok_config.get("chat_template"), config_path, owner)
-    return ChatTemplate(source, f"{config_path} (chat_template)", variables)
+    return ChatTemplate(source, f"{config_path} (chat_template)", {**variables, **_special_tokens(tok_config)})
 
 
 def _read_tokenizer_config(path: Path) -> dict[str, Any]:
     try:
         found = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ConfigError(f"{path} is not a readable JSON file ({exc}); chat sources read their template's special "
-                          "tokens (and template, unless chat_template is set) from it: fix it or remove it") from exc
+        raise ConfigError(f"{path} is not a readable JSON file ({exc}): fix it, or set chat_template in the "
+                          "source to a template file") from exc
     if not isinstance(found, dict):
         raise ConfigError(f"{path} holds a JSON {type(found).__name__}, not an object: fix it, or remove it")
     return found
