@@ -234,3 +234,29 @@ def vision_parquet_config(vision_config, vision_parquet_dataset) -> Config:
     root, _ = vision_parquet_dataset
     img = SourceConfig(name="img", uri=f"file://{root}/pq/", weight=0.7, image_field="image", text_field="caption")
     return vision_config.replace(sources=[img, vision_config.sources[1]])
+
+
+#: Determinism-matrix cases (tests/core/test_determinism.py) run for the text config alone: the
+#: second and third runs through worker processes (under injected latency, and resumed onto them).
+#: Every other config still streams through worker processes once (`test_world_sizes_and_backends`
+#: at dp 2) and resumes across worlds and backends twice; these two cases cost a third of a
+#: config's matrix (worker processes start by importing the package) and test nothing that
+#: depends on the source format, the packing or the transforms.
+TEXT_ONLY_CASES = {("test_injected_read_latency", ("processes",)),
+                   ("test_resume_onto_other_world_and_backend", (1, (4, "threads"), (2, "processes")))}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    keep, drop = [], []
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        fn = getattr(item, "function", None)
+        if spec is None or fn is None or fn.__module__ != "tests.core.test_determinism" or spec.params.get(
+                "config", "text") == "text":
+            keep.append(item)
+            continue
+        args = tuple(v for k, v in spec.params.items() if k != "config")
+        (drop if (fn.__name__, args) in TEXT_ONLY_CASES else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
