@@ -48,3 +48,19 @@ vlm-data: $(STAMP)
 .PHONY: bench-rl
 bench-rl: $(STAMP)
 	$(BIN)/python bench/rl_loop.py
+
+# Peers side by side (bench/peers.py): the public Zephon 0.2.0, torch's DataLoader and torchdata's
+# StatefulDataLoader beside this loader, in a venv of their own so they never reach .venv or the package's
+# dependencies. requirements.txt's pins (extras stripped: pip refuses them in a constraints file) constrain
+# every package, torch (a CPU wheel) included: pip never resolves torch unpinned.
+PEERS := .venv-peers
+$(PEERS)/.installed: requirements.txt pyproject.toml
+	test -x $(PEERS)/bin/python || $(PY) -m venv $(PEERS)
+	sed 's/\[[^]]*\]//' requirements.txt > $(PEERS)/constraints.txt
+	$(PEERS)/bin/pip install --disable-pip-version-check -q -c $(PEERS)/constraints.txt -e '.[parquet]' \
+		zephon==0.2.0 torchdata==0.11.0
+	touch $@
+
+.PHONY: bench-peers
+bench-peers: bench-data $(PEERS)/.installed
+	$(PEERS)/bin/python bench/peers.py $(PEERS_ARGS)
