@@ -88,8 +88,11 @@ def check(samples: list, docs: list[tuple], seq_len: int, strategy: str, mask: b
             assert [where[t] for t in toks] == [(d, j0 + m) for m in range(take)], "a segment is one document's run"
             assert s.position_ids[at:at + take].tolist() == list(range(take))
             assert s.sources[k] == docs[d][0][0]
-            if strategy != "concat":  # pieces are whole documents or seq_len cuts
-                assert j0 % seq_len == 0 and take == min(seq_len, len(docs[d][1]) - j0)
+            length = len(docs[d][1])
+            if strategy == "best_fit":  # what is over of whole seq_len pieces first, then the seq_len pieces
+                assert (length - j0 - take) % seq_len == 0 and take == ((length - j0) % seq_len or seq_len)
+            elif strategy != "concat":  # seq_len pieces from the start
+                assert j0 % seq_len == 0 and take == min(seq_len, length - j0)
             seen[d] += range(j0, j0 + take)
             at += take
         nxt_stream = (int(samples[i + 1].input_ids[0]) if strategy == "concat" and n == seq_len
@@ -184,9 +187,10 @@ def test_the_worked_example_of_best_fit():
     samples = run("best_fit", docs, 8, window=3)
     letters = {int(t): "abcdefg"[d] for d, (_, p) in enumerate(docs) for t in p}
     rows = ["".join(letters.get(int(t), ".") for t in s.input_ids) for s in samples]
-    assert rows == ["aaaaaddd", "bbbbbbcc", "eeeeeeee", "eeeegggg", "f......."]
+    assert rows == ["aaaaaddd", "bbbbbbcc", "eeeegggg", "eeeeeeee", "f......."]
     ids = [document_ids(s.segments, 8).tolist() for s in samples]
-    assert (ids[0], ids[3], ids[4]) == ([0] * 5 + [1] * 3, [0] * 4 + [1] * 4, [0] + [-1] * 7)
+    assert (ids[0], ids[2], ids[4]) == ([0] * 5 + [1] * 3, [0] * 4 + [1] * 4, [0] + [-1] * 7)
+    assert samples[2].labels[3] == int(docs[4][1][4])  # e's first piece ends on a label: its next piece's first
 
 
 def test_the_worked_example_of_none_and_truncate():
@@ -200,15 +204,19 @@ def test_the_worked_example_of_none_and_truncate():
 
 
 def test_labels_follow_the_trained_mask_across_piece_ends_and_in_concat():
-    """A chat document trained on its second half: the targets in it are labels, the others -100,
-    also where a piece ends (the next piece's first token) and where concat's look-ahead applies."""
+    """A chat document 1..10 trained on its second half (6..10), then a text document 11..13: a
+    label is its target where the target is trained, also where a piece ends (the next piece's
+    first token) and where concat's look-ahead applies; -100 elsewhere."""
     ids = np.arange(1, 11, dtype=np.uint32)
     docs = [((0, 0, 0, 1), ChatDoc(ids, np.arange(10) >= 5)), ((0, 0, 1, 1), np.arange(11, 14, dtype=np.uint32))]
-    for strategy in ("concat", "best_fit", "none"):
-        first = run(strategy, docs, 4)[0]
-        assert first.labels.tolist() == [IGNORE, IGNORE, IGNORE, IGNORE], strategy  # targets 2..5: 5 is untrained
-        second = run(strategy, docs, 4)[1]
-        assert second.labels.tolist()[:4] == [6, 7, 8, 9], strategy  # the piece's last label: token 9, trained
+    no = IGNORE
+    want = {
+        "concat": [[no, no, no, no], [6, 7, 8, 9], [10, no, 12, 13], [no, no, no, no]],
+        "best_fit": [[no, no, no, no], [no, no, 6, 7], [8, 9, 10, no], [12, 13, no, no]],
+        "none": [[no, no, no, no], [6, 7, 8, 9], [10, no, no, no], [12, 13, no, no]],
+    }
+    for strategy, labels in want.items():
+        assert [s.labels.tolist() for s in run(strategy, docs, 4)] == labels, strategy
 
 
 def test_document_ids_and_trained_in_a_collated_batch():
@@ -256,13 +264,14 @@ def test_restore_refuses_what_a_strategy_never_writes():
         ("best_fit", PackState(a, 0), "best_fit\" carries nothing but its window"),
         ("best_fit", PackState(None, 0, [(a, 0), (a, 0)]), "the same document twice"),
         ("best_fit", PackState(None, 0, [(a, 0)] * 5), "at most packing_window = 4"),
-        ("best_fit", PackState(None, 0, [(b, 3)]), r"pack.window\[0\] = 3: pieces .* multiples of seq_len = 8"),
+        ("best_fit", PackState(None, 0, [(b, 3)]), r"pack.window\[0\] = 3: .* at 0 or 20 - k \* seq_len, seq_len = 8"),
+        ("best_fit", PackState(None, 0, [(b, 8)]), r"pack.window\[0\] = 8: pieces"),
         ("best_fit", PackState(None, 0, [(b, 24)]), r"pack.window\[0\] = 24: the document .* has 20 tokens"),
         ("concat", PackState(None, 0, [(a, 0)]), "only packing = \"best_fit\" has a window"),
         ("none", PackState(None, 0, [], 1, 3), "only packing = \"none\" with truncate"),
         ("truncate", PackState(b, 8), "never carried past its sample"),
         ("truncate", PackState(None, 0, [], 2, 1), "0 <= truncated <= dropped"),
-        ("none", PackState(b, 5), "multiples of seq_len = 8"),
+        ("none", PackState(b, 5), "start at multiples of seq_len, seq_len = 8"),
     ]
     for strategy, state, match in cases:
         op = make(strategy, docs, 8)[-1]

@@ -319,7 +319,8 @@ def _refs(ls: LaneState) -> list[tuple[str, DocRef]]:
 
 def _check_pack(pack: PackState, config: Config, bad: Refusal) -> None:
     """The fields each packing strategy writes: concat and none a carry (and none with truncate
-    its counters, never a carry), best_fit a window of pieces starting at multiples of seq_len."""
+    its counters, never a carry), best_fit a window and no carry. Whether an offset is where a
+    piece starts needs the document's length: `BestFitPack.restore` checks it on the re-read data."""
     if pack.carry is None and pack.offset:
         bad("pack.offset", pack.offset, "must be 0 when no document is carried")
     if config.packing == "best_fit":
@@ -331,10 +332,11 @@ def _check_pack(pack: PackState, config: Config, bad: Refusal) -> None:
     elif pack.window:
         bad("pack.window", f"{len(pack.window)} documents", f'only packing = "best_fit" has a window, not '
             f"{config.packing!r}")
-    offsets = [off for _, off in pack.window] + ([pack.offset] if config.packing != "concat" else [])
-    if any(off < 0 or off % config.seq_len for off in offsets):
-        bad("pack.window" if pack.window else "pack.offset", offsets, f"pieces start at multiples of seq_len = "
-            f"{config.seq_len}")
+    misplaced = [off for _, off in pack.window if off < 0]  # where pieces start needs the document: see restore
+    if misplaced:
+        bad("pack.window", misplaced, "the offsets of the documents' next pieces must be >= 0")
+    if config.packing == "none" and pack.offset % config.seq_len:
+        bad("pack.offset", pack.offset, f"pieces start at multiples of seq_len = {config.seq_len}")
     if pack.truncated < 0 or pack.dropped < pack.truncated or (pack.truncated and not config.truncate):
         bad("pack.truncated", (pack.truncated, pack.dropped), "counts cut documents and their dropped tokens "
             "(0 <= truncated <= dropped), only with truncate = true")

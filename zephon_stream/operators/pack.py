@@ -164,13 +164,16 @@ class Pack:
         self.carry, self.offset = carry, state.offset
 
 
-def check_piece(field: str, doc: Doc, offset: int, seq_len: int = 1, what: str = "the carried document") -> None:
-    """Refuse `offset` unless it is a piece start of `doc`: inside it, a multiple of `seq_len`."""
+def check_piece(field: str, doc: Doc, offset: int, seq_len: int = 1, what: str = "the carried document",
+                from_end: bool = False) -> None:
+    """Refuse `offset` unless it is a piece start of `doc`: inside it, at a multiple of `seq_len`
+    from its start (or, `from_end`, 0 or a multiple of `seq_len` before its end)."""
     n = len(doc[1])
     if not 0 <= offset < n:
         refuse(field, offset, f"{what} {tuple(doc[0])} has {n} tokens, so it must be in [0, {n})")
-    if offset % seq_len:
-        refuse(field, offset, f"pieces of document {tuple(doc[0])} start at multiples of seq_len = {seq_len}")
+    if (n - offset if from_end and offset else offset) % seq_len:
+        where = f"0 or {n} - k * seq_len" if from_end else "multiples of seq_len"
+        refuse(field, offset, f"pieces of document {tuple(doc[0])} ({n} tokens) start at {where}, seq_len = {seq_len}")
 
 
 def check_counters(state: PackState, *, window: bool, truncate: bool) -> None:
