@@ -28,7 +28,7 @@ from zephon_stream.operators.read import RecordCounts
 from zephon_stream.operators.sources import make_parser, make_reader
 from zephon_stream.operators.tokenize import Tokenize
 from zephon_stream.operators.transforms import Filter, Map, record_seed
-from zephon_stream.testing.determinism import lane_token_streams, rank_records, run_world
+from zephon_stream.testing.determinism import lane_token_streams, rank_records, real, run_world
 
 STEPS = 24
 FNS = "tests.core.transform_fns"
@@ -349,3 +349,34 @@ def test_transforms_round_trip_through_toml(config, tmp_path: Path):
     path = tmp_path / "c.toml"
     path.write_text(cfg.to_toml())
     assert Config.from_toml(path) == cfg
+
+
+# ---- ray ----------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_transforms_on_ray(config, dataset, tmp_path):
+    """Ray actors import the transforms by name: the batches of the inline run (dp 2 on one actor,
+    every step to the end of the data), and the filtered records counted from the actor's reports."""
+    import json
+    import subprocess
+
+    from tests.core.test_ray import ROOT, sandbox_problem
+
+    problem = sandbox_problem()
+    if problem:
+        pytest.skip(problem)
+    _, docs = dataset
+    cfg = with_steps(config.replace(max_epochs=1, sources=config.sources[:1]),
+                     a=[step("filter", "drop_bang"), step("map", "seeded_word")])
+    (tmp_path / "c.toml").write_text(cfg.to_toml())
+    out = tmp_path / "out.json"
+    proc = subprocess.run(["unshare", "--net", "--", sys.executable, "-m", "tests.core._ray_transforms_child",
+                           str(tmp_path / "c.toml"), "all", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-8000:]
+    result = json.loads(out.read_text())
+    if "skip" in result:
+        pytest.skip(f"Ray did not start in the network namespace: {result['skip']}")
+    want, _ = run_world(cfg, 1, None, backend="inline")
+    assert real(tuple(r) for r in result["records"]) == real(want)
+    assert result["filtered"] == {"a": bangs(docs["a"])}
