@@ -33,6 +33,7 @@ import numpy as np
 from zephon_stream import errors as _exceptions
 from zephon_stream.connectors.base import Store, StoreStatistics
 from zephon_stream.engine.cpu import CpuPolicy
+from zephon_stream.engine.memory import managed_memory
 from zephon_stream.errors import ConfigError, ZephonError
 from zephon_stream.loader.config import Config
 from zephon_stream.loader.lane import Lanes, TextLane
@@ -294,6 +295,7 @@ async def _worker(cfg: Config, plan: DataPlan, states: list[LaneState], initial_
     credits = {s.lane: anyio.Semaphore(n) for s, n in zip(states, initial_credits)}
     out_send, out_recv = anyio.create_memory_object_stream[bytes](len(states))
     async with AsyncExitStack() as stack:
+        await stack.enter_async_context(managed_memory())  # as in the loader's process (ZEPHON_MALLOC)
         stores = await open_stores(cfg, stack, wrap_store)
         local = cfg.replace(backend="threads")
         async with _run_local(local, plan, stores, tokenizer, {s.lane: s for s in states}) as (streams, shared):

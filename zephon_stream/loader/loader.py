@@ -13,6 +13,7 @@ import anyio
 import msgspec
 
 from zephon_stream.connectors.base import Store, StoreStatistics
+from zephon_stream.engine.memory import managed_memory
 from zephon_stream.errors import CheckpointError, ConfigError, IncompatibleState, ZephonError, unwrap_groups
 from zephon_stream.loader.backends import check_spawn_allowed, run_lanes
 from zephon_stream.loader.config import Config, ScheduleEntry
@@ -57,6 +58,9 @@ class LoaderStatistics(msgspec.Struct, frozen=True):
     # out since the run began (counted in the lane states, so resumes keep them), and their tokens dropped
     truncated_documents: int = 0
     truncated_tokens: int = 0
+    # bytes of the samples between the lanes and the sequencer: the batches in the lane buffers (each
+    # counted as sample_batch text samples, 12 x seq_len bytes apiece) and the samples the sequencer holds
+    buffered_bytes: int = 0
 
 
 #: Steps back that `Loader.state_dict(step=...)` can still give: more than a trainer prefetches.
@@ -376,6 +380,7 @@ class Loader:
     @asynccontextmanager
     async def _open(self) -> AsyncIterator[BatchStream]:
         async with AsyncExitStack() as stack:
+            await stack.enter_async_context(managed_memory())  # RSS flat over a long run (ZEPHON_MALLOC)
             stores = await open_stores(self.config, stack, self.wrap_store)
             self._store_stats = stores
             plan = await self.plan(stores)
@@ -476,7 +481,15 @@ class Loader:
             store_bytes_read=sum(s.bytes_read for s in stores), **self._mix_statistics(),
             worker_restarts=self._restarts_before + self._restarts(), **self._filtered(counts),
             truncated_documents=sum(ls.pack.truncated for ls in self.frontier.lanes.values()),
-            truncated_tokens=sum(ls.pack.dropped for ls in self.frontier.lanes.values()))
+            truncated_tokens=sum(ls.pack.dropped for ls in self.frontier.lanes.values()),
+            buffered_bytes=self._buffered_bytes(buffered))
+
+    def _buffered_bytes(self, batches: int) -> int:
+        # list() copies a deque or a dict's values without letting another thread in (the progress
+        # thread calls statistics() while the loop moves samples)
+        held = sum(_sample_bytes(s) for st in list(self._batch_streams) for q in list(st.pending.values())
+                   for s in list(q))
+        return batches * self.config.sample_batch * 12 * self.config.seq_len + held
 
     def _filtered(self, counts: RecordCounts) -> dict[str, Any]:
         by_epoch: collections.Counter[int] = collections.Counter()
@@ -574,6 +587,11 @@ class BatchStream:
             raise ZephonError(f"internal error: lane {lane} produced sample {sample.index}, sequencer expected "
                               f"{index}; please report this with your config")
         return sample
+
+
+def _sample_bytes(s: Sample) -> int:
+    arrays = [s.input_ids, s.labels, s.position_ids, *s.images] + ([s.token_types] if s.token_types is not None else [])
+    return sum(a.nbytes for a in arrays)
 
 
 class _ThreadedAsyncIterator:

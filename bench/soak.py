@@ -1,0 +1,237 @@
+"""Soak: resident memory of a long stream on real text, its slope, and the throughput, with the
+loader's allocator settings on and off.
+
+    .venv/bin/python bench/soak.py [--minutes 30] [--settings defaults,issue] [--variants on,off] [--repeats 1]
+
+Each run streams in a fresh process (the allocator's state is per process) for `--minutes`
+after its first batch,
+at one of the settings:
+
+- `defaults`: the config's defaults (12 lanes, `seq_len` 2048, `shuffle_window` 64) and one source;
+- `issue`: the same with two sources (weights 0.7 and 0.3), the run the issue reported.
+
+and one variant: `on` is the loader as shipped; `off` runs it with `ZEPHON_MALLOC=off`, glibc's
+malloc as the process found it; any other variant is `name:KEY=VALUE,KEY=VALUE`, environment
+variables of the run (`arena2:ZEPHON_MALLOC=off,MALLOC_ARENA_MAX=2`). Runs alternate variants so
+that a change in the machine's load falls on both.
+
+This process samples the run's resident memory (the streaming process and its children) from
+/proc every `--interval` seconds and prints, per run: the slope in MB/min (least squares over the
+second half: the first holds the allocator's warm-up) and per 100M tokens, the peak (VmHWM), and
+the throughput after the first batch, in tokens/s and in tokens per CPU-second of the run's
+processes (the figure to trust on a shared machine). Then the median and range of each
+(settings, variant). `--parallel` runs the variants side by side instead of one after the other.
+
+Data: the bench's (`make bench-data`; see bench/loader.py), built into `--data` on first use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/ (not in the wheel)
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def prepare(root: Path, mb: int) -> Path:
+    """The bench's JSONL.zst shards and tokenizer under `root` (as bench/loader.py builds them)."""
+    from tools.corpus import collect_documents, have_debian_docs, train_tokenizer
+    from zephon_stream.formats import write_jsonl_shards
+
+    marker = root / f"built-{mb}"
+    if not marker.exists():
+        if not have_debian_docs():
+            raise SystemExit("the Debian documentation is not in the cache: run `make bench-data` first")
+        docs = collect_documents(mb << 20, download=False)
+        write_jsonl_shards(docs, root / "text", name="text", shards=8, compress="zst")
+        train_tokenizer(docs, root / "tokenizer.json")
+        marker.touch()
+    return root / "tokenizer.json"
+
+
+def config(settings: str, tokenizer: Path, backend: str):  # -> Config (imported in the run's process only)
+    from zephon_stream import Config, SourceConfig
+
+    uri = f"file://{tokenizer.parent}/text/"
+    sources = ([SourceConfig(name="text", uri=uri)] if settings == "defaults" else
+               [SourceConfig(name="a", uri=uri, weight=0.7), SourceConfig(name="b", uri=uri, weight=0.3)])
+    return Config(seed=1, lanes=12, seq_len=2048, global_batch_size=24, tokenizer=str(tokenizer), sources=sources,
+                  backend=backend)
+
+
+# ---- the streaming process ----------------------------------------------------------------------
+
+def stream(args: argparse.Namespace) -> None:
+    """Stream for `args.minutes`; print a JSON line (elapsed s, tokens, allocator figures) every interval."""
+    from zephon_stream import Loader
+    from zephon_stream.engine.memory import allocator_stats
+
+    if args.tracemalloc:
+        import tracemalloc
+        tracemalloc.start()
+    loader = Loader(config(args.settings, args.tokenizer, args.backend))
+    start = end = due = 0.0
+    tokens = 0
+    for batch in loader:
+        tokens += int(batch["num_tokens"].sum())
+        now = time.monotonic()
+        if not start:  # the clock starts at the first batch: start-up is not part of the soak
+            start, due, end = now, now, now + args.minutes * 60
+        if now >= due:
+            alloc = allocator_stats()
+            line = {"t": now - start, "tokens": tokens, "alloc": alloc and {
+                f: getattr(alloc, f) for f in alloc.__struct_fields__}}
+            if args.tracemalloc:
+                line["python"] = tracemalloc.get_traced_memory()[0]
+            print(json.dumps(line), flush=True)
+            due = now + args.interval
+        if now >= end:
+            break
+    loader.close()
+
+
+# ---- this process: run, sample, report ----------------------------------------------------------
+
+def tree(pid: int) -> list[int]:
+    """`pid` and its live descendants."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            parents[int(entry.name)] = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError):
+            continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += [c for c, parent in parents.items() if parent == p]
+    return out
+
+
+def sample(pid: int) -> tuple[float, float, float]:
+    """(resident MB, peak resident MB, CPU seconds) of `pid` and its descendants now (the peak: the
+    sum of each process's own peak)."""
+    rss = cpu = hwm = 0
+    for p in tree(pid):
+        try:
+            rss += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * PAGE
+            status = Path(f"/proc/{p}/status").read_text()
+            hwm += int(status.partition("VmHWM:")[2].split()[0]) * 1024
+            fields = Path(f"/proc/{p}/stat").read_text().rpartition(")")[2].split()
+            cpu += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError):
+            continue
+    return rss / 1e6, hwm / 1e6, cpu / TICK
+
+
+def slope(ts: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys over ts, per minute."""
+    mt, my = statistics.fmean(ts), statistics.fmean(ys)
+    den = sum((t - mt) ** 2 for t in ts)
+    return 60 * sum((t - mt) * (y - my) for t, y in zip(ts, ys)) / den if den else 0.0
+
+
+def run(args: argparse.Namespace, settings: str, variant: str) -> dict[str, float]:
+    name, _, assigns = variant.partition(":")
+    env = dict(os.environ)
+    if name == "off":
+        env["ZEPHON_MALLOC"] = "off"
+    env.update(kv.split("=", 1) for kv in assigns.split(",") if kv)
+    cmd = [sys.executable, __file__, "--stream", "--settings", settings, "--minutes", str(args.minutes),
+           "--interval", str(args.interval), "--backend", args.backend, "--tokenizer", str(args.tokenizer)]
+    if args.tracemalloc:
+        cmd.append("--tracemalloc")
+    child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    rows = []
+    assert child.stdout is not None
+    for line in child.stdout:
+        rss, hwm, cpu = sample(child.pid)
+        rows.append({**json.loads(line), "rss": rss, "hwm": hwm, "cpu": cpu})
+        if args.verbose:
+            print(f"    {rows[-1]}", flush=True)
+    if child.wait():
+        raise SystemExit(f"the {settings}/{variant} run failed (exit status {child.returncode})")
+    return summarize(rows)
+
+
+def summarize(rows: list[dict]) -> dict[str, float]:
+    first, last = rows[0], rows[-1]
+    half = [r for r in rows if r["t"] >= last["t"] / 2]
+    out = {"slope": slope([r["t"] for r in half], [r["rss"] for r in half]), "peak": max(r["hwm"] for r in rows),
+           # the same per 100M tokens streamed: a figure that a busy machine slows down less than MB/min
+           "per_100m_tok": slope([r["tokens"] / 1e8 for r in half], [r["rss"] for r in half]) / 60,
+           "start": first["rss"], "end": last["rss"],
+           "tok_s": (last["tokens"] - first["tokens"]) / (last["t"] - first["t"]),
+           "tok_cpu_s": (last["tokens"] - first["tokens"]) / max(1e-9, last["cpu"] - first["cpu"])}
+    if last.get("alloc"):
+        out |= {"arenas": last["alloc"]["arenas"], "heap_mb": last["alloc"]["heap"] / 1e6,
+                "free_mb": last["alloc"]["free"] / 1e6, "mmapped_mb": last["alloc"]["mmapped"] / 1e6,
+                "heap_slope": slope([r["t"] for r in half], [r["alloc"]["heap"] / 1e6 for r in half])}
+    if "python" in last:
+        out["python_slope"] = slope([r["t"] for r in half], [r["python"] / 1e6 for r in half])
+        out["python_mb"] = last["python"] / 1e6
+    return out
+
+
+def spread(xs: list[float], unit: str = "", digits: int = 1) -> str:
+    m = statistics.median(xs)
+    return f"{m:,.{digits}f}{unit}" + (f" ({min(xs):,.{digits}f}..{max(xs):,.{digits}f})" if len(xs) > 1 else "")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=30)
+    ap.add_argument("--interval", type=float, default=5.0, help="seconds between samples")
+    ap.add_argument("--settings", default="defaults,issue", help="comma-separated: defaults, issue")
+    ap.add_argument("--variants", default="on,off", help="comma-separated: on, off, name:KEY=VALUE,... (see above)")
+    ap.add_argument("--variant", action="append", default=[], help="one more variant (may hold commas)")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--parallel", action="store_true",
+                    help="run the variants side by side (on a shared machine), not one after the other")
+    ap.add_argument("--backend", default="threads")
+    ap.add_argument("--data", type=Path, default=Path("data/bench"))
+    ap.add_argument("--mb", type=int, default=48)
+    ap.add_argument("--tracemalloc", action="store_true", help="also trace Python's allocations (slower)")
+    ap.add_argument("--verbose", action="store_true", help="print every sample")
+    ap.add_argument("--stream", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tokenizer", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.stream:
+        stream(args)
+        return
+    args.tokenizer = prepare(args.data.resolve(), args.mb)
+    variants = [v for v in args.variants.split(",") if v] if not args.variant else args.variant
+    results: dict[tuple[str, str], list[dict[str, float]]] = {}
+    for r in range(args.repeats):
+        for settings in args.settings.split(","):
+            order = variants if r % 2 == 0 else variants[::-1]
+            if args.parallel:  # all variants at once: the machine's load falls on each alike
+                with ThreadPoolExecutor(len(order)) as pool:
+                    outs = list(pool.map(run, [args] * len(order), [settings] * len(order), order))
+            else:
+                outs = [run(args, settings, v) for v in order]
+            for variant, out in zip(order, outs):
+                results.setdefault((settings, variant.partition(":")[0]), []).append(out)
+                print(f"run {r} {settings:8s} {variant}: " + ", ".join(f"{k} {v:,.2f}" for k, v in out.items()),
+                      flush=True)
+    print(f"\n{args.minutes:g} min per run, {args.backend}, {args.repeats} run(s) each: median (min..max)")
+    for (settings, variant), outs in results.items():
+        col = {k: [o[k] for o in outs] for k in outs[0]}
+        print(f"{settings:8s} {variant:8s} slope {spread(col['slope'], ' MB/min')} = "
+              f"{spread(col['per_100m_tok'], ' MB/100M tokens')}  peak {spread(col['peak'], ' MB')}  "
+              f"{spread(col['tok_s'], ' tok/s', 0)}  {spread(col['tok_cpu_s'], ' tok/CPU-s', 0)}"
+              + (f"  arenas {spread(col['arenas'], '', 0)}" if "arenas" in col else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""The allocator policy a stream runs under (engine.memory), and the loader's buffers in bytes."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import anyio
+import pytest
+
+from zephon_stream import Loader
+from zephon_stream.engine import memory
+from zephon_stream.engine.memory import AllocatorPolicy, allocator_stats, policy_from_env
+from zephon_stream.errors import ConfigError
+
+GLIBC = memory._glibc() is not None
+needs_glibc = pytest.mark.skipif(not GLIBC, reason="the C library is not glibc: the policy does nothing here")
+
+
+def test_policy_from_the_environment() -> None:
+    assert policy_from_env({}) == AllocatorPolicy() == policy_from_env({"ZEPHON_MALLOC": "on"})
+    assert policy_from_env({"ZEPHON_MALLOC": "off"}) is None
+    assert policy_from_env({"ZEPHON_MALLOC": "trim_interval=2.5,arena_max=4"}) == AllocatorPolicy(2.5, 4)
+    for bad in ("trim_every=3", "arena_max=many", "yes"):
+        with pytest.raises(ConfigError, match=f"ZEPHON_MALLOC='{bad}'.*trim_interval"):
+            policy_from_env({"ZEPHON_MALLOC": bad})
+
+
+@needs_glibc
+def test_allocator_stats_see_the_arenas_and_the_large_chunks() -> None:
+    libc = memory._glibc()
+    libc.malloc.restype = ctypes.c_void_p
+    before = allocator_stats()
+    assert before is not None and before.arenas >= 1 and before.in_use > 0
+    block = libc.malloc(64 << 20)  # above any mmap threshold glibc adjusts to (32 MiB at most)
+    try:
+        assert allocator_stats().mmapped >= before.mmapped + (64 << 20)
+    finally:
+        libc.free(ctypes.c_void_p(block))
+
+
+def _in_a_fresh_process(code: str, **env: str) -> str:
+    """Run `code` in a new interpreter (the allocator's settings are per process); its stdout."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+FRAGMENT = """
+    import ctypes, anyio
+    from zephon_stream.engine import memory
+    libc = memory._glibc()
+    libc.malloc.restype = ctypes.c_void_p
+    def rss():
+        return int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20
+    blocks = [libc.malloc(8192) for _ in range(40_000)]  # 320 MB in the heap, below the mmap threshold
+    for b in blocks:
+        ctypes.memset(b, 1, 8192)
+    for i, b in enumerate(blocks):
+        if i % 16:  # every 16th block stays: the heap cannot shrink from its top, only a trim helps
+            libc.free(ctypes.c_void_p(b))
+    before = rss()
+    async def main():
+        with anyio.fail_after(30):
+            async with memory.managed_memory():
+                if memory.policy_from_env() is None:
+                    await anyio.sleep(0.5)  # ten trim intervals of the other case: time to do nothing
+                while memory.trims == 0 and memory.policy_from_env():  # the trimmer's first round, in its worker thread
+                    await anyio.sleep(0.01)
+    anyio.run(main)
+    print(before, rss(), memory.trims)
+"""
+
+
+@needs_glibc
+def test_the_periodic_trim_gives_the_free_heap_back() -> None:
+    before, after, trims = map(int, _in_a_fresh_process(FRAGMENT, ZEPHON_MALLOC="trim_interval=0.05").split())
+    assert trims >= 1 and before > 250 and after < before - 200, (before, after)
+
+
+@needs_glibc
+def test_switched_off_nothing_is_trimmed() -> None:
+    before, after, trims = map(int, _in_a_fresh_process(FRAGMENT, ZEPHON_MALLOC="off").split())
+    assert trims == 0 and after > 250 and abs(after - before) < 20, (before, after)
+
+
+SETTINGS = """
+    from zephon_stream.engine import memory
+    print(",".join(memory.configure_allocator(memory.AllocatorPolicy(arena_max=2, mmap_threshold=1 << 20))))
+"""
+
+
+@needs_glibc
+def test_mallopt_settings_once_and_never_over_the_users_own() -> None:
+    assert _in_a_fresh_process(SETTINGS) == "arena_max,mmap_threshold"
+    assert _in_a_fresh_process(SETTINGS, MALLOC_ARENA_MAX="8") == "mmap_threshold"
+
+
+@needs_glibc
+def test_a_streaming_loader_trims_and_not_when_switched_off(config, monkeypatch) -> None:
+    def trims_while_streaming(spec: str, batches: int) -> int:
+        monkeypatch.setenv("ZEPHON_MALLOC", spec)
+        before, deadline = memory.trims, time.monotonic() + 60
+        with Loader(config) as loader:
+            for i, _ in enumerate(loader):
+                if (memory.trims > before and i >= batches) or time.monotonic() > deadline:
+                    break
+        return memory.trims - before
+
+    assert trims_while_streaming("trim_interval=0.01", 3) >= 1
+    assert trims_while_streaming("off", 30) == 0
+
+
+def test_buffered_bytes_while_streaming(config) -> None:
+    # 3 samples a hand-off, 2 per lane in a step: after the first step each lane's sequencer holds one
+    cfg = config.replace(backend="inline", max_epochs=0, sample_batch=3)
+    per_sample = 12 * cfg.seq_len
+    # lane buffers full, the batch in hand, and up to sample_batch samples each lane's sequencer holds
+    bound = len(Loader(cfg).lanes) * (cfg.sample_buffer + 2) * cfg.sample_batch * per_sample
+
+    async def main() -> tuple[int, int, int]:
+        loader = Loader(cfg)
+        assert loader.statistics().buffered_bytes == 0
+        with anyio.fail_after(60):
+            async with loader.open() as stream:
+                await stream.__anext__()
+                await anyio.wait_all_tasks_blocked()  # inline lanes run until their buffers are full
+                st = loader.statistics()
+        return st.buffered_bytes, st.buffered_batches, loader.statistics().buffered_bytes
+
+    held, batches, after = anyio.run(main)
+    assert batches == cfg.sample_buffer * cfg.lanes
+    assert held == (batches * cfg.sample_batch + cfg.lanes) * per_sample <= bound, (held, bound)
+    assert after == 0  # the stream closed: nothing is held

@@ -1,0 +1,207 @@
+"""The C allocator under a long stream: glibc malloc's figures and settings, through ctypes.
+
+A loader process allocates from many threads at once: the event loop, the CPU-step workers
+(decode, tokenize, collate) and the tokenizer's own Rayon pool. glibc gives such threads arenas
+of their own (up to 8 per core), and an arena keeps the pages it has freed unless they sit at
+its very top. Over a long run each arena's free space grows towards its own peak, so resident
+memory climbs for many minutes with no leak: `mallinfo2` shows the bytes in use flat while the
+free bytes inside the arenas grow by as much as RSS does. Capping the arenas
+(`MALLOC_ARENA_MAX=2`) holds RSS flat but makes the threads queue for two arena locks, which
+cost a quarter of the throughput on a many-core machine.
+
+`managed_memory()`, entered by every loader stream and lane worker process, keeps the arenas
+and gives their free pages back instead: every `trim_interval` seconds (10) a worker thread
+calls `malloc_trim(0)`, which releases the whole free pages of every arena (a few ms; the event
+loop never waits on it). RSS then follows the bytes in use, and the threads allocate as before.
+
+    ZEPHON_MALLOC=off                          # leave malloc as the process found it
+    ZEPHON_MALLOC=trim_interval=30             # trim less often
+    ZEPHON_MALLOC=trim_interval=0,arena_max=4  # no trim; at most 4 arenas (mallopt M_ARENA_MAX)
+
+`arena_max`, `mmap_threshold` and `trim_threshold` are glibc's `mallopt` settings, set once
+per process and never over the same setting given to glibc in the environment
+(`MALLOC_ARENA_MAX`, `MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`). Elsewhere than
+glibc (musl, macOS) nothing is done. `allocator_stats()` reads the figures, as bench/soak.py
+prints them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import re
+import threading
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+
+import anyio
+import msgspec
+
+from zephon_stream.errors import ConfigError
+
+__all__ = ["MEMORY_ENV", "AllocatorPolicy", "AllocatorStats", "allocator_stats", "configure_allocator", "mallopt",
+           "managed_memory", "policy_from_env", "trim"]
+
+#: Set to "off" to leave the C allocator as the process found it.
+MEMORY_ENV = "ZEPHON_MALLOC"
+
+# mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+class AllocatorStats(msgspec.Struct, frozen=True):
+    """glibc malloc's figures for the whole process, in bytes (`mallinfo2`, `malloc_info`)."""
+
+    arenas: int  # malloc arenas (the main one and one per thread that found the others locked)
+    heap: int  # bytes the arenas hold from the system (sbrk and arena heaps), free or not
+    mmapped: int  # bytes in chunks mapped on their own (the large allocations)
+    in_use: int  # bytes allocated and not freed, in the arenas
+    free: int  # bytes free inside the arenas: held from the system, not used (fragmentation shows here)
+    releasable: int  # free bytes at the top of the main arena, that a trim gives back at once
+
+
+_lock = threading.Lock()
+_libc: ctypes.CDLL | None | bool = False  # False: not looked up yet; None: not glibc
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc with mallinfo2 (2.33+), else None (musl, macOS: nothing to set)."""
+    global _libc
+    with _lock:
+        if _libc is False:
+            lib = ctypes.CDLL(ctypes.util.find_library("c") or None)
+            _libc = lib if hasattr(lib, "gnu_get_libc_version") and hasattr(lib, "mallinfo2") else None
+            if _libc is not None:
+                _libc.mallinfo2.restype = _Mallinfo2
+                _libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+                _libc.open_memstream.restype = ctypes.c_void_p
+                _libc.open_memstream.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_size_t)]
+                _libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+                _libc.fclose.argtypes = [ctypes.c_void_p]
+                _libc.free.argtypes = [ctypes.c_void_p]
+                _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        return _libc or None
+
+
+def allocator_stats() -> AllocatorStats | None:
+    """The allocator's figures now, or None where the C library is not glibc."""
+    libc = _glibc()
+    if libc is None:
+        return None
+    info = libc.mallinfo2()
+    return AllocatorStats(_count_arenas(libc), info.arena, info.hblkhd, info.uordblks, info.fordblks, info.keepcost)
+
+
+def _count_arenas(libc: ctypes.CDLL) -> int:
+    buf, size = ctypes.c_char_p(), ctypes.c_size_t()
+    stream = libc.open_memstream(ctypes.byref(buf), ctypes.byref(size))
+    if not stream:
+        return 0
+    libc.malloc_info(0, stream)
+    libc.fclose(stream)
+    try:
+        return len(re.findall(rb"<heap nr=", ctypes.string_at(buf, size.value)))
+    finally:
+        libc.free(buf)
+
+
+def mallopt(param: int, value: int) -> bool:
+    """glibc `mallopt(param, value)`; False where it is refused or the C library is not glibc."""
+    libc = _glibc()
+    return bool(libc is not None and libc.mallopt(param, value))
+
+
+def trim() -> bool:
+    """Give the free pages of every arena back to the system (`malloc_trim(0)`); True if any were."""
+    libc = _glibc()
+    return bool(libc is not None and libc.malloc_trim(0))
+
+
+class AllocatorPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What `managed_memory` does to glibc malloc; 0 leaves a setting as glibc has it."""
+
+    trim_interval: float = 10.0  # seconds between two malloc_trim(0) while a stream runs
+    arena_max: int = 0  # M_ARENA_MAX (glibc: 8 per core)
+    mmap_threshold: int = 0  # M_MMAP_THRESHOLD in bytes (glibc: 128 KiB, raised by each large free)
+    trim_threshold: int = 0  # M_TRIM_THRESHOLD in bytes (glibc: 128 KiB, raised with the mmap threshold)
+
+
+def policy_from_env(environ: Mapping[str, str] = os.environ) -> AllocatorPolicy | None:
+    """The policy that `ZEPHON_MALLOC` asks for: unset, "" or "on": the default; "off": None (leave
+    malloc alone); else `key=value,...` over the default (`trim_interval=30,arena_max=4`)."""
+    spec = environ.get(MEMORY_ENV, "").strip()
+    if spec in ("", "on"):
+        return AllocatorPolicy()
+    if spec == "off":
+        return None
+    try:
+        fields = dict(kv.split("=", 1) for kv in spec.split(","))
+        return msgspec.convert(fields, AllocatorPolicy, strict=False)
+    except (ValueError, msgspec.ValidationError) as exc:
+        raise ConfigError(f"{MEMORY_ENV}={spec!r}: {exc}; use on, off, or key=value pairs separated by commas "
+                          f"from {', '.join(AllocatorPolicy.__struct_fields__)}") from None
+
+
+_SETTINGS = (("arena_max", M_ARENA_MAX, "MALLOC_ARENA_MAX"), ("mmap_threshold", M_MMAP_THRESHOLD,
+             "MALLOC_MMAP_THRESHOLD_"), ("trim_threshold", M_TRIM_THRESHOLD, "MALLOC_TRIM_THRESHOLD_"))
+_applied: set[str] = set()
+
+
+def configure_allocator(policy: AllocatorPolicy) -> list[str]:
+    """Set `policy`'s mallopt settings, once per process; the names of those set now. A setting that
+    the environment gives glibc itself (`MALLOC_ARENA_MAX`, ...) is left as the user chose it."""
+    done = []
+    for field, param, env in _SETTINGS:
+        value = getattr(policy, field)
+        if value and field not in _applied and env not in os.environ and mallopt(param, value):
+            _applied.add(field)
+            done.append(field)
+    return done
+
+
+@asynccontextmanager
+async def managed_memory(policy: AllocatorPolicy | None | bool = True) -> AsyncIterator[None]:
+    """While the block runs, hold glibc malloc to `policy` (True: `ZEPHON_MALLOC`'s, by default
+    the default; None: nothing): its settings once per process, and a trim every `trim_interval`
+    seconds in a worker thread, off the event loop."""
+    chosen = policy_from_env() if policy is True else policy or None
+    if chosen is None or _glibc() is None:
+        yield
+        return
+    configure_allocator(chosen)
+    if not chosen.trim_interval:
+        yield
+        return
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_trim_every, chosen.trim_interval)
+        try:
+            yield
+        finally:
+            tg.cancel_scope.cancel()
+
+
+_trimming = threading.Lock()
+trims = 0  # malloc_trim calls made by managed_memory in this process (for tests and benchmarks)
+
+
+async def _trim_every(seconds: float) -> None:
+    while True:
+        await anyio.sleep(seconds)
+        await anyio.to_thread.run_sync(_trim_once)
+
+
+def _trim_once() -> None:
+    """One trim, unless another stream's trimmer is at it now (once is enough for the process)."""
+    global trims
+    if _trimming.acquire(blocking=False):
+        try:
+            trim()
+            trims += 1
+        finally:
+            _trimming.release()
