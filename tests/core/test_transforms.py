@@ -303,6 +303,7 @@ def test_other_transforms_are_another_order(config):
                                     r"'tests.core.no_such_module'"),
     (f"{FNS}:no_such_function", r"source 'a' transform '.*:no_such_function': .*has no attribute"),
     (f"{FNS}:NOT_CALLABLE", r"source 'a' transform '.*:NOT_CALLABLE' is int 3, not callable"),
+    (f"{FNS}:is_async", r"source 'a' transform '.*:is_async' is an async or generator function"),
 ])
 def test_bad_import_paths_are_refused_before_workers_start(config, path, match):
     cfg = config.replace(sources=[msgspec.structs.replace(config.sources[0], transforms=[TransformStep(map=path)])])

@@ -8,8 +8,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-__all__ = ["NOT_CALLABLE", "at_least_words", "drop_bang", "keep_some", "nested_lang_en", "raises", "returns_list",
-           "returns_none", "returns_str", "seeded_word", "shout", "to_messages", "to_text_key"]
+__all__ = ["NOT_CALLABLE", "at_least_words", "drop_bang", "is_async", "keep_some", "nested_lang_en", "raises",
+           "returns_list", "returns_none", "returns_str", "seeded_word", "shout", "to_messages", "to_text_key"]
 
 NOT_CALLABLE = 3
 
@@ -68,6 +68,10 @@ def returns_list(record: dict[str, Any]) -> list[str]:
 def returns_str(record: dict[str, Any]) -> str:
     """A filter that returns the text instead of a bool."""
     return record["text"]
+
+
+async def is_async(record: dict[str, Any]) -> bool:
+    return True
 
 
 def raises(record: dict[str, Any]) -> dict[str, Any]:

@@ -135,6 +135,9 @@ def resolve(source: str, path: str) -> Callable[..., Any]:
     if not callable(fn):
         raise ConfigError(f"source {source!r} transform {path!r} is {type(fn).__name__} {fn!r}, not callable: "
                           "name a function")
+    if inspect.iscoroutinefunction(fn) or inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        raise ConfigError(f"source {source!r} transform {path!r} is an async or generator function: a step "
+                          "returns its result directly (a dict for a map, a bool for a filter)")
     return fn
 
 
