@@ -92,20 +92,27 @@ def oracle_trained(ids: list[int], tok: Tokenizer) -> tuple[np.ndarray, int]:
 
 
 def _check_labels(batch: dict[str, Any], tok: Tokenizer) -> int:
-    """Labels against the oracle in every row; the number of positions checked that are trained."""
+    """Labels against the oracle in each document piece of every row; the number of positions
+    checked that are trained. The label of a piece's last token is not checked: its target lies
+    outside the row (the next piece of a cut document, or the next document)."""
     trained_seen = 0
-    for row, labels in zip(batch["input_ids"].tolist(), batch["labels"].tolist()):
-        trained, known = oracle_trained(row, tok)
-        for j in range(known, len(row) - 1):  # the last label's target opens the next sample
-            assert labels[j] == (row[j + 1] if trained[j + 1] else IGNORE), (j, row, labels)
-            trained_seen += bool(trained[j + 1])
+    for row, labels, pieces in zip(batch["input_ids"].tolist(), batch["labels"].tolist(),
+                                   batch["document_ids"].numpy()):
+        for piece in np.unique(pieces[pieces >= 0]):
+            lo, hi = np.flatnonzero(pieces == piece)[[0, -1]] + (0, 1)
+            trained, known = oracle_trained(row[lo:hi], tok)
+            for j in range(lo + known, hi - 1):
+                assert labels[j] == (row[j + 1] if trained[j + 1 - lo] else IGNORE), (j, row, labels)
+                trained_seen += bool(trained[j + 1 - lo])
+        assert all(labels[j] == IGNORE for j in np.flatnonzero(pieces < 0)), "padding is never a target"
     return trained_seen
 
 
-def test_labels_are_ignored_outside_assistant_turns(chat_config):
+@pytest.mark.parametrize("packing", ["concat", "best_fit", "none"])
+def test_labels_are_ignored_outside_assistant_turns(chat_config, packing):
     tok = Tokenizer.from_file(chat_config.tokenizer)
     seen = 0
-    for step, batch in enumerate(Loader(chat_config, backend="threads")):
+    for step, batch in enumerate(Loader(chat_config.replace(packing=packing), backend="threads")):
         seen += _check_labels(batch, tok)
         if step == STEPS:
             break
@@ -135,6 +142,22 @@ def test_every_conversation_once_per_epoch_with_its_trained_labels(chat_config, 
     assert got == Counter(tuple(d.ids.tolist()) for d in docs)
     labels = sum(int((b["labels"] != IGNORE).sum()) for b in batches)
     assert labels == sum(int(d.trained[1:].sum()) for d in docs)  # a document's first token is no one's target
+
+
+def test_every_token_once_per_epoch_with_best_fit(chat_config, chat_data):
+    """Whole conversations from a window, long ones cut into seq_len pieces: every token once, and
+    every trained target once (at a cut, the label of a piece's last token is the next piece's first)."""
+    _, conversations = chat_data
+    cfg = chat_config.replace(max_epochs=1, packing="best_fit", packing_window=16)
+    tok = Tokenize(cfg.tokenizer, cfg.eos_token)
+    batches = list(Loader(cfg, backend="threads"))
+    docs = [doc for _, doc in ChatTokens.for_source(cfg, 0, tok)([((0, 0, 0, 1), c) for c in conversations],
+                                                                 None, "all")]
+    assert Counter(t for s in lane_token_streams(batches).values() for t in s) == \
+        Counter(t for d in docs for t in d.ids.tolist())
+    assert any(len(d) > cfg.seq_len for d in docs), "some conversations are cut"
+    labels = sum(int((b["labels"] != IGNORE).sum()) for b in batches)
+    assert labels == sum(int(d.trained[1:].sum()) for d in docs)
 
 
 def _split(tokens: list[int], eos: int) -> list[list[int]]:
@@ -167,19 +190,23 @@ def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
             assert x[k].equal(y[k]), k
 
 
-def test_resume_gives_the_same_batches(chat_config):
-    whole, _ = _batches(chat_config, STEPS, "threads")
-    first, state = _batches(chat_config, 4, "threads")
-    rest, _ = _batches(chat_config, STEPS - 4, "threads", state)
+@pytest.mark.parametrize("packing", ["concat", "best_fit"])
+def test_resume_gives_the_same_batches(chat_config, packing):
+    cfg = chat_config.replace(packing=packing)
+    whole, _ = _batches(cfg, STEPS, "threads")
+    first, state = _batches(cfg, 4, "threads")
+    rest, _ = _batches(cfg, STEPS - 4, "threads", state)
     _same(whole, first + rest)
 
 
-def test_processes_backend_gives_the_batches_of_threads(chat_config):
-    threads, _ = _batches(chat_config, STEPS, "threads")
-    processes, _ = _batches(chat_config.replace(workers=2), STEPS, "processes")
+@pytest.mark.parametrize("packing", ["concat", "best_fit"])
+def test_processes_backend_gives_the_batches_of_threads(chat_config, packing):
+    cfg = chat_config.replace(packing=packing)
+    threads, _ = _batches(cfg, STEPS, "threads")
+    processes, _ = _batches(cfg.replace(workers=2), STEPS, "processes")
     _same(threads, processes)
-    records = rank_records(Loader(chat_config, backend="inline"), STEPS)
-    assert records == rank_records(Loader(chat_config.replace(workers=2), backend="processes"), STEPS)
+    records = rank_records(Loader(cfg, backend="inline"), STEPS)
+    assert records == rank_records(Loader(cfg.replace(workers=2), backend="processes"), STEPS)
 
 
 # ---- bad input and configuration -------------------------------------------------------------
