@@ -172,6 +172,11 @@ def test_marks_avoid_characters_in_the_conversation():
     assert text == ChatTemplate(CHATML).render(conv)
     assert [text[a:b] for a, b in spans] == ["\ue002 ok<|im_end|>"]
     assert ChatTemplate(CHATML).spans(conv, "assistant") == (text, spans)
+    every = [{"role": "user", "content": "".join(map(chr, range(0xE000, 0xF900)))},
+             {"role": "assistant", "content": ""}]
+    with pytest.raises(DataError, match="every Unicode private-use character"):
+        ChatTemplate(CHATML_GEN).spans(every, "assistant")
+    assert ChatTemplate(CHATML_GEN).spans(every, "all")[0] == ChatTemplate(CHATML).render(every)
 
 
 @settings(max_examples=200, deadline=None)

@@ -79,6 +79,7 @@ class ChatTemplate:
     def __init__(self, source: str, origin: str = "<string>", variables: dict[str, str] | None = None) -> None:
         self.source, self.origin, self.variables = source, origin, dict(variables or {})
         self.marked = bool(_GENERATION.search(source))
+        self._seen = source + "".join(v for v in self.variables.values() if isinstance(v, str))  # rendered too
         self._template = _compile(source, origin)
 
     def __repr__(self) -> str:
@@ -112,7 +113,7 @@ class ChatTemplate:
 
     def _marked(self, messages: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
         """Render with every generation block between two marks, then take the marks out."""
-        begin, end = _unused(messages, self.source, 2)
+        begin, end = _unused(messages, self._seen, 2)
         with _marking(begin, end):
             raw = self._render(messages)
         text, spans, open_at, pos = [], [], None, 0
@@ -145,7 +146,7 @@ class ChatTemplate:
                 raise DataError(self._not_prefix(last, k, renders[last], renders[k]))
             last = k
         text, spans = renders[len(messages)], []
-        (sentinel,) = _unused(messages, self.source, 1) if turns else ("",)
+        (sentinel,) = _unused(messages, self._seen, 1) if turns else ("",)
         for i in turns:
             lo, hi = len(renders[i]), len(renders[i + 1])
             probe = self._render([*messages[:i], {**messages[i], "content": sentinel}])
@@ -194,10 +195,15 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _unused(messages: list[dict[str, Any]], template: str, n: int) -> list[str]:
-    """`n` private-use characters that occur nowhere in the conversation nor the template."""
-    seen = msgspec.json.encode(messages).decode() + template
-    return list(itertools.islice((c for c in map(chr, _PRIVATE) if c not in seen), n))
+def _unused(messages: list[dict[str, Any]], elsewhere: str, n: int) -> list[str]:
+    """`n` private-use characters that occur nowhere in the conversation nor in `elsewhere` (the
+    template and its variables)."""
+    seen = msgspec.json.encode(messages, enc_hook=repr).decode() + elsewhere
+    found = list(itertools.islice((c for c in map(chr, _PRIVATE) if c not in seen), n))
+    if len(found) < n:
+        raise DataError("the conversation uses every Unicode private-use character (U+E000-U+F8FF), so none is "
+                        "left to mark its spans with; use loss_on = \"all\" for it")
+    return found
 
 
 @contextmanager
