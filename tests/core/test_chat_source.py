@@ -8,6 +8,7 @@ Exactly once, checkpoint resume and the processes backend are checked on the sam
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections import Counter
 from pathlib import Path
@@ -207,6 +208,35 @@ def test_processes_backend_gives_the_batches_of_threads(chat_config, packing):
     _same(threads, processes)
     records = rank_records(Loader(cfg, backend="inline"), STEPS)
     assert records == rank_records(Loader(cfg.replace(workers=2), backend="processes"), STEPS)
+
+
+def _world(cfg: Config, dp_size: int, steps: int, backend: str, resume: Any = None) -> tuple[list[tuple], list]:
+    """Every rank's samples as (step, slot, input_ids digest, labels digest), by slot; each rank's state."""
+    rows, states = [], []
+    for rank in range(dp_size):
+        loader = Loader(cfg, dp_rank=rank, dp_size=dp_size, backend=backend)
+        if resume:
+            loader.load_state_dict(resume)
+        for b, batch in enumerate(loader):
+            rows += [(batch["step"], slot, hashlib.sha256(ids.tobytes()).hexdigest(),
+                      hashlib.sha256(labels.tobytes()).hexdigest())
+                     for slot, ids, labels in zip(batch["slots"].tolist(), batch["input_ids"].numpy(),
+                                                  batch["labels"].numpy())]
+            if b + 1 == steps:
+                break
+        states.append(loader.state_dict())
+    return sorted(rows, key=lambda r: (r[0], r[1])), states
+
+
+def test_world_sizes_and_resume_onto_another_world_with_best_fit(chat_config):
+    """The determinism matrix's cases for a chat source packed best_fit, labels compared too."""
+    cfg = chat_config.replace(packing="best_fit", packing_window=8)
+    baseline, _ = _world(cfg, 1, STEPS, "inline")
+    assert len({r[2] for r in baseline}) == len(baseline)
+    assert _world(cfg, 3, STEPS, "threads")[0] == baseline
+    first, states = _world(cfg, 2, 4, "threads")
+    rest, _ = _world(cfg, 4, STEPS - 4, "inline", resume=states)
+    assert first + rest == baseline
 
 
 # ---- bad input and configuration -------------------------------------------------------------
