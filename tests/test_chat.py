@@ -332,3 +332,17 @@ def test_a_template_that_does_not_compile_is_a_config_error(tmp_path):
     (tmp_path / "t.jinja").write_text("{% for m in messages %}\n{{ m.content }\n")
     with pytest.raises(ConfigError, match=r"t.jinja does not compile \(line 2\)"):
         load_template(str(tmp_path / "t.jinja"), str(tmp_path / "tokenizer.json"))
+
+
+def test_a_jinja2_with_known_sandbox_escapes_is_refused(monkeypatch):
+    import jinja2
+
+    from zephon_stream import chat
+
+    monkeypatch.setattr(jinja2, "__version__", "3.1.5")
+    chat._environment.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match=r"jinja2 3.1.5 has known sandbox escapes.*install jinja2 >= 3.1.6"):
+            ChatTemplate(CHATML)
+    finally:
+        chat._environment.cache_clear()

@@ -366,6 +366,9 @@ def _environment() -> Any:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError as exc:
         raise ConfigError("chat sources render their template with jinja2: install zephon-stream[chat]") from exc
+    if tuple(int(p) for p in re.findall(r"\d+", jinja2.__version__)[:3]) < (3, 1, 6):
+        raise ConfigError(f"jinja2 {jinja2.__version__} has known sandbox escapes, and a chat template is code: "
+                          "install jinja2 >= 3.1.6")
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[_generation_extension(jinja2), jinja2.ext.loopcontrols])
