@@ -20,9 +20,16 @@ trained:   "4.<|im_end|>"  = the content, then the tail less its trailing whites
 
 So a message's content is found by rendering it once with a sentinel content (a private-use
 character that appears nowhere in the conversation or the template), which also finds content
-that the template trims. A template whose prefix renders are not prefixes of each other, or
-that renders a sentinel content otherwise than the real one, is refused for that conversation
-(a `DataError`: add `{% generation %}` markers to it).
+that the template trims or cuts (a reasoning part dropped: what is rendered is trained). A
+template whose prefix renders are not prefixes of each other, or whose text around a message's
+content depends on the content, is refused for that conversation (a `DataError`: add
+`{% generation %}` markers to it). With markers, a block's output travels between two unused
+private-use characters and is found in the text after the render, wherever Jinja buffered it.
+
+A template sees `messages`, `add_generation_prompt = False`, and the special tokens: the
+config's `eos_token` / `bos_token` for a template file, the `*_token` entries of the
+tokenizer_config.json whose template it is (so what the order digest hashes decides the text).
+`strftime_now` formats `FIXED_NOW`, not the clock, so a render is a pure function of its record.
 
 `loss_on`: `"assistant"`, every assistant message (every generation block, with markers);
 `"last_assistant"`, the last one only; `"all"`, every token of the conversation. The document
