@@ -21,6 +21,7 @@ from zephon_stream.cli.progress import StreamProgress
 from zephon_stream.loader.loader import Loader, LoaderStatistics
 from zephon_stream.loader.restarts import Supervision
 from zephon_stream.loader.state import LaneState
+from zephon_stream.operators.read import RecordCounts
 from zephon_stream.operators.types import Sample
 from zephon_stream.testing.determinism import batch_records, run_world
 
@@ -113,11 +114,11 @@ def test_supervision_restarts_from_the_last_received_state_with_the_credits_left
     assert sup.credits(0) == 3 and sup.credits(4) == 4  # one batch of lane 0 still waits here
     assert sup.states(0) == [batch[-1].state, states[4]] and batch[-1].state.samples == 2
     sup.ended.add(4)
-    sup.set_skipped(0, {0: 5})
+    sup.set_skipped(0, RecordCounts({0: 5}, {1: {0: 2}}))
     sup.lost(0, "test")
-    assert sup.live(0) == [0] and sup.total_restarts() == 1 and sup.skipped() == {0: 5}
-    sup.set_skipped(0, {0: 1, 1: 1})  # the successor counts from zero
-    assert sup.skipped() == {0: 6, 1: 1}
+    assert sup.live(0) == [0] and sup.total_restarts() == 1 and sup.skipped() == RecordCounts({0: 5}, {1: {0: 2}})
+    sup.set_skipped(0, RecordCounts({0: 1, 1: 1}, {1: {1: 3}}))  # the successor counts from zero
+    assert sup.skipped() == RecordCounts({0: 6, 1: 1}, {1: {0: 2, 1: 3}})
     with pytest.raises(ZephonError, match=r"lane worker 0 \(test\) died, and its max_restarts = 1 .*lanes \[0\]"):
         sup.lost(0, "test")
 

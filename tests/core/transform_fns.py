@@ -9,7 +9,7 @@ import random
 from typing import Any
 
 __all__ = ["NOT_CALLABLE", "at_least_words", "drop_bang", "is_async", "keep_some", "nested_lang_en", "raises",
-           "returns_list", "returns_none", "returns_str", "seeded_word", "shout", "to_messages", "to_text_key"]
+           "returns_list", "returns_none", "returns_str", "seeded_word", "shout", "to_messages"]
 
 NOT_CALLABLE = 3
 
@@ -39,11 +39,6 @@ def seeded_word(record: dict[str, Any], seed: int) -> dict[str, Any]:
 def keep_some(record: dict[str, Any], *, seed: int) -> bool:
     """Keep about two thirds of the records, chosen by the per-record seed."""
     return seed % 3 != 0
-
-
-def to_text_key(record: dict[str, Any]) -> dict[str, Any]:
-    """Move `body` to `text`."""
-    return {"text": record["body"]}
 
 
 def nested_lang_en(record: dict[str, Any]) -> bool:

@@ -52,7 +52,8 @@ class LoaderStatistics(msgspec.Struct, frozen=True):
     source_shares: dict[str, float] = {}  # the same as shares of their sum: the realized mix
     weights: dict[str, float] = {}  # the weights in force at the next step (schedule and set_weights)
     worker_restarts: int = 0  # lane workers (processes, Ray actors) that died and were started again
-    filtered_records: dict[str, int] = {}  # records each source's filters dropped, each once per epoch that read it
+    # records each source with transforms had its filters drop, each once per epoch that read it
+    filtered_records: dict[str, int] = {}
     filtered_by_epoch: dict[int, int] = {}  # the same, all sources, by the epoch whose split held them
     # packing = "none" with truncate: documents cut at seq_len in the samples this rank's lanes handed
     # out since the run began (counted in the lane states, so resumes keep them), and their tokens dropped

@@ -73,6 +73,8 @@ class Transform:
     kind = ""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
+        if not self.kind:
+            raise TypeError("Transform is the base of Map and Filter: use one of those")
         self.fn, self.path = fn, import_path(fn)
 
     def __repr__(self) -> str:
@@ -220,7 +222,8 @@ def with_transforms(config: Config, transforms: Mapping[str, Sequence[Transform]
         raise ConfigError(f"transforms for {unknown}: no such source; the sources are {names}")
     sources = []
     for src in config.sources:
-        steps = list(transforms.get(src.name, ()))
+        given = transforms.get(src.name, ())
+        steps = [given] if isinstance(given, Transform) else list(given)
         bad = [s for s in steps if not isinstance(s, Transform)]
         if bad:
             raise ConfigError(f"transforms[{src.name!r}] holds {bad[0]!r}: wrap each function as Map(fn) or "
