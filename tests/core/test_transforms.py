@@ -90,6 +90,12 @@ def test_maps_and_filters_change_the_documents(config, dataset):
     assert texts(cfg, 1) == docs["b"]  # a source without transforms is untouched
 
 
+def test_a_filter_may_answer_with_a_numpy_bool(config, dataset):
+    _, docs = dataset
+    cfg = with_steps(config, a=[step("filter", "drop_bang_numpy")])
+    assert texts(cfg, 0) == [d for d in docs["a"] if not d.endswith("!")]
+
+
 def test_steps_run_in_order(config, dataset):
     """shout then at_least_words counts the LOUD marker as a word: the other order does not."""
     _, docs = dataset

@@ -8,8 +8,10 @@ from __future__ import annotations
 import random
 from typing import Any
 
-__all__ = ["NOT_CALLABLE", "at_least_words", "drop_bang", "is_async", "keep_some", "nested_lang_en", "raises",
-           "returns_list", "returns_none", "returns_str", "seeded_word", "shout", "to_messages"]
+import numpy as np
+
+__all__ = ["NOT_CALLABLE", "at_least_words", "drop_bang", "drop_bang_numpy", "is_async", "keep_some", "nested_lang_en",
+           "raises", "returns_list", "returns_none", "returns_str", "seeded_word", "shout", "to_messages"]
 
 NOT_CALLABLE = 3
 
@@ -17,6 +19,11 @@ NOT_CALLABLE = 3
 def drop_bang(record: dict[str, Any]) -> bool:
     """Keep the documents that do not end with "!" (a third of the test data does)."""
     return not record["text"].endswith("!")
+
+
+def drop_bang_numpy(record: dict[str, Any]) -> np.bool_:
+    """drop_bang, answered with a NumPy bool (what a comparison of arrays gives)."""
+    return np.bool_(not record["text"].endswith("!"))
 
 
 def at_least_words(record: dict[str, Any]) -> bool:

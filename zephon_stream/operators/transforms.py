@@ -22,7 +22,7 @@ The contract (what keeps determinism, checkpoints and exactly-once):
   function of (config seed, source, epoch, the record's split and offset), so a record gets the
   same seed on every backend and world size and after a resume, and a new one each epoch.
 - A map returns a dict (the new record; it may be the argument, changed); a filter returns a
-  bool. Anything else, or an exception from the function, is a `DataError` naming the function,
+  bool (a NumPy bool too). Anything else, or an exception from the function, is a `DataError` naming the function,
   the shard and the record's offset. It is raised whatever `on_bad_record` says: it is a bug in
   the function, not bad data. A record whose payload field is missing or of the wrong type
   after the steps is a bad record (raised, or skipped and counted with `on_bad_record = "skip"`).
@@ -55,6 +55,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
+import numpy as np
 
 from zephon_stream.engine.rng import mix64
 from zephon_stream.errors import ConfigError, DataError
@@ -275,7 +276,7 @@ class Records:
             out = step.fn(record, seed=seed) if step.seeded else step.fn(record)
         except Exception as exc:
             raise self._error(step, reader, pos, f"raised {type(exc).__name__}: {exc}") from exc
-        if step.is_filter and not isinstance(out, bool):
+        if step.is_filter and not isinstance(out, (bool, np.bool_)):
             raise self._error(step, reader, pos, f"returned {_shown(out)}, not a bool: a filter returns True to "
                                                  "keep the record, False to drop it")
         if not step.is_filter and not isinstance(out, dict):
