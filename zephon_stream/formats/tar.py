@@ -12,8 +12,9 @@ starts:   0                                              s1                     
 ```
 
 `tar_index` walks the headers with ranged reads, skipping the contents of members larger than one
-read, and returns where each sample starts (then the end of the last complete sample), so a
-planner can cut a shard into splits at sample starts. `parse_samples` decodes a block of whole
+read (reads double, up to 1 MiB, while every byte read is walked), and returns where each sample
+starts (then the end of the last complete sample), so a planner can cut a shard into splits at
+sample starts. `parse_samples` decodes a block of whole
 samples read from those offsets. Both walk headers with the same code, so a range the index
 accepted parses without error unless the object changed.
 
@@ -43,6 +44,7 @@ from zephon_stream.formats.jsonl_zst import atomic_write
 __all__ = ["INDEX_READ", "TarIndex", "TarSample", "parse_samples", "tar_index", "write_tar_shards"]
 
 INDEX_READ = 64 << 10  # bytes per ranged read of the index walk: small members cost no extra request
+_INDEX_READ_MAX = 1 << 20  # ... and the most, reached by doubling while no member's content is skipped
 _BLOCK = 512
 _MAX_EXTENSIONS = 1 << 20  # bytes of extension headers ('L', 'K', 'x', 'g') one member may have: names are short
 _ZERO = bytes(_BLOCK)
@@ -329,6 +331,7 @@ class _IndexWalk:
         self.walker.view = bytearray()
         self.samples = _Samples(key)
         self.size, self.read, self.pos = size, read, 0
+        self.span = read  # bytes of the next read, see `feed`
         self.starts: list[int] = []
         self.end = 0  # of the last complete sample
         self.bad: _Bad | None = None
@@ -348,8 +351,13 @@ class _IndexWalk:
                 m = w.member(self.pos)
             except _More as more:
                 held = w.base + len(w.view)
-                frm = held if w.base <= self.pos < held else self.pos  # else: a member's content was skipped
-                grow = max(self.read, held - self.pos)  # a long run of headers is walked again O(log n) times
+                walked = w.base <= self.pos < held  # every byte held was walked: no member's content skipped
+                frm = held if walked else self.pos
+                # Members smaller than a read: each read twice the last, up to _INDEX_READ_MAX, so a shard of
+                # small samples costs a few requests (and calls of this walk), not one per 64 KiB; a skipped
+                # content starts again at `read`, so that large contents stay unread.
+                self.span = min(2 * self.span, max(self.read, _INDEX_READ_MAX)) if walked else self.read
+                grow = max(self.span, held - self.pos)  # a long run of headers is walked again O(log n) times
                 self.want = (frm, min(self.size, max(more.upto, frm + grow)))
                 return
             except _Bad as bad:
@@ -386,10 +394,12 @@ async def tar_index(store: Store, key: str, size: int, max_member: int, *, read:
     """Index the samples of the tar shard `key` (`size` bytes): where each starts, and where the last ends.
 
     Walks the headers with ranged reads of about `read` bytes, so many small members cost one
-    request and the contents of larger ones are skipped unread. The walk stops at the end of the
-    archive (two zero blocks, or the end of the object), or at the first malformed header or
-    member: the samples before it stay, and `bad_tail` says what is wrong and where. A sample is
-    kept only when the walk saw all of it (a member that fails may belong to it).
+    request and the contents of larger ones are skipped unread; while no content is skipped,
+    each read is twice the last (up to 1 MiB), so a shard of small samples takes few requests.
+    The walk stops at the end of the archive (two zero blocks, or the end of the object), or at
+    the first malformed header or member: the samples before it stay, and `bad_tail` says what
+    is wrong and where. A sample is kept only when the walk saw all of it (a member that fails
+    may belong to it).
     """
     walk = _IndexWalk(key, size, max_member, read)
     while walk.want is not None:

@@ -91,14 +91,18 @@ def _images(samples: list[Sample], vision: Any) -> dict[str, object]:
     from zephon_stream.vision.image import normalize, patchify
 
     spec = vision.image_spec()
-    row = 3 * spec.temporal_patch_size * spec.patch_size ** 2
-    patches = [patchify(image, spec) for s in samples for image in s.images]
-    pixels = torch.from_numpy(np.concatenate(patches) if patches else np.zeros((0, row), np.uint8))
+    grids = [g for s in samples for g in s.grids]
+    rows = [t * h * w for t, h, w in grids]
+    pixels = torch.empty((sum(rows), spec.row_size), dtype=torch.uint8)
+    out, at = pixels.numpy(), 0
+    for image, n in zip((image for s in samples for image in s.images), rows):
+        patchify(image, spec, out[at:at + n])  # each image's patches written once, in place
+        at += n
     seq_len = len(samples[0].input_ids)
     types = [s.token_types if s.token_types is not None else np.zeros(seq_len, np.uint8) for s in samples]
     return {
         "pixel_values": normalize(pixels) if vision.pixel_dtype == "float32" else pixels,
-        "image_grid_thw": torch.tensor([g for s in samples for g in s.grids], dtype=torch.int64).reshape(-1, 3),
+        "image_grid_thw": torch.tensor(grids, dtype=torch.int64).reshape(-1, 3),
         "image_sample": torch.tensor([b for b, s in enumerate(samples) for _ in s.images], dtype=torch.int64),
         "mm_token_type_ids": torch.from_numpy(np.stack(types).astype(np.int64)),
     }

@@ -409,12 +409,16 @@ def _to_rgb(im: PILImage.Image) -> PILImage.Image:
     return im if im.mode == "RGB" else im.convert("RGB")
 
 
-def patchify(image: np.ndarray, spec: ImageSpec) -> np.ndarray:
+def patchify(image: np.ndarray, spec: ImageSpec, out: np.ndarray | None = None) -> np.ndarray:
     """uint8 [H', W', 3] (from `load_image`) to patch rows uint8 [grid_h * grid_w, spec.row_size].
 
     Row order: merge blocks left to right, top to bottom; inside a block its merge_size^2 patches
     row-major. A row is channel-major, then the frame repeated temporal_patch_size times, then
     the patch's pixels row-major: the layout of Qwen2-VL's processor for a still image.
+
+    With `out` (C-contiguous uint8 of that shape, say an image's rows of a batch's
+    `pixel_values`), the rows are written there and `out` is returned: a batch is assembled
+    without a copy per image.
     """
     p, m, t = spec.patch_size, spec.merge_size, spec.temporal_patch_size
     if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
@@ -424,10 +428,25 @@ def patchify(image: np.ndarray, spec: ImageSpec) -> np.ndarray:
         raise ValueError(f"patchify takes sides that are multiples of {spec.factor}, got {width}x{height}: "
                          "pass the output of load_image")
     gh, gw = height // p, width // p
+    out = _rows_out(out, (gh * gw, spec.row_size))
     blocks = image.reshape(gh // m, m, p, gw // m, m, p, 3)
     blocks = blocks.transpose(0, 3, 1, 4, 6, 2, 5)  # (gh/m, gw/m, mh, mw, C, ph, pw)
-    frames = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], t, p, p))
-    return frames.reshape(gh * gw, 3 * t * p * p)
+    frames = out.reshape(gh // m, gw // m, m, m, 3, t, p, p)
+    # Gather the first frame (a byte-strided copy, the costly part), then copy it to the others in
+    # runs of p * p bytes: about half the time of gathering every frame from the image.
+    frames[:, :, :, :, :, 0] = blocks
+    for k in range(1, t):
+        frames[:, :, :, :, :, k] = frames[:, :, :, :, :, 0]
+    return out
+
+
+def _rows_out(out: np.ndarray | None, shape: tuple[int, int]) -> np.ndarray:
+    if out is None:
+        return np.empty(shape, np.uint8)
+    if out.shape != shape or out.dtype != np.uint8 or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"patchify writes rows into writable C-contiguous uint8 {list(shape)}, got {out.dtype} "
+                         f"{list(out.shape)}" + ("" if out.flags.c_contiguous else ", not contiguous"))
+    return out
 
 
 # ------------------------------------------------------------------------------- normalising
