@@ -58,12 +58,20 @@ LOADERS = ("zephon-stream", "zephon", "torch", "torchdata")
 TITLES = {"zephon-stream": "zephon-stream (this repo)", "zephon": "Zephon 0.2.0",
           "torch": "torch DataLoader (2 workers)", "torchdata": "torchdata StatefulDataLoader (2 workers)"}
 
-# Zephon 0.2.0 settings tried on this machine at --mb 8 (tokens/s, 3 runs; see the report of issue 16):
-# the threads runner with tokenize@p2 was the fastest; the process runner and mtp_mode pay for pickling
-# the records between processes, more than the GIL costs here (the tokenizer releases it).
+# Zephon 0.2.0's settings: `--tune-zephon` runs these candidates. On this machine (2 cores shared with
+# other jobs) the threads runner with one tokenize worker gave the most tokens per second and per
+# CPU-second (see the closing note of issue 16): the process runner pickles every record between
+# processes, mtp_mode adds a process hop for every batch, and more tokenize workers only contend
+# for the two cores (each tokenizer call already runs on Rust threads, outside the GIL).
+ZEPHON_CANDIDATES: dict[str, tuple[dict[str, Any], int]] = {
+    "threads runner, tokenize@p1": ({"runner": "threads"}, 1),
+    "threads runner, tokenize@p2": ({"runner": "threads"}, 2),
+    "defaults (threads runner, tokenize@p4)": ({}, 4),
+    "process runner, tokenize@p2": ({"runner": "process"}, 2),
+    "mtp_mode, threads runner, tokenize@p1": ({"runner": "threads", "mtp_mode": True}, 1),
+}
 ZEPHON_CHUNK = 256  # samples a work chunk: the default 16384 exceeds the bench data (6877 documents)
-ZEPHON_TOKENIZE_WORKERS = 2
-ZEPHON_OPTIONS: dict[str, Any] = {"runner": "threads", "mtp_mode": False}
+ZEPHON_OPTIONS, ZEPHON_TOKENIZE_WORKERS = ZEPHON_CANDIDATES["threads runner, tokenize@p1"]
 
 
 # ---- the child side: one loader, measured ---------------------------------------------------------
@@ -366,45 +374,36 @@ def descendants() -> list[int]:
     return mine
 
 
-def throughput(peer: Peer, steps: int) -> dict[str, Any]:
-    """Seconds to the first batch; tokens, seconds and CPU seconds of the `steps` batches after it."""
+def measure(peer: Peer, steps: int, restore_step: int) -> dict[str, Any]:
+    """One run of a loader: seconds to the first batch; tokens, seconds and CPU seconds of the
+    `steps` batches after it; then on to `restore_step` batches, the checkpoint there, and the
+    seconds from a new loader restored from it to its first batch. Peak RSS is read before the
+    restore (the loader's own run), after its workers were joined."""
     t = time.perf_counter()
     it = peer.open()
     next(it)
-    first = time.perf_counter() - t
+    out: dict[str, Any] = {"first": time.perf_counter() - t}
     t, cpu, tokens = time.perf_counter(), tree_cpu(), 0
     for _ in range(steps):
         tokens += peer.tokens(next(it))
-    out = {"first": first, "tokens": tokens, "wall": time.perf_counter() - t, "cpu": tree_cpu() - cpu}
+    out.update(tokens=tokens, wall=time.perf_counter() - t, cpu=tree_cpu() - cpu)
+    for _ in range(restore_step - 1 - steps):
+        next(it)
+    state = None if peer.no_checkpoint else peer.state()
     peer.close()
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    out.update(lanes=peer.lanes, rss_mb=me.ru_maxrss / 1024, worker_rss_mb=kids.ru_maxrss / 1024)
+    if state is not None:
+        t = time.perf_counter()
+        next(peer.open(state))
+        out.update(restore=time.perf_counter() - t, state_bytes=len(state))
+        peer.close()
     return out
 
 
-def restore(peer: Peer, step: int) -> dict[str, Any]:
-    """The checkpoint after `step` batches, and the seconds from a new loader restored from it to
-    its first batch."""
-    it = peer.open()
-    for _ in range(step):
-        next(it)
-    state = peer.state()
-    peer.close()
-    t = time.perf_counter()
-    next(peer.open(state))
-    seconds = time.perf_counter() - t
-    peer.close()
-    return {"restore": seconds, "state_bytes": len(state)}
-
-
-def child(name: str, mode: str, a: Args) -> None:
-    """Run in a child process: one loader, one measurement, printed as one JSON line."""
-    peer = PEERS[name](a)
-    if mode == "restore" and peer.no_checkpoint:
-        out: dict[str, Any] = {}
-    else:
-        out = throughput(peer, a.steps) if mode == "throughput" else restore(peer, a.restore_step)
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    out.update(lanes=peer.lanes, rss_mb=me.ru_maxrss / 1024, worker_rss_mb=kids.ru_maxrss / 1024)
-    print("RESULT " + json.dumps(out), flush=True)
+def child(name: str, a: Args) -> None:
+    """Run in a child process: one loader, measured, printed as one JSON line."""
+    print("RESULT " + json.dumps(measure(PEERS[name](a), a.steps, a.restore_step)), flush=True)
 
 
 def best_fit(a: Args) -> dict[str, Any]:
@@ -434,8 +433,8 @@ def best_fit_epoch(samples: Any, seq_len: int) -> dict[str, int]:
 # ---- the parent side: children, repeats, the table -------------------------------------------------
 
 
-def run_child(name: str, mode: str, a: dict[str, Any], timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, mode, json.dumps(a)]
+def run_child(name: str, a: dict[str, Any], timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, json.dumps(a)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     except subprocess.TimeoutExpired:
@@ -456,10 +455,10 @@ def spread(xs: list[float], unit: str = "", scale: float = 1.0, digits: int = 0)
     return med if len(xs) == 1 else f"{med} ({f.format(min(xs))}-{f.format(max(xs))})"
 
 
-def row(name: str, runs: list[dict[str, Any]], restores: list[dict[str, Any]]) -> str:
+def row(title: str, runs: list[dict[str, Any]], no_checkpoint: str) -> str:
     ok = [r for r in runs if "error" not in r]
     if not ok:
-        return f"| {TITLES[name]} | failed: {runs[0]['error'] if runs else 'not run'} | | | | | |"
+        return f"| {title} | failed: {runs[0]['error'] if runs else 'not run'} | | | | | |"
     rate = spread([r["tokens"] / r["wall"] for r in ok])
     per_cpu = spread([r["tokens"] / r["cpu"] for r in ok])
     first = spread([r["first"] for r in ok], " s", digits=2)
@@ -467,15 +466,22 @@ def row(name: str, runs: list[dict[str, Any]], restores: list[dict[str, Any]]) -
     workers = [r["worker_rss_mb"] for r in ok if r["worker_rss_mb"] > 0]
     if workers:
         rss += f" + workers {spread(workers, ' MB')} each"
-    done = [r for r in restores if "restore" in r]
-    if PEERS[name].no_checkpoint:
-        back = size = PEERS[name].no_checkpoint
-    elif not done:
-        back = size = f"failed: {restores[0]['error'] if restores else 'not run'}"
+    done = [r for r in ok if "restore" in r]
+    if no_checkpoint or not done:
+        back = size = no_checkpoint or "n/a (not measured)"
     else:
         back = spread([r["restore"] for r in done], " s", digits=2)
         size = spread([r["state_bytes"] / r["lanes"] for r in done]) + f" ({done[0]['lanes']} lanes)"
-    return f"| {TITLES[name]} | {rate} | {per_cpu} | {first} | {back} | {size} | {rss} |"
+    failed = len(runs) - len(ok)
+    note = f" ({failed} of {len(runs)} runs failed: {next(r['error'] for r in runs if 'error' in r)})" if failed else ""
+    return f"| {title}{note} | {rate} | {per_cpu} | {first} | {back} | {size} | {rss} |"
+
+
+def table(rows: list[str], restore_step: int) -> None:
+    print(f"\n| loader | tokens/s | tokens/CPU-s | first batch | restore -> first batch at step {restore_step} "
+          "| checkpoint bytes/lane | peak RSS |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("\n".join(rows))
 
 
 def print_best_fit(r: dict[str, Any], seq_len: int) -> None:
@@ -514,14 +520,15 @@ def main() -> None:
     ap.add_argument("--loaders", default=",".join(LOADERS), help=f"a comma-separated subset of {','.join(LOADERS)}")
     ap.add_argument("--no-best-fit", action="store_true", help="skip Zephon's best_fit drop and padding shares")
     ap.add_argument("--timeout", type=float, default=900, help="seconds a child may run")
-    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--tune-zephon", action="store_true", help="compare the Zephon 0.2.0 settings of ZEPHON_CANDIDATES")
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        name, mode, a = args.child
-        if mode == "bestfit":
+        name, a = args.child
+        if name == "zephon-best-fit":
             print("RESULT " + json.dumps(best_fit(Args(json.loads(a)))), flush=True)
         else:
-            child(name, mode, Args(json.loads(a)))
+            child(name, Args(json.loads(a)))
         return
     compare(args)
 
@@ -533,31 +540,47 @@ def compare(args: argparse.Namespace) -> None:
     texts, tok = prepare(args.data.resolve(), args.mb)
     print(f"data: {len(texts):,} documents, {sum(len(t.encode()) for t in texts) / 1e6:.1f} MB of text, "
           f"{len(shard_files(tok.parent / 'text'))} JSONL.zst shards; tokenizer {tok}; seq_len {args.seq_len}, "
-          f"{args.batch} samples a batch; {os.cpu_count()} CPUs")
+          f"{args.batch} samples a batch; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     a = {"text": str(tok.parent / "text"), "tokenizer": str(tok), "seq_len": args.seq_len, "batch": args.batch,
          "steps": args.steps, "restore_step": args.restore_step}
+    if args.restore_step <= args.steps:
+        raise SystemExit(f"--restore-step {args.restore_step} must be past the {args.steps} timed batches (--steps)")
+    if args.tune_zephon:
+        tune_zephon(a, args)
+        return
     names = [n for n in args.loaders.split(",") if n]
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-    restores: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for r in range(args.repeats):  # alternate the loaders, so that the machine's drift spreads over all
         for n in names:
-            runs[n].append(run_child(n, "throughput", a, args.timeout))
-            print(f"  run {r} {n}: {runs[n][-1]}", flush=True)
-        for n in names:
-            if not PEERS[n].no_checkpoint:
-                restores[n].append(run_child(n, "restore", a, args.timeout))
-                print(f"  restore {r} {n}: {restores[n][-1]}", flush=True)
-    print(f"\n| loader | tokens/s | tokens/CPU-s | first batch | restore -> first batch at step {args.restore_step} "
-          "| checkpoint bytes/lane | peak RSS |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for n in names:
-        print(row(n, runs[n], restores[n]))
-    print(f"\nmedian (min-max) of {args.repeats} runs; tokens/s over {args.steps} batches after the first; "
-          "tokens/CPU-s: the loader's process and its workers over the same batches")
-    print(f"Zephon 0.2.0 settings: threads runner {ZEPHON_OPTIONS}, tokenize parallelism {ZEPHON_TOKENIZE_WORKERS}, "
-          f"no attention mask, pack_flat wrap, work chunks of {ZEPHON_CHUNK} samples")
+            runs[n].append(run_child(n, a, args.timeout))
+            print(f"  run {r} {n}: {brief(runs[n][-1])}", flush=True)
+    table([row(TITLES[n], runs[n], PEERS[n].no_checkpoint) for n in names], args.restore_step)
+    print(f"\nmedian (min-max) of {args.repeats} runs, each loader in a child process of its own; tokens/s and "
+          f"tokens/CPU-s over {args.steps} batches after the first (CPU: the loader's process and its workers); "
+          f"peak RSS: ru_maxrss of that process, and of its largest worker")
+    print(f"Zephon 0.2.0 settings: {ZEPHON_OPTIONS}, tokenize parallelism {ZEPHON_TOKENIZE_WORKERS}, no attention "
+          f"mask, pack_flat wrap, work chunks of {ZEPHON_CHUNK} samples")
     if not args.no_best_fit:
-        print_best_fit(run_child("zephon", "bestfit", a, args.timeout), args.seq_len)
+        print_best_fit(run_child("zephon-best-fit", a, args.timeout), args.seq_len)
+
+
+def brief(r: dict[str, Any]) -> str:
+    if "error" in r:
+        return r["error"]
+    back = f", restore {r['restore']:.2f} s, {r['state_bytes']:,} bytes" if "restore" in r else ""
+    return (f"first batch {r['first']:.2f} s, {r['tokens'] / r['wall']:,.0f} tok/s, {r['tokens'] / r['cpu']:,.0f} "
+            f"tok/CPU-s{back}, RSS {r['rss_mb']:.0f} MB (workers {r['worker_rss_mb']:.0f} MB)")
+
+
+def tune_zephon(a: dict[str, Any], args: argparse.Namespace) -> None:
+    """The candidate settings of Zephon 0.2.0, alternated, in the table's form."""
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in ZEPHON_CANDIDATES}
+    for r in range(args.repeats):
+        for k, (options, workers) in ZEPHON_CANDIDATES.items():
+            config = {**a, "zephon_options": options, "zephon_workers": workers}
+            runs[k].append(run_child("zephon", config, args.timeout))
+            print(f"  run {r} {k}: {brief(runs[k][-1])}", flush=True)
+    table([row(f"Zephon 0.2.0, {k}", rs, "") for k, rs in runs.items()], args.restore_step)
 
 
 if __name__ == "__main__":
