@@ -222,6 +222,7 @@ class Peer:
     batches; `state()` is the checkpoint after the batches taken so far, as bytes."""
 
     lanes = 1
+    workers = 0  # worker processes (a fork that execs a tool, such as ldconfig, is not one: its RSS is the parent's)
     no_checkpoint = ""  # why this loader cannot checkpoint, if it cannot
 
     def open(self, state: bytes | None = None) -> Iterator[Any]:
@@ -273,6 +274,7 @@ class ZephonPeer(Peer):
         self.a = a
         self.pipeline: Any = None
         self.it: Any = None
+        self.workers = int(a.zephon_options.get("runner") == "process" or bool(a.zephon_options.get("mtp_mode")))
 
     def open(self, state: bytes | None = None) -> Iterator[Any]:
         import msgpack
@@ -298,7 +300,7 @@ class ZephonPeer(Peer):
 
 
 class TorchPeer(Peer):
-    lanes = 2  # a worker
+    lanes = workers = 2  # a lane is a worker
     no_checkpoint = "n/a (no state)"
 
     def __init__(self, a: Args) -> None:
@@ -392,7 +394,7 @@ def measure(peer: Peer, steps: int, restore_step: int) -> dict[str, Any]:
     state = None if peer.no_checkpoint else peer.state()
     peer.close()
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    out.update(lanes=peer.lanes, rss_mb=me.ru_maxrss / 1024, worker_rss_mb=kids.ru_maxrss / 1024)
+    out.update(lanes=peer.lanes, rss_mb=me.ru_maxrss / 1024, worker_rss_mb=kids.ru_maxrss / 1024 if peer.workers else 0)
     if state is not None:
         t = time.perf_counter()
         next(peer.open(state))
@@ -538,6 +540,11 @@ def compare(args: argparse.Namespace) -> None:
     from bench.loader import prepare
 
     texts, tok = prepare(args.data.resolve(), args.mb)
+    head = subprocess.run(["git", "log", "-1", "--format=%h %cI"], capture_output=True, text=True, cwd=REPO).stdout
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "zephon_stream"],
+                           capture_output=True, text=True, cwd=REPO).stdout.splitlines()
+    print(f"zephon-stream at {head.strip()}" + (f", with uncommitted changes in {len(dirty)} files of zephon_stream/"
+                                                 if dirty else ""))
     print(f"data: {len(texts):,} documents, {sum(len(t.encode()) for t in texts) / 1e6:.1f} MB of text, "
           f"{len(shard_files(tok.parent / 'text'))} JSONL.zst shards; tokenizer {tok}; seq_len {args.seq_len}, "
           f"{args.batch} samples a batch; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
