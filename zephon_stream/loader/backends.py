@@ -32,6 +32,7 @@ import numpy as np
 
 from zephon_stream import errors as _exceptions
 from zephon_stream.connectors.base import Store, StoreStatistics
+from zephon_stream.engine import threads
 from zephon_stream.engine.cpu import CpuPolicy
 from zephon_stream.engine.memory import managed_memory
 from zephon_stream.errors import ConfigError, ZephonError
@@ -183,7 +184,7 @@ class _Workers:
 
     async def allocate_counters(self) -> None:
         # each worker's store counters, in shared memory (which creates a file: not on the event loop)
-        self.counters = await anyio.to_thread.run_sync(
+        self.counters = await threads.run_sync(
             lambda: [self.ctx.RawArray("q", len(_COUNTERS)) for _ in self.sup.groups])
 
     def credit(self, lane: int) -> None:
@@ -222,7 +223,7 @@ class _Workers:
         proc = self.ctx.Process(target=_worker_main, args=(payload, data_w, ctrl_r, self.wrap_store, self.counters[w]),
                                 name=f"zephon-lanes-{w}", daemon=True)
         try:
-            await anyio.to_thread.run_sync(proc.start)  # spawning takes long enough to stall the loop
+            await threads.run_sync(proc.start)  # spawning takes long enough to stall the loop
             data_w.close()
             ctrl_r.close()
             yield proc, data_r
@@ -233,9 +234,9 @@ class _Workers:
         """Hand the worker's batches to the lanes' streams: True once its lanes ended, False if it died."""
         while self.sup.live(w):
             try:
-                raw = await anyio.to_thread.run_sync(conn.recv_bytes, abandon_on_cancel=True)
+                raw = await threads.run_sync(conn.recv_bytes, abandon_on_cancel=True)
             except (EOFError, OSError):
-                await anyio.to_thread.run_sync(proc.join, 5)
+                await threads.run_sync(proc.join, 5)
                 if proc.exitcode == NO_MAIN_GUARD:
                     raise _no_main_guard_error() from None
                 return False
@@ -267,10 +268,10 @@ async def _stop_worker(proc: Any, data_r: Any, ctrl_w: Any) -> None:
     with anyio.CancelScope(shield=True):
         if proc.pid is None:  # never started
             return
-        await anyio.to_thread.run_sync(proc.join, 0.5)
+        await threads.run_sync(proc.join, 0.5)
         if proc.is_alive():
             proc.terminate()
-            await anyio.to_thread.run_sync(proc.join, 5)
+            await threads.run_sync(proc.join, 5)
 
 
 def _worker_main(payload: bytes, data_w: Any, ctrl_r: Any, wrap_store: Callable[[Store], Store] | None,
@@ -330,13 +331,13 @@ def _write_counters(stores: list[Store], counters: Any) -> None:
 
 async def _send_all(recv: Any, conn: Any) -> None:
     async for raw in recv:
-        await anyio.to_thread.run_sync(conn.send_bytes, raw)
+        await threads.run_sync(conn.send_bytes, raw)
 
 
 async def _credits(conn: Any, credits: dict[int, anyio.Semaphore], scope: anyio.CancelScope) -> None:
     while True:
         try:
-            raw = await anyio.to_thread.run_sync(conn.recv_bytes, abandon_on_cancel=True)
+            raw = await threads.run_sync(conn.recv_bytes, abandon_on_cancel=True)
         except (EOFError, OSError):
             scope.cancel()  # the parent is gone or done: stop
             return

@@ -13,6 +13,7 @@ import anyio
 import msgspec
 
 from zephon_stream.connectors.base import Store, StoreStatistics
+from zephon_stream.engine import threads
 from zephon_stream.engine.memory import managed_memory
 from zephon_stream.errors import CheckpointError, ConfigError, IncompatibleState, ZephonError, unwrap_groups
 from zephon_stream.loader.backends import check_spawn_allowed, run_lanes
@@ -546,7 +547,7 @@ class BatchStream:
         if cfg.backend == "inline":
             batch = collate(samples, frontier.step, slots, cfg)
         else:  # stacking seq_len x batch tensors is CPU work: keep it off the trainer's loop
-            batch = await anyio.to_thread.run_sync(collate, samples, frontier.step, slots, cfg)
+            batch = await threads.run_sync(collate, samples, frontier.step, slots, cfg)
         for s in samples:
             frontier.consume(s)
         frontier.advance()
@@ -603,7 +604,7 @@ class _ThreadedAsyncIterator:
         return self
 
     async def __anext__(self) -> dict[str, Any]:
-        item = await anyio.to_thread.run_sync(next, self._it, _END)
+        item = await threads.run_sync(next, self._it, _END)
         if item is _END:
             raise StopAsyncIteration
         return item

@@ -39,6 +39,7 @@ import msgspec
 
 from zephon_stream import errors as _exceptions
 from zephon_stream.connectors.base import Store, StoreStatistics
+from zephon_stream.engine import threads
 from zephon_stream.errors import ConfigError
 from zephon_stream.loader.config import Config
 from zephon_stream.loader.plan import DataPlan, open_stores
@@ -294,7 +295,7 @@ async def _get(ref: Any) -> Any:
         return await ref
     import ray
 
-    return await anyio.to_thread.run_sync(ray.get, ref, abandon_on_cancel=True)
+    return await threads.run_sync(ray.get, ref, abandon_on_cancel=True)
 
 
 def _on_asyncio() -> bool:
@@ -328,12 +329,12 @@ async def ray_session(cfg: Config, actors: int) -> AsyncIterator[None]:
         return
     temp = None if cfg.ray_address else tempfile.mkdtemp(prefix="zephon-ray-")  # short: Ray's socket paths
     try:
-        await anyio.to_thread.run_sync(functools.partial(_init, ray, cfg, actors, temp))
+        await threads.run_sync(functools.partial(_init, ray, cfg, actors, temp))
         try:
             yield
         finally:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(ray.shutdown)
+                await threads.run_sync(ray.shutdown)
     finally:
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)

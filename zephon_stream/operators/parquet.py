@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from zephon_stream.connectors.base import Store
+from zephon_stream.engine import threads
 from zephon_stream.engine.window import ReadWindow, Spawn
 from zephon_stream.errors import DataError, IncompatibleState
 from zephon_stream.formats.parquet import (
@@ -54,11 +55,10 @@ class ParquetSplitReader:
     def __init__(self, store: Store, shard: ShardPlan, split: Split, max_record: int,
                  run_cpu: Callable[..., Awaitable[Any]] | None = None, *, columns: list[tuple[str, str]],
                  spawn: Spawn | None = None, read_ahead: int = 1, bad: BadRecords | None = None) -> None:
-        import anyio
 
         self.store, self.key, self.shard, self.split = store, shard.key, shard, split
         self.max_record, self.columns = max_record, columns
-        self.run_cpu = run_cpu or anyio.to_thread.run_sync
+        self.run_cpu = run_cpu or threads.run_sync
         self.spawn, self.read_ahead = spawn, read_ahead
         self.bad = bad or BadRecords()
         self.base = shard.rows[split.start]  # the split's first row, counted in the file

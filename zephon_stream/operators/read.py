@@ -39,11 +39,11 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-import anyio
 import msgspec
 import numpy as np
 
 from zephon_stream.connectors.base import ObjectInfo, Store
+from zephon_stream.engine import threads
 from zephon_stream.engine.window import ReadWindow, Spawn
 from zephon_stream.errors import ConfigError, DataError, IncompatibleState
 from zephon_stream.formats.gzip import GZIP_SUFFIXES, GzipStream, find_members
@@ -353,7 +353,7 @@ class SplitReader:
                  read_ahead: int = 1, bad: BadRecords | _AtEpoch | None = None) -> None:
         self.store, self.key, self.shard, self.split = store, shard.key, shard, split
         self.max_record = max_record
-        self.run_cpu = run_cpu or anyio.to_thread.run_sync
+        self.run_cpu = run_cpu or threads.run_sync
         self.spawn, self.read_ahead = spawn, read_ahead
         self.bad = bad or BadRecords()
         self._byte_before = b""
