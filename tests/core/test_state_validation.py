@@ -90,9 +90,10 @@ def _cursor(ls: LaneState, s: int, cursor: tuple[int, int]) -> LaneState:
 
 
 def _longer_window(ls: LaneState) -> LaneState:
-    """Two more (distinct, already read) documents in the window, counters kept consistent."""
-    extra = [(0, 0, off, 1) for off in range(2)]
-    return _mix(_shuffle(ls, window=list(ls.shuffle.window) + extra), position=ls.mix.position + 2)
+    """More (distinct, already read) documents in the window than shuffle_window = 8 (the window
+    grows as it is drawn from: it may not be full yet), counters kept consistent."""
+    extra = [(0, 0, off, 1) for off in range(9 - len(ls.shuffle.window))]
+    return _mix(_shuffle(ls, window=list(ls.shuffle.window) + extra), position=ls.mix.position + len(extra))
 
 
 def _at(ls: LaneState, s: int) -> int:

@@ -53,3 +53,25 @@ def test_resume_from_the_cursor_gives_the_rest(k: int) -> None:
 def test_restore_refuses_a_negative_cursor() -> None:
     with pytest.raises(IncompatibleState, match=r"cursor = \(-1, 0\)"):
         _feed([]).restore(FeedState(-1, 0), lambda r: None)
+
+
+def test_the_read_ahead_grows_with_what_the_lane_takes() -> None:
+    docs = [((0, 0, 10 * i, 10), np.full(2, i, dtype=np.uint32)) for i in range(200)]
+    seen: list[tuple[int, int, int]] = []  # (documents sent, taken, the room given) at each call
+
+    async def produce(position: int, offset: int, send) -> None:
+        async with send:
+            i = 0
+            while i < len(docs):
+                n = await send.room(8)
+                seen.append((i, feed.taken, n))
+                await send.send(docs[i:i + n])
+                i += n
+
+    feed = Feed(produce, buffer=3)
+    got = anyio.run(_run, feed, None)
+    assert got == [d[0] for d in docs]
+    assert seen[0] == (0, 0, 1)  # one document first
+    for sent, taken, n in seen:  # never more than max(1, taken) ahead, nor past the buffer's 3 batches of 8
+        assert 1 <= n <= 8 and sent + n - taken <= max(1, min(taken, 3 * 8))
+    assert max(n for *_, n in seen) == 8

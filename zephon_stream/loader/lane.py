@@ -41,9 +41,10 @@ from zephon_stream.engine.rng import mix64, permutation
 from zephon_stream.errors import DataError, IncompatibleState
 from zephon_stream.loader.config import Config
 from zephon_stream.loader.plan import DataPlan
+from zephon_stream.loader.reread import Reread, interleave
 from zephon_stream.loader.state import LaneState, split_at
 from zephon_stream.operators.best_fit import BestFitPack
-from zephon_stream.operators.feed import Feed
+from zephon_stream.operators.feed import Feed, FeedSender
 from zephon_stream.operators.images import VisionTokens
 from zephon_stream.operators.mix import Mix, Schedule
 from zephon_stream.operators.pack import Pack
@@ -213,7 +214,7 @@ class TextLane:
             await self._restore(st)  # before read-ahead starts, so the two do not compete for CPU
             for feed in self.sources:
                 stack.enter_context(feed.start(tg.start_soon))
-            index, batch = st.samples, []
+            index, batch, first = st.samples, [], self._first_handoff(st.samples)
             while not st.done:
                 self.mix.enter((index * cfg.lanes + self.lane) // cfg.global_batch_size)  # the sample's step
                 sample = await self.pack.next()
@@ -223,12 +224,22 @@ class TextLane:
                 index += 1
                 sample.state = self._snapshot(index)
                 batch.append(sample)
-                if len(batch) == cfg.sample_batch:
+                if len(batch) == cfg.sample_batch or index == first:
                     await out.send(batch)
                     batch = []
             if batch:
                 await out.send(batch)
             tg.cancel_scope.cancel()
+
+    def _first_handoff(self, start: int) -> int:
+        """The index after the lane's samples in the step of its sample `start`: the first batch
+        is handed off there, so the first global batch waits for those only, not `sample_batch`."""
+        cfg = self.shared.config
+        step = (start * cfg.lanes + self.lane) // cfg.global_batch_size
+        end = start + 1
+        while (end * cfg.lanes + self.lane) // cfg.global_batch_size == step:
+            end += 1
+        return end
 
     def _operators(self, st: LaneState) -> list[tuple[str, Operator[Any], Any]]:
         """(field, operator, its state in `st`) for every operator of the lane, upstream first."""
@@ -243,12 +254,20 @@ class TextLane:
                          self.shuffle.state(), self.pack.state(), [op.state() for op in self.source_shuffles])
 
     async def _restore(self, st: LaneState) -> None:
+        """Set every operator back to `st`. The documents it refers to are read again first; the
+        packer's are tokenized now, the shuffle windows' when a pull takes them (`loader.reread`),
+        so the first sample waits only for the documents its pulls take."""
         ops = self._operators(st)
-        refs = list(dict.fromkeys(tuple(r) for _, op, state in ops for r in op.refs(state)))
-        docs = await self._reread(refs) if refs else {}
+        windows = [self.shuffle, *self.source_shuffles]
+        whole = [tuple(r) for _, op, state in ops if op not in windows for r in op.refs(state)]
+        drawn = interleave([[tuple(r) for r in op.refs(state)] for _, op, state in ops if op in windows])
+        refs = list(dict.fromkeys(whole + drawn))
+        docs = Reread(await self._reread(refs) if refs else {}, self._tokenize_again, self.shared.batch_size,
+                      self._refused)
+        await docs.load(whole)
         for field, op, state in ops:
             try:
-                op.restore(state, docs.__getitem__)
+                op.restore(state, docs.later if op in windows else docs.now)
             except IncompatibleState as exc:
                 name = field if field.startswith(("sources", "shuffles")) else ""
                 raise self._refused(f"{name} {exc}".strip()) from None
@@ -258,8 +277,9 @@ class TextLane:
                                  "this config over this data (edited or damaged?): resume from the checkpoint as "
                                  "saved, or start fresh")
 
-    async def _reread(self, refs: list[DocRef]) -> dict[DocRef, Doc]:
-        """Read and tokenize the documents a checkpoint refers to: one pass over each split involved."""
+    async def _reread(self, refs: list[DocRef]) -> dict[DocRef, Any]:
+        """Read the documents a checkpoint refers to: one pass over each split involved; their
+        records by reference, in the order of `refs`."""
         by_split: dict[tuple[int, int], set[int]] = {}
         for source, position, offset, _ in refs:
             by_split.setdefault((source, position), set()).add(offset)
@@ -288,16 +308,18 @@ class TextLane:
         if missing:
             raise self._refused(f"window or carry = {missing[:3]}: no such documents in the data "
                                 "(a reference's offset or length does not match a record)")
-        docs: dict[DocRef, Doc] = {}
-        for source in sorted({r[0] for r in refs}):
-            mine = [(r, found[r[0], r[1], r[2]][1]) for r in refs if r[0] == source]
-            tokens = await self.shared.run_cpu(self.shared.tokenize, source, mine, "a checkpoint's documents",
-                                               BadRecords(self.shared.config.on_bad_record))
-            docs.update((ref, (ref, payload)) for ref, payload in tokens)
-        return docs
+        return {r: found[r[0], r[1], r[2]][1] for r in refs}
 
-    async def _read_source(self, source: int, position: int, offset: int, send: anyio.abc.ObjectSendStream) -> None:
-        """The producer of `sources[source]`: read, decode and tokenize from the cursor on."""
+    async def _tokenize_again(self, source: int, docs: list[Doc]) -> list[Doc]:
+        """Tokenize documents a checkpoint refers to (their bad records were counted by the first run)."""
+        return await self.shared.run_cpu(self.shared.tokenize, source, docs, "a checkpoint's documents",
+                                         BadRecords(self.shared.config.on_bad_record))
+
+    async def _read_source(self, source: int, position: int, offset: int, send: FeedSender) -> None:
+        """The producer of `sources[source]`: read, decode and tokenize from the cursor on.
+
+        A tokenizer call takes what `send.room` allows (the read-ahead grows with what the lane
+        takes, see `operators.feed`), so the lane's first documents come after a short call."""
         shared = self.shared
         batch = shared.batch_size(source)
         empty = 0  # positions in a row that gave no document
@@ -307,9 +329,12 @@ class TextLane:
                 try:
                     async for pos, block in reader.blocks(offset):
                         docs = await shared.run_cpu(shared.decode, source, position, reader, pos, block)
-                        for i in range(0, len(docs), batch):
-                            tokens = await shared.run_cpu(shared.tokenize, source, docs[i:i + batch], reader.key,
+                        i = 0
+                        while i < len(docs):
+                            size = await send.room(min(batch, len(docs) - i))
+                            tokens = await shared.run_cpu(shared.tokenize, source, docs[i:i + size], reader.key,
                                                           reader.bad)
+                            i += size
                             found = found or bool(tokens)  # a bad image or conversation skipped is no document
                             await send.send(tokens)
                 except IncompatibleState as exc:  # the cursor is not a record start

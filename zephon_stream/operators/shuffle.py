@@ -1,13 +1,39 @@
-"""Shuffle: a bounded per-lane window of documents.
+"""Shuffle: a bounded per-lane window of documents that grows as it is drawn from.
 
-The window fills to `size` documents; each pull takes the document at index
-`mix64(seed, lane, pulls) % len(window)` and moves the last one into its place. Together with
-the per-epoch permutation of splits (see `loader.lane`), this mixes documents across and within
-shards with memory bounded by `size`. The state is the window's document references in window
-order plus the pull counter; restore re-reads those documents.
+Before pull `p` the window is filled up to `target(p) = min(size, p + 1)` documents; the pull
+takes the document at index `mix64(seed, lane, p) % len(window)` and moves the last one into
+its place. So the first pull needs one document, not a whole window: the window grows by one
+document a pull (the upstream gives two a pull meanwhile) and from pull `size - 1` on it holds
+`size` documents before every pull, as a window that fills whole first would.
+
+```
+size 4, upstream a b c d e f g ...
+pull 0: fill to 1: [a]        draw 0 -> a   []
+pull 1: fill to 2: [b c]      draw 1 -> b   [c]
+pull 2: fill to 3: [c d e]    draw 2 -> e   [c d]
+pull 3: fill to 4: [c d f g]  ...           from here on 4 before each pull
+```
+
+Together with the per-epoch permutation of splits (see `loader.lane`), this mixes documents
+across and within shards with memory bounded by `size`. The draws are a pure function of
+(seed, lane, pulls) and the sequence the upstream gives.
+
+State: the window's document references in window order, and the pull counter. Right after
+pull `p` the window holds at most `target(p) - 1` documents, so `restore` refuses a fuller one
+(`window_bound`): a state written before windows grew (by zephon-stream up to this change,
+which filled the window whole before its first pull) loads, and resumes as it would have, once
+its window has had `size` pulls; earlier such states are refused.
+
+Restore re-reads the window's documents. `refs(state)` lists them in the order the next pulls
+take them (while the upstream goes on), and `resolve(ref)` may give a document whose payload
+is `Deferred`: the window then awaits that payload when a pull takes the document, so whoever
+restores re-reads what the first pulls need first, and the rest when it is needed.
 """
 
 from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 
@@ -15,12 +41,51 @@ from zephon_stream.engine.operator import Operator, Resolve, refuse
 from zephon_stream.engine.rng import mix64
 from zephon_stream.operators.types import Doc, DocRef
 
-__all__ = ["Shuffle", "ShuffleState"]
+__all__ = ["Deferred", "Shuffle", "ShuffleState", "draw_order", "window_bound", "window_target"]
 
 
 class ShuffleState(msgspec.Struct, frozen=True, array_like=True):
     window: list[DocRef]  # in window order
     pulls: int  # documents taken out of the window
+
+
+class Deferred:
+    """The payload of a restored window document not read again yet: `await fetch(ref)` gives it."""
+
+    __slots__ = ("fetch",)
+
+    def __init__(self, fetch: Callable[[DocRef], Awaitable[Any]]) -> None:
+        self.fetch = fetch
+
+    def __repr__(self) -> str:
+        return "Deferred()"
+
+
+def window_target(size: int, pulls: int) -> int:
+    """Documents the window is filled to before pull number `pulls` (0-based)."""
+    return min(size, pulls + 1)
+
+
+def window_bound(size: int, pulls: int) -> int:
+    """The most documents a window can hold right after `pulls` pulls (0 before the first)."""
+    return window_target(size, pulls - 1) - 1 if pulls else 0
+
+
+def draw_order(size: int, seed: int, lane: int, window: int, pulls: int) -> list[int]:
+    """The indexes of a window of `window` documents after `pulls` pulls, in the order the next
+    pulls take them, as long as the upstream gives documents (pulls are a pure function of the
+    counter and the window's length, never of the documents)."""
+    slots: list[int] = list(range(window))  # -1: a document pulled in after the state
+    order: list[int] = []
+    while len(order) < window:
+        slots += [-1] * (window_target(size, pulls) - len(slots))
+        i = mix64(seed, lane, pulls) % len(slots)
+        pulls += 1
+        if slots[i] >= 0:
+            order.append(slots[i])
+        slots[i] = slots[-1]
+        slots.pop()
+    return order
 
 
 class Shuffle:
@@ -38,7 +103,8 @@ class Shuffle:
     async def next(self) -> Doc | None:
         if self.size == 0:
             return await self.upstream.next()
-        while not self._upstream_done and len(self.window) < self.size:
+        target = window_target(self.size, self.pulls)
+        while not self._upstream_done and len(self.window) < target:
             doc = await self.upstream.next()
             if doc is None:
                 self._upstream_done = True
@@ -47,8 +113,11 @@ class Shuffle:
         if not self.window:
             return None
         i = mix64(self.seed, self.lane, self.pulls) % len(self.window)
-        self.pulls += 1
+        ref, payload = self.window[i]
+        if isinstance(payload, Deferred):  # before any change: a failed fetch leaves the window as it was
+            self.window[i] = (ref, await payload.fetch(ref))
         doc = self.window[i]
+        self.pulls += 1
         self.window[i] = self.window[-1]
         self.window.pop()
         return doc
@@ -57,14 +126,23 @@ class Shuffle:
         return ShuffleState([ref for ref, _ in self.window], self.pulls)
 
     def refs(self, state: ShuffleState) -> list[DocRef]:
-        return [tuple(r) for r in state.window]
+        """The window's references in the order the next pulls take them (see `draw_order`)."""
+        refs = [tuple(r) for r in state.window]
+        if not self.size or not 0 <= len(refs) <= window_bound(self.size, state.pulls):
+            return refs  # a state `restore` refuses: any order
+        return [refs[i] for i in draw_order(self.size, self.seed, self.lane, len(refs), state.pulls)]
 
     def restore(self, state: ShuffleState, resolve: Resolve) -> None:
-        refs = self.refs(state)
+        refs = [tuple(r) for r in state.window]
         if len(refs) > self.size:
             refuse("shuffle.window", f"{len(refs)} documents", f"holds at most the window size {self.size}")
         if len(set(refs)) != len(refs):
             refuse("shuffle.window", refs, "refers to the same document twice")
         if state.pulls < 0:
             refuse("shuffle.pulls", state.pulls, "must be >= 0")
+        if len(refs) > window_bound(self.size, state.pulls):
+            refuse("shuffle.window", f"{len(refs)} documents after {state.pulls} pulls",
+                   f"a window grows by one document a pull up to {self.size}, so it holds at most "
+                   f"{window_bound(self.size, state.pulls)} here (a state written by zephon-stream before windows "
+                   f"grew, within its window's first {self.size} pulls: resume it with that version)")
         self.window, self.pulls = [resolve(r) for r in refs], state.pulls
