@@ -157,7 +157,8 @@ def resolve_column(footer: ParquetFooter, name: str, kind: str) -> Column:
     for part in parts:
         if fields is None or part not in [f.name for f in fields]:
             raise DataError(f"Parquet file {key!r} has no column {name!r} (its columns: {', '.join(schema.names)}): "
-                            "set text_field/image_field to one of them (a dotted path reaches into struct columns)",
+                            "set text_field/messages_field/image_field to one of them (a dotted path reaches into "
+                            "struct columns)",
                             key=key, offset=0)
         field = fields.field(part)
         fields = field.type if pa.types.is_struct(field.type) else None
@@ -167,13 +168,17 @@ def resolve_column(footer: ParquetFooter, name: str, kind: str) -> Column:
 
 def _check_type(key: str, name: str, dtype: Any, kind: str) -> None:
     ok = str(dtype) in _STRING
+    if kind == "messages":  # a chat source's conversations: a list (of structs {role, content}, as HF writes them)
+        ok = str(dtype).startswith(("list<", "large_list<"))
     if kind == "image":
         ok = str(dtype) in _BINARY or (str(dtype).startswith("struct") and "bytes" in [f.name for f in dtype]
                                        and str(dtype.field("bytes").type) in _BINARY)
     if not ok:
-        want = "a string" if kind == "text" else "binary, or a struct<bytes: binary, path: string> (HF Image)"
+        want = {"text": "a string", "messages": "a list of messages (list<struct<role, content>>)"}.get(
+            kind, "binary, or a struct<bytes: binary, path: string> (HF Image)")
+        setting = {"text": "text_field", "messages": "messages_field"}.get(kind, "image_field")
         raise DataError(f"column {name!r} of Parquet file {key!r} is {dtype}, not {want}: name a {kind} column "
-                        f"({'text_field' if kind == 'text' else 'image_field'})", key=key, offset=0)
+                        f"({setting})", key=key, offset=0)
 
 
 def column_ranges(footer: ParquetFooter, group: int, columns: Sequence[Column]) -> list[tuple[int, int]]:

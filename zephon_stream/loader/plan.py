@@ -28,10 +28,11 @@ async def plan_data(config: Config, stores: list[Store]) -> DataPlan:
     """List and split every source of `config` (read through `stores`, one per source)."""
     sources = []
     for src, store in zip(config.sources, stores, strict=True):
-        sources.append(await plan_source(store, parse_uri(src.uri)[2], src.name, src.uri, src.text_field,
+        field, kind = (src.messages_field, "messages") if src.messages_field is not None else (src.text_field, "text")
+        sources.append(await plan_source(store, parse_uri(src.uri)[2], src.name, src.uri, field,
                                          config.lanes, config.split_bytes, config.on_bad_record,
                                          images=src.image_field is not None, max_record=config.max_record_bytes,
-                                         image_field=src.image_field))
+                                         image_field=src.image_field, text_kind=kind))
     h = hashlib.sha256()
     for sp in sources:
         h.update(msgspec.msgpack.encode([sp.name, [(s.key, s.size, s.etag) for s in sp.shards]]))

@@ -38,7 +38,8 @@ def make_reader(config: Config, source: int, plan: SourcePlan, store: Store, spl
     shard = plan.shards[split.shard]
     if plan.format == "parquet":
         image = config.sources[source].image_field
-        columns = [(plan.text_field, "text")] + ([(image, "image")] if image else [])
+        kind = "messages" if config.sources[source].messages_field is not None else "text"
+        columns = [(plan.text_field, kind)] + ([(image, "image")] if image else [])
         if config.sources[source].transforms:  # the steps get whole rows: every column is fetched
             columns.append(("*", "record"))
         return ParquetSplitReader(store, shard, split, config.max_record_bytes, run_cpu, columns=columns, bad=bad,
