@@ -24,7 +24,7 @@ TOP_LEVEL = {
     "ConfigError", "ConnectorError", "DataError", "DigestMismatch", "IncompatibleState", "LaneState", "Loader",
     "LoaderState", "LoaderStatistics", "ObjectNotFound", "Publisher", "RefitError", "ScheduleEntry", "Sharding",
     "SourceConfig", "StateHeader", "Subscriber", "Throttled", "VersionConflict", "VisionConfig", "ZephonError",
-    "state_from_bytes", "state_to_bytes",
+    "state_from_bytes", "state_to_bytes", "Map", "Filter", "TransformStep",
 }
 
 

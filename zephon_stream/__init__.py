@@ -17,9 +17,10 @@ from zephon_stream.errors import (
     Throttled,
     ZephonError,
 )
-from zephon_stream.loader.config import Config, ScheduleEntry, SourceConfig, VisionConfig
+from zephon_stream.loader.config import Config, ScheduleEntry, SourceConfig, TransformStep, VisionConfig
 from zephon_stream.loader.loader import BatchStream, Loader, LoaderStatistics
 from zephon_stream.loader.state import LaneState, LoaderState, StateHeader, state_from_bytes, state_to_bytes
+from zephon_stream.operators.transforms import Filter, Map
 
 __version__ = "0.1.0"
 
@@ -37,13 +38,16 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "BatchStream",
     "Config",
+    "Filter",
     "LaneState",
     "Loader",
     "LoaderState",
     "LoaderStatistics",
+    "Map",
     "ScheduleEntry",
     "SourceConfig",
     "StateHeader",
+    "TransformStep",
     "VisionConfig",
     "state_from_bytes",
     "state_to_bytes",
