@@ -184,3 +184,29 @@ def test_cli_digests_carry_trained(config, tmp_path: Path, capsys):
     batch = next(iter(Loader(cfg, backend="inline")))
     assert [d["trained"] for d in lines] == batch["labels"].ne(IGNORE).sum(dim=1).tolist()
     assert all({"step", "slot", "lane", "tokens", "sha256", "source_tokens"} <= set(d) for d in lines)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
+@pytest.mark.parametrize("packing", ["best_fit", "concat"])
+def test_document_ids_make_flex_attention_attend_within_documents(config, packing):
+    """flex attention masked by `document_ids` (same id, causal) equals causal attention run on each
+    cu_seqlens segment alone: no token sees another document, and padding rows stay finite."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    batch = next(iter(Loader(config.replace(packing=packing), backend="inline")))
+    docs = batch["document_ids"][:6]
+    rows, seq_len = docs.shape
+    assert (docs == -1).any() or packing == "concat"
+
+    def same_document(b, h, q, kv):
+        return (docs[b, q] == docs[b, kv]) & (q >= kv)
+    mask = create_block_mask(same_document, B=rows, H=None, Q_LEN=seq_len, KV_LEN=seq_len, device="cpu")
+    q, k, v = torch.randn(3, rows, 2, seq_len, 8, generator=torch.Generator().manual_seed(0)).unbind(0)
+    out = flex_attention(q, k, v, block_mask=mask)
+    bounds = [b for b in batch["cu_seqlens"].tolist() if b <= rows * seq_len]
+    flat = [t.transpose(0, 1).reshape(2, rows * seq_len, 8) for t in (q, k, v)]  # heads, tokens, dim
+    want = torch.cat([sdpa(*(t[:, a:e] for t in flat), is_causal=True) for a, e in zip(bounds, bounds[1:])], dim=1)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.transpose(0, 1).reshape(2, rows * seq_len, 8), want)
