@@ -87,8 +87,8 @@ def spawn(mode: str, args: argparse.Namespace) -> dict[str, float]:
     return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
 
 
-def fmt(xs: list[float], unit: str = "") -> str:
-    return f"{statistics.median(xs):,.1f}{unit} (min {min(xs):,.1f}, max {max(xs):,.1f})"
+def fmt(xs: list[float], unit: str = "", digits: int = 1) -> str:
+    return f"{statistics.median(xs):,.{digits}f}{unit} (min {min(xs):,.{digits}f}, max {max(xs):,.{digits}f})"
 
 
 def main() -> None:
@@ -127,8 +127,9 @@ def main() -> None:
           f"{fmt([b['tokens'] / b['seconds'] for b in loader], ' tokens/s')}")
     print(f"        peak RSS {fmt([b['peak_rss_mb'] for b in loader], ' MB')}; "
           f"first batch {fmt([b['first_batch'] for b in loader], ' s')}")
-    print(f"loader / limit: {fmt(ratios)}  (goal >= 0.85)")
-    print(f"images per CPU-second, loader / limit: {fmt(cpu_ratios)}")
+    print(f"loader / limit: {fmt(ratios, digits=3)}  (goal >= 0.85)")
+    print(f"images per CPU-second: limit {fmt([a['images'] / a['cpu'] for a in limit])}, loader "
+          f"{fmt([b['images'] / b['cpu'] for b in loader])}; loader / limit: {fmt(cpu_ratios, digits=3)}")
     print(f"packing efficiency (non-padding share): {loader[0]['tokens'] / loader[0]['positions']:.3f}; "
           f"images per run {loader[0]['images']} (limit {limit[0]['images']})")
 
