@@ -193,6 +193,15 @@ def test_the_worked_example_of_best_fit():
     assert samples[2].labels[3] == int(docs[4][1][4])  # e's first piece ends on a label: its next piece's first
 
 
+def test_a_long_document_under_way_opens_the_next_samples():
+    """b (11 = 3 + 8) gives its first piece to fill a's sample; its whole piece opens the next
+    sample although c, older in the window, waits: a started document never holds a slot long."""
+    docs = make_docs([5, 4, 11])
+    letters = {int(t): "acb"[d] for d, (_, p) in enumerate(docs) for t in p}
+    rows = ["".join(letters.get(int(t), ".") for t in s.input_ids) for s in run("best_fit", docs, 8, window=3)]
+    assert rows == ["aaaaabbb", "bbbbbbbb", "cccc...."]
+
+
 def test_the_worked_example_of_none_and_truncate():
     docs = make_docs([3, 10, 5])
     letters = {int(t): "abc"[d] for d, (_, p) in enumerate(docs) for t in p}
