@@ -12,7 +12,7 @@ starts:   0                                              s1                     
 ```
 
 `tar_index` walks the headers with ranged reads, skipping the contents of members larger than one
-read (reads double, up to 1 MiB, while every byte read is walked), and returns where each sample
+read (reads double, up to 1 MiB, while the contents are smaller), and returns where each sample
 starts (then the end of the last complete sample), so a planner can cut a shard into splits at
 sample starts. `parse_samples` decodes a block of whole
 samples read from those offsets. Both walk headers with the same code, so a range the index
@@ -44,7 +44,7 @@ from zephon_stream.formats.jsonl_zst import atomic_write
 __all__ = ["INDEX_READ", "TarIndex", "TarSample", "parse_samples", "tar_index", "write_tar_shards"]
 
 INDEX_READ = 64 << 10  # bytes per ranged read of the index walk: small members cost no extra request
-_INDEX_READ_MAX = 1 << 20  # ... and the most, reached by doubling while no member's content is skipped
+_INDEX_READ_MAX = 1 << 20  # ... and the most, reached by doubling while no large content is skipped
 _BLOCK = 512
 _MAX_EXTENSIONS = 1 << 20  # bytes of extension headers ('L', 'K', 'x', 'g') one member may have: names are short
 _ZERO = bytes(_BLOCK)
@@ -351,12 +351,13 @@ class _IndexWalk:
                 m = w.member(self.pos)
             except _More as more:
                 held = w.base + len(w.view)
-                walked = w.base <= self.pos < held  # every byte held was walked: no member's content skipped
-                frm = held if walked else self.pos
-                # Members smaller than a read: each read twice the last, up to _INDEX_READ_MAX, so a shard of
-                # small samples costs a few requests (and calls of this walk), not one per 64 KiB; a skipped
-                # content starts again at `read`, so that large contents stay unread.
-                self.span = min(2 * self.span, max(self.read, _INDEX_READ_MAX)) if walked else self.read
+                # Read on from the bytes held when that skips no member's content, or less of it than the
+                # next read takes anyway: then each read is twice the last, up to _INDEX_READ_MAX, so a shard
+                # of small samples costs a few requests (and calls of this walk), not one per sample. A
+                # larger content is skipped unread, and the reads start again at `read`.
+                near = self.pos - held < self.span  # (negative while the member's headers are held)
+                frm = held if near else self.pos
+                self.span = min(2 * self.span, max(self.read, _INDEX_READ_MAX)) if near else self.read
                 grow = max(self.span, held - self.pos)  # a long run of headers is walked again O(log n) times
                 self.want = (frm, min(self.size, max(more.upto, frm + grow)))
                 return
@@ -394,8 +395,8 @@ async def tar_index(store: Store, key: str, size: int, max_member: int, *, read:
     """Index the samples of the tar shard `key` (`size` bytes): where each starts, and where the last ends.
 
     Walks the headers with ranged reads of about `read` bytes, so many small members cost one
-    request and the contents of larger ones are skipped unread; while no content is skipped,
-    each read is twice the last (up to 1 MiB), so a shard of small samples takes few requests.
+    request and the contents of larger ones are skipped unread; while the contents are smaller
+    than a read, each read is twice the last (up to 1 MiB), so small samples take few requests.
     The walk stops at the end of the archive (two zero blocks, or the end of the object), or at
     the first malformed header or member: the samples before it stay, and `bad_tail` says what
     is wrong and where. A sample is kept only when the walk saw all of it (a member that fails
