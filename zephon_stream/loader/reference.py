@@ -66,8 +66,9 @@ MEANINGS: dict[tuple[str, str], str] = {
     ("", "vision"): "The `[vision]` table (below); needed by sources with `image_field`.",
     ("", "schedule"): "The `[[schedule]]` tables (below).",
     ("", "packing"): '`"concat"`: concatenate documents and cut every seq_len tokens; `"best_fit"`: whole '
-                     'documents, chosen best-fit from a window, padded; `"none"`: one document per sample, padded. '
-                     "A document longer than seq_len is split into seq_len pieces under all three. ",
+                     'documents, chosen best-fit from a window, padded (a longer one is cut from its end into '
+                     'whole seq_len pieces and a leftover); `"none"`: one document per sample, padded (a longer one '
+                     "is split into seq_len pieces). No token is dropped unless `truncate`. ",
     ("", "packing_window"): '`packing = "best_fit"`: documents per lane that each sample is filled from. ',
     ("", "truncate"): '`packing = "none"`: cut a longer document at seq_len (counted in statistics) instead of '
                       "splitting it. ",
