@@ -82,6 +82,15 @@ def test_draw_order_names_the_documents_in_the_order_the_pulls_take_them(size, s
     assert order == [-1 - x for x in pulled if x < 0]
 
 
+def test_draw_order_follows_a_bounded_number_of_pulls() -> None:
+    full = draw_order(64, 7, 1, 63, 500)
+    short = draw_order(64, 7, 1, 63, 500, horizon=20)
+    k = sum(1 for x in _reference(100, 64, 7, 1, 63, 500)[:20] if x < 0)  # window documents the 20 pulls take
+    assert 0 < k < 63
+    assert short[:k] == full[:k]  # those first, in the order they are taken
+    assert short[k:] == sorted(set(range(63)) - set(full[:k]))  # then the rest, in window order
+
+
 @pytest.mark.parametrize("size", [2, 5, 64])
 def test_roundtrip_at_every_point_of_the_growth(size: int) -> None:
     docs = _docs(70)

@@ -71,13 +71,16 @@ def window_bound(size: int, pulls: int) -> int:
     return window_target(size, pulls - 1) - 1 if pulls else 0
 
 
-def draw_order(size: int, seed: int, lane: int, window: int, pulls: int) -> list[int]:
+def draw_order(size: int, seed: int, lane: int, window: int, pulls: int, horizon: int = 4096) -> list[int]:
     """The indexes of a window of `window` documents after `pulls` pulls, in the order the next
     pulls take them, as long as the upstream gives documents (pulls are a pure function of the
-    counter and the window's length, never of the documents)."""
+    counter and the window's length, never of the documents). Only the next `horizon` pulls are
+    followed (a document still there after them is rare below windows of a few hundred): the
+    rest come last, in window order."""
     slots: list[int] = list(range(window))  # -1: a document pulled in after the state
     order: list[int] = []
-    while len(order) < window:
+    end = pulls + horizon
+    while len(order) < window and pulls < end:
         slots += [-1] * (window_target(size, pulls) - len(slots))
         i = mix64(seed, lane, pulls) % len(slots)
         pulls += 1
@@ -85,7 +88,7 @@ def draw_order(size: int, seed: int, lane: int, window: int, pulls: int) -> list
             order.append(slots[i])
         slots[i] = slots[-1]
         slots.pop()
-    return order
+    return order + sorted(i for i in slots if i >= 0)
 
 
 class Shuffle:
