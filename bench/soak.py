@@ -74,6 +74,7 @@ def config(settings: str, tokenizer: Path, backend: str):  # -> Config (imported
 def stream(args: argparse.Namespace) -> None:
     """Stream for `args.minutes`; print a JSON line (elapsed s, tokens, allocator figures) every interval."""
     from zephon_stream import Loader
+    from zephon_stream.engine import memory
     from zephon_stream.engine.memory import allocator_stats
 
     if args.tracemalloc:
@@ -91,6 +92,7 @@ def stream(args: argparse.Namespace) -> None:
             alloc = allocator_stats()
             line = {"t": now - start, "tokens": tokens, "alloc": alloc and {
                 f: getattr(alloc, f) for f in alloc.__struct_fields__}}
+            line["trim_s"] = memory.trim_seconds
             if args.tracemalloc:
                 line["python"] = tracemalloc.get_traced_memory()[0]
             print(json.dumps(line), flush=True)
@@ -118,10 +120,10 @@ def tree(pid: int) -> list[int]:
     return out
 
 
-def sample(pid: int) -> tuple[float, float, float]:
-    """(resident MB, peak resident MB, CPU seconds) of `pid` and its descendants now (the peak: the
-    sum of each process's own peak)."""
-    rss = cpu = hwm = 0
+def sample(pid: int) -> tuple[float, float, float, int]:
+    """(resident MB, peak resident MB, CPU seconds, minor page faults) of `pid` and its descendants
+    now (the peak: the sum of each process's own peak)."""
+    rss = cpu = hwm = faults = 0
     for p in tree(pid):
         try:
             rss += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * PAGE
@@ -129,9 +131,10 @@ def sample(pid: int) -> tuple[float, float, float]:
             hwm += int(status.partition("VmHWM:")[2].split()[0]) * 1024
             fields = Path(f"/proc/{p}/stat").read_text().rpartition(")")[2].split()
             cpu += int(fields[11]) + int(fields[12])
+            faults += int(fields[7])  # minflt: a trimmed page touched again costs one
         except (OSError, IndexError):
             continue
-    return rss / 1e6, hwm / 1e6, cpu / TICK
+    return rss / 1e6, hwm / 1e6, cpu / TICK, faults
 
 
 def slope(ts: list[float], ys: list[float]) -> float:
@@ -155,10 +158,10 @@ def run(args: argparse.Namespace, settings: str, variant: str) -> dict[str, floa
     rows = []
     assert child.stdout is not None
     for line in child.stdout:
-        rss, hwm, cpu = sample(child.pid)
-        rows.append({**json.loads(line), "rss": rss, "hwm": hwm, "cpu": cpu})
+        rss, hwm, cpu, faults = sample(child.pid)
+        rows.append({**json.loads(line), "rss": rss, "hwm": hwm, "cpu": cpu, "faults": faults})
         if args.verbose:
-            print(f"    {rows[-1]}", flush=True)
+            print(f"    {settings} {name}: {rows[-1]}", flush=True)
     if child.wait():
         raise SystemExit(f"the {settings}/{variant} run failed (exit status {child.returncode})")
     return summarize(rows)
@@ -172,7 +175,10 @@ def summarize(rows: list[dict]) -> dict[str, float]:
            "per_100m_tok": slope([r["tokens"] / 1e8 for r in half], [r["rss"] for r in half]) / 60,
            "start": first["rss"], "end": last["rss"],
            "tok_s": (last["tokens"] - first["tokens"]) / (last["t"] - first["t"]),
-           "tok_cpu_s": (last["tokens"] - first["tokens"]) / max(1e-9, last["cpu"] - first["cpu"])}
+           "tok_cpu_s": (last["tokens"] - first["tokens"]) / max(1e-9, last["cpu"] - first["cpu"]),
+           # what trimming costs: the trims' own time, and the page faults of touching trimmed pages again
+           "trim_cpu_pct": 100 * (last["trim_s"] - first["trim_s"]) / max(1e-9, last["cpu"] - first["cpu"]),
+           "faults_per_m_tok": (last["faults"] - first["faults"]) / max(1, last["tokens"] - first["tokens"]) * 1e6}
     if last.get("alloc"):
         out |= {"arenas": last["alloc"]["arenas"], "heap_mb": last["alloc"]["heap"] / 1e6,
                 "free_mb": last["alloc"]["free"] / 1e6, "mmapped_mb": last["alloc"]["mmapped"] / 1e6,
@@ -230,6 +236,8 @@ def main() -> None:
         print(f"{settings:8s} {variant:8s} slope {spread(col['slope'], ' MB/min')} = "
               f"{spread(col['per_100m_tok'], ' MB/100M tokens')}  peak {spread(col['peak'], ' MB')}  "
               f"{spread(col['tok_s'], ' tok/s', 0)}  {spread(col['tok_cpu_s'], ' tok/CPU-s', 0)}"
+              + f"  trims {spread(col['trim_cpu_pct'], '% of CPU', 2)}"
+              + f"  {spread(col['faults_per_m_tok'], ' faults/M tok', 0)}"
               + (f"  arenas {spread(col['arenas'], '', 0)}" if "arenas" in col else ""))
 
 

@@ -32,6 +32,7 @@ import ctypes.util
 import os
 import re
 import threading
+import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
@@ -188,6 +189,7 @@ async def managed_memory(policy: AllocatorPolicy | None | bool = True) -> AsyncI
 
 _trimming = threading.Lock()
 trims = 0  # malloc_trim calls made by managed_memory in this process (for tests and benchmarks)
+trim_seconds = 0.0  # the time they took, in all
 
 
 async def _trim_every(seconds: float) -> None:
@@ -198,10 +200,11 @@ async def _trim_every(seconds: float) -> None:
 
 def _trim_once() -> None:
     """One trim, unless another stream's trimmer is at it now (once is enough for the process)."""
-    global trims
+    global trims, trim_seconds
     if _trimming.acquire(blocking=False):
         try:
+            start = time.perf_counter()
             trim()
-            trims += 1
+            trims, trim_seconds = trims + 1, trim_seconds + time.perf_counter() - start
         finally:
             _trimming.release()
