@@ -454,7 +454,8 @@ def spread(xs: list[float], unit: str = "", scale: float = 1.0, digits: int = 0)
         return "n/a"
     f = f"{{:,.{digits}f}}"
     med = f.format(statistics.median(xs)) + unit
-    return med if len(xs) == 1 else f"{med} ({f.format(min(xs))}-{f.format(max(xs))})"
+    low, high = f.format(min(xs)), f.format(max(xs))
+    return med if low == high else f"{med} ({low}-{high})"
 
 
 def row(title: str, runs: list[dict[str, Any]], no_checkpoint: str) -> str:
@@ -473,7 +474,8 @@ def row(title: str, runs: list[dict[str, Any]], no_checkpoint: str) -> str:
         back = size = no_checkpoint or "n/a (not measured)"
     else:
         back = spread([r["restore"] for r in done], " s", digits=2)
-        size = spread([r["state_bytes"] / r["lanes"] for r in done]) + f" ({done[0]['lanes']} lanes)"
+        lanes = done[0]["lanes"]
+        size = spread([r["state_bytes"] / lanes for r in done]) + f" ({lanes} lane{'s' * (lanes > 1)})"
     failed = len(runs) - len(ok)
     note = f" ({failed} of {len(runs)} runs failed: {next(r['error'] for r in runs if 'error' in r)})" if failed else ""
     return f"| {title}{note} | {rate} | {per_cpu} | {first} | {back} | {size} | {rss} |"
