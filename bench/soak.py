@@ -33,6 +33,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,6 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/ (not in the wheel)
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
+PRINTING = threading.Lock()
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -161,7 +163,8 @@ def run(args: argparse.Namespace, settings: str, variant: str) -> dict[str, floa
         rss, hwm, cpu, faults = sample(child.pid)
         rows.append({**json.loads(line), "rss": rss, "hwm": hwm, "cpu": cpu, "faults": faults})
         if args.verbose:
-            print(f"    {settings} {name}: {rows[-1]}", flush=True)
+            with PRINTING:  # runs side by side print from threads of their own
+                print(f"    {settings} {name}: {rows[-1]}", flush=True)
     if child.wait():
         raise SystemExit(f"the {settings}/{variant} run failed (exit status {child.returncode})")
     return summarize(rows)

@@ -189,7 +189,7 @@ async def managed_memory(policy: AllocatorPolicy | None | bool = True) -> AsyncI
 
 _trimming = threading.Lock()
 trims = 0  # malloc_trim calls made by managed_memory in this process (for tests and benchmarks)
-trim_seconds = 0.0  # the time they took, in all
+trim_seconds = 0.0  # the CPU time they took, in all
 
 
 async def _trim_every(seconds: float) -> None:
@@ -203,8 +203,8 @@ def _trim_once() -> None:
     global trims, trim_seconds
     if _trimming.acquire(blocking=False):
         try:
-            start = time.perf_counter()
+            start = time.thread_time()
             trim()
-            trims, trim_seconds = trims + 1, trim_seconds + time.perf_counter() - start
+            trims, trim_seconds = trims + 1, trim_seconds + time.thread_time() - start
         finally:
             _trimming.release()
