@@ -56,19 +56,23 @@ def test_the_loop_thread_never_starts_a_thread(monkeypatch):
 
 
 def test_a_call_in_flight_is_never_stranded():
-    """More calls than idle workers, some of them blocked until the last one runs: each call gets a
-    worker (a stranded call would hang here until fail_after)."""
-    release = threading.Event()
+    """Bursts of calls that can only finish together, so each needs a worker of its own at once,
+    of changing sizes (the pool has more idle workers than calls, then fewer): a call left without
+    a worker would hang its burst until fail_after."""
 
-    async def main() -> None:
+    async def burst(n: int) -> None:
+        gate = threading.Barrier(n, timeout=20)
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
-                for _ in range(30):
-                    tg.start_soon(threads.run_sync, release.wait, 20)
-                await threads.run_sync(release.set)
+                for _ in range(n):
+                    tg.start_soon(threads.run_sync, gate.wait)
+        assert not gate.broken
 
-    for _ in range(5):
-        release.clear()
+    async def main() -> None:
+        for n in (30, 5, 17, 3, 31, 1, 9, 24, 2, 33):
+            await burst(n)
+
+    for _ in range(3):
         anyio.run(main)
 
 

@@ -45,8 +45,8 @@ def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
 
 class _Pool:
     """Worker threads fed from one queue. A spawner thread starts a worker whenever more calls
-    wait than workers are idle; it re-checks every `_RECHECK` seconds while calls wait, so a call
-    is never stranded by a worker that took another one just as the spawner counted."""
+    wait than workers are idle; it re-checks every `_RECHECK` seconds while calls wait, as a
+    second guard against a call stranded by a count taken while a worker changed state."""
 
     _RECHECK = 0.01
 
@@ -62,7 +62,12 @@ class _Pool:
         self._jobs.put(job)
         if self._spawner is None:
             self._start_spawner()
-        self._wake.put(None)
+        # Wake the spawner only when the idle workers may not cover the waiting calls: each wake
+        # costs the spawner a GIL hand-off. `_idle` is read without the lock and can be stale high
+        # (a worker that took a call and has not counted itself busy yet); such a worker checks
+        # again once it has (see `_work`), so a call is never left without a worker.
+        if self._idle <= self._jobs.qsize():
+            self._wake.put(None)
 
     def _start_spawner(self) -> None:
         # once per process; from then on the loop never waits on a thread start
@@ -96,6 +101,9 @@ class _Pool:
                 return
             with self._lock:
                 self._idle -= 1
+                short = self._idle < self._jobs.qsize()
+            if short:
+                self._wake.put(None)
             try:
                 ok, value = True, ctx.run(fn, *args)
             except BaseException as exc:  # handed to the caller, as anyio does
