@@ -90,12 +90,14 @@ def test_restore_time_does_not_grow_with_position(config):
     loader = Loader(cfg, backend="threads")
     states = {}
     for step, _ in enumerate(loader, start=1):
-        if step in (100, 1000):  # both past the windows' growth (their first 64 pulls): windows as full
+        # both past the first few hundred pulls of each window: before, its documents reach back only
+        # to the start of the run, so a restore reads fewer splits (and the early figure is not comparable)
+        if step in (500, 1000):
             states[step] = loader.state_dict()
         if step == 1000:
             break
     assert LoaderState.from_dict(states[1000]).header.step == 1000
-    early = min(_time_to_first_batch(cfg, states[100]) for _ in range(3))
+    early = min(_time_to_first_batch(cfg, states[500]) for _ in range(3))
     late = min(_time_to_first_batch(cfg, states[1000]) for _ in range(3))
     assert late < 2.0 * early + 0.05, (early, late)
 
