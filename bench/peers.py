@@ -58,11 +58,13 @@ LOADERS = ("zephon-stream", "zephon", "torch", "torchdata")
 TITLES = {"zephon-stream": "zephon-stream (this repo)", "zephon": "Zephon 0.2.0",
           "torch": "torch DataLoader (2 workers)", "torchdata": "torchdata StatefulDataLoader (2 workers)"}
 
-# Zephon 0.2.0's settings: `--tune-zephon` runs these candidates. On this machine (2 cores shared with
-# other jobs) the threads runner with one tokenize worker gave the most tokens per second and per
-# CPU-second (see the closing note of issue 16): the process runner pickles every record between
-# processes, mtp_mode adds a process hop for every batch, and more tokenize workers only contend
-# for the two cores (each tokenizer call already runs on Rust threads, outside the GIL).
+# Zephon 0.2.0's settings: `--tune-zephon` runs these candidates. On the bench data (2 cores shared with
+# other jobs; 2 alternated runs, 100 batches) the threads runner with one tokenize worker gave the most
+# tokens per CPU-second (379k, against 353k at tokenize@p2, 328k at the defaults' p4, 348k in mtp_mode,
+# 286k on the process runner) with the fastest restore and tokens/s within the noise of the others: the
+# process runner pickles every record between processes (50 s to its first batch), mtp_mode adds a
+# process hop a batch, and more tokenize workers contend for two cores (a tokenizer call already runs
+# in Rust, outside the GIL).
 ZEPHON_CANDIDATES: dict[str, tuple[dict[str, Any], int]] = {
     "threads runner, tokenize@p1": ({"runner": "threads"}, 1),
     "threads runner, tokenize@p2": ({"runner": "threads"}, 2),
