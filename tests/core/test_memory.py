@@ -14,7 +14,7 @@ import pytest
 
 from zephon_stream import Loader
 from zephon_stream.engine import memory
-from zephon_stream.engine.memory import AllocatorPolicy, Trimmer, allocator_stats, policy_from_env
+from zephon_stream.engine.memory import AllocatorPolicy, allocator_stats, policy_from_env
 from zephon_stream.errors import ConfigError
 
 GLIBC = memory._glibc() is not None
@@ -29,15 +29,6 @@ def test_policy_from_the_environment() -> None:
     for bad in ("trim_every=3", "arena_max=many", "yes"):
         with pytest.raises(ConfigError, match=f"ZEPHON_MALLOC='{bad}'.*trim_interval"):
             policy_from_env({"ZEPHON_MALLOC": bad})
-
-
-def test_the_trimmer_trims_on_growth_over_its_floor_only() -> None:
-    t = Trimmer(growth=100)
-    assert not any(t.look(rss) for rss in (1000, 1050, 990, 1099))  # the first look sets the floor: steady
-    assert t.look(1100)  # grown by 100 over the floor
-    assert not t.look(700)  # the look after a trim sets the floor anew
-    assert not t.look(799) and t.look(800)
-    assert all(Trimmer(0).look(rss) for rss in (5, 5, 5))  # growth 0: a trim at every look
 
 
 @needs_glibc
@@ -89,8 +80,7 @@ FRAGMENT = """
 
 @needs_glibc
 def test_the_periodic_trim_gives_the_free_heap_back() -> None:
-    out = _in_a_fresh_process(FRAGMENT, ZEPHON_MALLOC="trim_interval=0.05,trim_growth=0")
-    before, after, trims = map(int, out.split())
+    before, after, trims = map(int, _in_a_fresh_process(FRAGMENT, ZEPHON_MALLOC="trim_interval=0.05").split())
     assert trims >= 1 and before > 250 and after < before - 200, (before, after)
 
 
@@ -123,7 +113,7 @@ def test_a_streaming_loader_trims_and_not_when_switched_off(config, monkeypatch)
                     break
         return memory.trims - before
 
-    assert trims_while_streaming("trim_interval=0.01,trim_growth=0", 3) >= 1
+    assert trims_while_streaming("trim_interval=0.01", 3) >= 1
     assert trims_while_streaming("off", 30) == 0
 
 

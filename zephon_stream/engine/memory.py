@@ -10,17 +10,19 @@ free bytes inside the arenas grow by as much as RSS does. Capping the arenas
 cost 26% of the throughput on the many-core machine where the growth was reported.
 
 `managed_memory()`, entered by every loader stream and lane worker process, keeps the arenas
-and gives their free pages back instead. Every `trim_interval` seconds (10) it reads the
-process's resident size (/proc/self/statm); once that has grown `trim_growth` bytes (32 MiB)
-over its floor (its level one look after the last trim, once the working set is back in the
-freed pages), a worker thread calls `malloc_trim(0)`, which releases the whole free pages of
-every arena (a few ms; the event loop never waits on it). RSS then stays within 32 MiB of its
-floor, the threads allocate as before, and a stream at steady state is not trimmed at all
-(trimming every 10 s regardless cost 3-5% of the tokens per CPU-second on the bench data: the
-threads fault the freed pages back in each time).
+and gives their free pages back instead: every `trim_interval` seconds (10) a worker thread
+calls `malloc_trim(0)`, which releases the whole free pages of every arena (a few ms; the event
+loop never waits on it). RSS then follows the bytes in use, and the threads allocate as before.
+The price is page faults: the pipeline touches much of the freed memory again within seconds,
+so each trim is followed by a refill. It is paid per second, not per token (at most the arenas'
+free pages per trim). bench/soak.py on a loaded 2-core machine (30-65k tokens/s): 0.7% of the
+CPU in the trims, 3.3% fewer tokens per CPU-second in the median of 6 pairs (-4.5% to +0.2%);
+at the tens of times higher rates of a many-core machine the share is that much smaller.
+Trimming only once RSS has grown by a margin does not hold it: the refill after each trim
+raises the level that the margin is taken from.
 
     ZEPHON_MALLOC=off                          # leave malloc as the process found it
-    ZEPHON_MALLOC=trim_growth=0                # trim at every look (every trim_interval seconds)
+    ZEPHON_MALLOC=trim_interval=30             # trim less often (RSS then grows between trims)
     ZEPHON_MALLOC=trim_interval=0,arena_max=4  # no trim; at most 4 arenas (mallopt M_ARENA_MAX)
 
 `arena_max`, `mmap_threshold` and `trim_threshold` are glibc's `mallopt` settings, set once
@@ -46,8 +48,8 @@ import msgspec
 
 from zephon_stream.errors import ConfigError
 
-__all__ = ["MEMORY_ENV", "AllocatorPolicy", "AllocatorStats", "Trimmer", "allocator_stats", "configure_allocator",
-           "mallopt", "managed_memory", "policy_from_env", "trim"]
+__all__ = ["MEMORY_ENV", "AllocatorPolicy", "AllocatorStats", "allocator_stats", "configure_allocator", "mallopt",
+           "managed_memory", "policy_from_env", "trim"]
 
 #: Set to "off" to leave the C allocator as the process found it.
 MEMORY_ENV = "ZEPHON_MALLOC"
@@ -132,8 +134,7 @@ def trim() -> bool:
 class AllocatorPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What `managed_memory` does to glibc malloc; 0 leaves a setting as glibc has it."""
 
-    trim_interval: float = 10.0  # seconds between two looks at resident memory while a stream runs; 0 = never trim
-    trim_growth: int = 32 << 20  # trim when RSS grew this many bytes over its level after the last trim; 0 = always
+    trim_interval: float = 10.0  # seconds between two malloc_trim(0) while a stream runs
     arena_max: int = 0  # M_ARENA_MAX (glibc: 8 per core)
     mmap_threshold: int = 0  # M_MMAP_THRESHOLD in bytes (glibc: 128 KiB, raised by each large free)
     trim_threshold: int = 0  # M_TRIM_THRESHOLD in bytes (glibc: 128 KiB, raised with the mmap threshold)
@@ -175,9 +176,8 @@ def configure_allocator(policy: AllocatorPolicy) -> list[str]:
 @asynccontextmanager
 async def managed_memory(policy: AllocatorPolicy | None | bool = True) -> AsyncIterator[None]:
     """While the block runs, hold glibc malloc to `policy` (True: `ZEPHON_MALLOC`'s, by default
-    the default; None: nothing): its settings once per process, and a look at resident memory
-    every `trim_interval` seconds, with a trim in a worker thread (off the event loop) when a
-    `Trimmer` says so."""
+    the default; None: nothing): its settings once per process, and a trim every `trim_interval`
+    seconds in a worker thread, off the event loop."""
     chosen = policy_from_env() if policy is True else policy or None
     if chosen is None or _glibc() is None:
         yield
@@ -187,7 +187,7 @@ async def managed_memory(policy: AllocatorPolicy | None | bool = True) -> AsyncI
         yield
         return
     async with anyio.create_task_group() as tg:
-        tg.start_soon(_trim_every, chosen.trim_interval, Trimmer(chosen.trim_growth))
+        tg.start_soon(_trim_every, chosen.trim_interval)
         try:
             yield
         finally:
@@ -199,46 +199,10 @@ trims = 0  # malloc_trim calls made by managed_memory in this process (for tests
 trim_seconds = 0.0  # the CPU time they took, in all
 
 
-class Trimmer:
-    """Decides, at each look, whether to trim: when resident memory has grown `growth` bytes over
-    its floor, the level it settled at one look after the last trim (or at the first look), when
-    the pipeline's working set had come back into the freed pages. A stream at steady state is
-    then never trimmed, and one whose arenas grow is held within `growth` of its floor; trimming
-    at every look instead makes the threads fault the freed pages back in each time."""
-
-    def __init__(self, growth: int) -> None:
-        self.growth = growth
-        self.floor: int | None = None
-
-    def look(self, rss: int) -> bool:
-        if not self.growth:
-            return True
-        if self.floor is None:
-            self.floor = rss
-            return False
-        if rss - self.floor < self.growth:
-            return False
-        self.floor = None  # the next look sets it, once the working set is back
-        return True
-
-
-async def _trim_every(seconds: float, trimmer: Trimmer) -> None:
+async def _trim_every(seconds: float) -> None:
     while True:
         await anyio.sleep(seconds)
-        if trimmer.look(_resident()):
-            await anyio.to_thread.run_sync(_trim_once)
-
-
-def _resident() -> int:
-    """This process's resident bytes (Linux; 0 elsewhere, which never reaches a growth)."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        await anyio.to_thread.run_sync(_trim_once)
 
 
 def _trim_once() -> None:
