@@ -31,6 +31,7 @@ MAX_GLOBAL_BATCH_SIZE = 1 << 20
 MAX_BATCH_TOKENS = 1 << 32  # global_batch_size x seq_len: 32 GiB per int64 tensor
 MAX_TIMEOUT_S = 3600.0
 SPLIT_PLAN = 2  # how shards are cut into splits (operators.read.plan_splits); 2: equal splits, k * lanes of them
+SHUFFLE_FILL = 2  # how a shuffle window fills (operators.shuffle); 2: it grows by one document a pull until full
 
 
 class VisionConfig(ImageSpec, frozen=True, forbid_unknown_fields=True):
@@ -381,6 +382,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         if self.labels != "shifted":
             order["labels"] = self.labels
         order["split_plan"] = SPLIT_PLAN
+        if self.shuffle_window > 0:  # a window that grows draws other documents first: a new order
+            order["shuffle_fill"] = SHUFFLE_FILL
         order["sources"] = [[s.name, s.weight, s.text_field] + ([s.image_field] if s.image_field else [])
                             + (_chat_order(s, self.tokenizer) if s.messages_field is not None else [])
                             + ([[[t.map, t.filter] for t in s.transforms]] if s.transforms else [])

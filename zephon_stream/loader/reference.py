@@ -38,7 +38,8 @@ MEANINGS: dict[tuple[str, str], str] = {
     ("", "labels"): '`"shifted"`: `labels[t]` is the target of position t (torchtitan, Megatron); '
                     '`"unshifted"`: aligned with `input_ids`, the model shifts (Hugging Face). ',
     ("", "pad_token_id"): "The id that pads samples; unset: the EOS id. ",
-    ("", "shuffle_window"): "Documents in each lane's shuffle window; 0 = off. ",
+    ("", "shuffle_window"): "Documents in each lane's shuffle window; it grows by one document a pull until "
+                            "full, so the first samples need a few documents, not a window; 0 = off. ",
     ("", "shuffle_scope"): '`"lane"`: one window after the mix; `"source"`: one per source before it, so '
                            "realized shares follow a weight change within a few steps. ",
     ("", "max_epochs"): "0 = forever; N = every source's documents appear exactly N times, then the lanes "
