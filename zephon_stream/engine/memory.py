@@ -46,6 +46,7 @@ from contextlib import asynccontextmanager
 import anyio
 import msgspec
 
+from zephon_stream.engine import threads
 from zephon_stream.errors import ConfigError
 
 __all__ = ["MEMORY_ENV", "AllocatorPolicy", "AllocatorStats", "allocator_stats", "configure_allocator", "mallopt",
@@ -202,7 +203,7 @@ trim_seconds = 0.0  # the CPU time they took, in all
 async def _trim_every(seconds: float) -> None:
     while True:
         await anyio.sleep(seconds)
-        await anyio.to_thread.run_sync(_trim_once)
+        await threads.run_sync(_trim_once)
 
 
 def _trim_once() -> None:
