@@ -12,14 +12,14 @@ import pytest
 from tokenizers import Tokenizer
 
 from tests.core import test_chat_source
-from tests.core.test_chat_source import _check_labels, _split
+from tests.core.test_chat_source import _check_labels
 from tests.core.test_chat_source import _config as chat_config_at
 from zephon_stream import DataError
 from zephon_stream.loader.config import SourceConfig
 from zephon_stream.loader.loader import Loader
 from zephon_stream.operators.tokenize import Tokenize
 from zephon_stream.operators.types import IGNORE
-from zephon_stream.testing.determinism import lane_token_streams
+from zephon_stream.testing.determinism import lane_documents, lane_token_streams
 
 chat_data = test_chat_source.chat_data  # the conversations and template, shared with those tests
 
@@ -41,7 +41,7 @@ def _source(root, name: str = "sft") -> SourceConfig:
 def _epoch(cfg) -> tuple[Counter, int]:
     batches = list(Loader(cfg.replace(max_epochs=1), backend="threads"))
     eos = Tokenize(cfg.tokenizer, cfg.eos_token).eos_id
-    docs = Counter(tuple(d) for s in lane_token_streams(batches).values() for d in _split(s, eos))
+    docs = Counter(tuple(d) for s in lane_token_streams(batches).values() for d in lane_documents(s, eos))
     return docs, sum(int((b["labels"] != IGNORE).sum()) for b in batches)
 
 

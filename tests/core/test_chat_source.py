@@ -28,7 +28,7 @@ from zephon_stream.loader.config import Config, SourceConfig
 from zephon_stream.loader.loader import Loader
 from zephon_stream.operators.tokenize import Tokenize
 from zephon_stream.operators.types import IGNORE
-from zephon_stream.testing.determinism import lane_token_streams, rank_records
+from zephon_stream.testing.determinism import lane_documents, lane_token_streams, rank_records
 
 STEPS = 10
 
@@ -139,7 +139,7 @@ def test_every_conversation_once_per_epoch_with_its_trained_labels(chat_config, 
     batches = [b for rank in range(dp_size) for b in Loader(cfg, dp_rank=rank, dp_size=dp_size, backend="threads")]
     docs = [doc for _, doc in ChatTokens.for_source(cfg, 0, tok)([((0, 0, 0, 1), c) for c in conversations],
                                                                  None, "all")]
-    got = Counter(tuple(d) for s in lane_token_streams(batches).values() for d in _split(s, tok.eos_id))
+    got = Counter(tuple(d) for s in lane_token_streams(batches).values() for d in lane_documents(s, tok.eos_id))
     assert got == Counter(tuple(d.ids.tolist()) for d in docs)
     labels = sum(int((b["labels"] != IGNORE).sum()) for b in batches)
     assert labels == sum(int(d.trained[1:].sum()) for d in docs)  # a document's first token is no one's target
@@ -159,17 +159,6 @@ def test_every_token_once_per_epoch_with_best_fit(chat_config, chat_data):
     assert any(len(d) > cfg.seq_len for d in docs), "some conversations are cut"
     labels = sum(int((b["labels"] != IGNORE).sum()) for b in batches)
     assert labels == sum(int(d.trained[1:].sum()) for d in docs)
-
-
-def _split(tokens: list[int], eos: int) -> list[list[int]]:
-    out, cur = [], []
-    for t in tokens:
-        cur.append(t)
-        if t == eos:
-            out.append(cur)
-            cur = []
-    assert not cur
-    return out
 
 
 def _batches(cfg: Config, steps: int, backend: str, state: Any = None) -> tuple[list[dict[str, Any]], Any]:
@@ -274,7 +263,7 @@ def test_bad_conversations_are_skipped_and_counted(tmp_path, chat_data, backend)
     loader = Loader(cfg, backend=backend)
     tok = Tokenize(cfg.tokenizer, cfg.eos_token)
     batches = list(loader)
-    docs = [d for s in lane_token_streams(batches).values() for d in _split(s, tok.eos_id)]
+    docs = [d for s in lane_token_streams(batches).values() for d in lane_documents(s, tok.eos_id)]
     assert len(docs) == 2 * 40
     stats = loader.statistics()
     assert stats.skipped_records == 2 * len(_BAD) and stats.skipped_by_epoch == {0: len(_BAD), 1: len(_BAD)}

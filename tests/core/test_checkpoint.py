@@ -13,18 +13,7 @@ from zephon_stream import IncompatibleState
 from zephon_stream.loader.loader import Loader
 from zephon_stream.loader.state import LoaderState, state_to_bytes
 from zephon_stream.operators.tokenize import Tokenize
-from zephon_stream.testing.determinism import lane_token_streams
-
-
-def _split_docs(tokens: list[int], eos: int) -> list[tuple[int, ...]]:
-    docs, cur = [], []
-    for t in tokens:
-        cur.append(t)
-        if t == eos:
-            docs.append(tuple(cur))
-            cur = []
-    assert not cur, "a lane's stream must end with a whole document"
-    return docs
+from zephon_stream.testing.determinism import lane_documents, lane_token_streams
 
 
 @pytest.mark.parametrize("dp_size, global_batch_size", [(1, 24), (3, 24), (1, 6), (3, 6)])
@@ -38,7 +27,7 @@ def test_exactly_once_over_one_epoch(config, dataset, dp_size, global_batch_size
         batches += list(Loader(cfg, dp_rank=rank, dp_size=dp_size, backend="threads"))
     streams = lane_token_streams(batches)
     assert sorted(streams) == list(range(cfg.lanes)), "every lane gets data"
-    got = Counter(d for s in streams.values() for d in _split_docs(s, tok.eos_id))
+    got = Counter(d for s in streams.values() for d in lane_documents(s, tok.eos_id))
     want = Counter(tuple(ids.tolist()) for ids in tok(docs["a"]))
     assert sum(len(d) * c for d, c in got.items()) == sum(len(d) * c for d, c in want.items())
     assert got == want

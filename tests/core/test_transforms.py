@@ -17,18 +17,17 @@ import msgspec
 import pytest
 
 from tests.core import transform_fns as fns
+from tests.core.test_formats_matrix import _plan
 from zephon_stream import ConfigError, DataError, IncompatibleState
-from zephon_stream.connectors import open_store
 from zephon_stream.engine.rng import permutation
 from zephon_stream.loader.config import Config, SourceConfig, TransformStep
 from zephon_stream.loader.loader import Loader
-from zephon_stream.loader.plan import plan_data
 from zephon_stream.loader.state import LoaderState, split_at
 from zephon_stream.operators.read import RecordCounts
 from zephon_stream.operators.sources import make_parser, make_reader
 from zephon_stream.operators.tokenize import Tokenize
 from zephon_stream.operators.transforms import Filter, Map, record_seed
-from zephon_stream.testing.determinism import lane_token_streams, rank_records, real, run_world
+from zephon_stream.testing.determinism import lane_documents, lane_token_streams, rank_records, real, run_world
 
 STEPS = 24
 FNS = "tests.core.transform_fns"
@@ -42,16 +41,6 @@ def with_steps(config: Config, **steps: list[TransformStep]) -> Config:
     """`config` with `transforms` set on the sources named."""
     return config.replace(sources=[msgspec.structs.replace(s, transforms=steps.get(s.name, s.transforms))
                                    for s in config.sources])
-
-
-def _plan(config):
-    async def main():
-        stores = []
-        for src in config.sources:
-            store, _ = open_store(src.uri)
-            stores.append(await store.__aenter__())
-        return await plan_data(config, stores), stores
-    return anyio.run(main)
 
 
 def records_of(config: Config, source: int, epoch: int = 0) -> tuple[list[tuple[int, int, object]], RecordCounts]:
@@ -219,17 +208,6 @@ def test_a_restore_re_read_counts_nothing_twice(config, dataset):
 
 # ---- exactly once -------------------------------------------------------------------------------
 
-def _split_docs(tokens: list[int], eos: int) -> list[tuple[int, ...]]:
-    docs, cur = [], []
-    for t in tokens:
-        cur.append(t)
-        if t == eos:
-            docs.append(tuple(cur))
-            cur = []
-    assert not cur, "a lane's stream must end with a whole document"
-    return docs
-
-
 @pytest.mark.parametrize("dp_size", [1, 3])
 def test_exactly_once_for_the_kept_documents(config, dataset, dp_size):
     """max_epochs = 1: every kept document, as the map made it, once; no filtered one."""
@@ -240,7 +218,7 @@ def test_exactly_once_for_the_kept_documents(config, dataset, dp_size):
     batches = []
     for rank in range(dp_size):
         batches += list(Loader(cfg, dp_rank=rank, dp_size=dp_size, backend="threads"))
-    got = Counter(d for s in lane_token_streams(batches).values() for d in _split_docs(s, tok.eos_id))
+    got = Counter(d for s in lane_token_streams(batches).values() for d in lane_documents(s, tok.eos_id))
     kept = ["LOUD " + d.upper() for d in docs["a"] if not d.endswith("!")]
     assert got == Counter(tuple(ids.tolist()) for ids in tok(kept))
 

@@ -16,7 +16,7 @@ from zephon_stream.loader.config import Config
 from zephon_stream.loader.loader import Loader
 from zephon_stream.operators.collate import sample_digests
 
-__all__ = ["Record", "batch_records", "lane_token_streams", "rank_records", "real", "run_world"]
+__all__ = ["Record", "batch_records", "lane_documents", "lane_token_streams", "rank_records", "real", "run_world"]
 
 Record = tuple[int, int, int, int, str]
 
@@ -69,3 +69,16 @@ def lane_token_streams(batches: Iterable[dict[str, Any]]) -> dict[int, list[int]
         for row, lane, n in zip(batch["input_ids"].numpy(), batch["lanes"].tolist(), batch["num_tokens"].tolist()):
             out.setdefault(lane, []).extend(np.asarray(row[:n]).tolist())
     return out
+
+
+def lane_documents(tokens: list[int], eos: int) -> list[tuple[int, ...]]:
+    """A lane's token stream (`lane_token_streams`) cut into its documents, each ending with `eos`
+    (for exactly-once checks: the stream of a lane that ran to its end holds whole documents)."""
+    docs, cur = [], []
+    for t in tokens:
+        cur.append(t)
+        if t == eos:
+            docs.append(tuple(cur))
+            cur = []
+    assert not cur, "a lane's stream must end with a whole document"
+    return docs
