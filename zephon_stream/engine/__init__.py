@@ -7,7 +7,6 @@
 - `operator`: the protocol of a lane's stateful stages (`Operator`: next / state / refs / restore);
 - `rng`: counter-based randomness (`mix64`, `permutation`), so no RNG object is ever checkpointed;
 - `threads`: blocking calls in worker threads that the event loop never waits to start (`run_sync`);
-- `turns`: tokenizer calls taken in the order of the samples the sequencer needs next;
 - `memory`: glibc arenas trimmed on a timer, off the loop (`managed_memory`, `ZEPHON_MALLOC`).
 
 Error groups from task groups are unwrapped by one function, `zephon_stream.errors.unwrap_groups`.

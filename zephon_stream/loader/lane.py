@@ -38,7 +38,6 @@ from zephon_stream.chat import ChatTokens
 from zephon_stream.connectors.base import Store
 from zephon_stream.engine.operator import Operator
 from zephon_stream.engine.rng import mix64, permutation
-from zephon_stream.engine.turns import Turns
 from zephon_stream.errors import DataError, IncompatibleState
 from zephon_stream.loader.config import Config
 from zephon_stream.loader.plan import DataPlan
@@ -78,7 +77,6 @@ class Lanes:
         self.spawn: Callable[..., Any] | None = None  # the lanes' task group, for read-ahead requests
         self._has_documents = [False] * len(plan.sources)  # checked once per process, see `check_source`
         self._checking = [anyio.Lock() for _ in plan.sources]  # one check at a time; the others wait for it
-        self.turns = Turns(config.cpu_threads)  # tokenizer calls, the lane furthest behind first (engine.turns)
 
     def _parser(self, source: int) -> Any:
         return make_parser(self.config, source, self.plan.sources[source])
@@ -196,7 +194,6 @@ class TextLane:
         cfg = shared.config
         n = len(shared.plan.sources)
         self.state_in = state or LaneState.initial(lane, n)
-        self.next_index = self.state_in.samples  # of the sample the lane makes next: the key of its CPU turns
         self.sources = [Feed(functools.partial(self._read_source, s), cfg.doc_buffer) for s in range(n)]
         by_source = cfg.shuffle_scope == "source" and cfg.shuffle_window > 0
         self.source_shuffles = [Shuffle(cfg.shuffle_window, mix64(cfg.seed, _SOURCE_SHUFFLE, s), lane, feed)
@@ -225,7 +222,6 @@ class TextLane:
                     break
                 sample.lane, sample.index = self.lane, index
                 index += 1
-                self.next_index = index
                 sample.state = self._snapshot(index)
                 batch.append(sample)
                 if len(batch) == cfg.sample_batch or index == first:
@@ -316,13 +312,8 @@ class TextLane:
 
     async def _tokenize_again(self, source: int, docs: list[Doc]) -> list[Doc]:
         """Tokenize documents a checkpoint refers to (their bad records were counted by the first run)."""
-        async with self.shared.turns.turn(self._slot()):
-            return await self.shared.run_cpu(self.shared.tokenize, source, docs, "a checkpoint's documents",
-                                             BadRecords(self.shared.config.on_bad_record))
-
-    def _slot(self) -> int:
-        """The global slot of the sample the lane makes next: lower goes first for the CPU (`engine.turns`)."""
-        return self.next_index * self.shared.config.lanes + self.lane
+        return await self.shared.run_cpu(self.shared.tokenize, source, docs, "a checkpoint's documents",
+                                         BadRecords(self.shared.config.on_bad_record))
 
     async def _read_source(self, source: int, position: int, offset: int, send: FeedSender) -> None:
         """The producer of `sources[source]`: read, decode and tokenize from the cursor on.
@@ -341,9 +332,8 @@ class TextLane:
                         i = 0
                         while i < len(docs):
                             size = await send.room(min(batch, len(docs) - i))
-                            async with shared.turns.turn(self._slot()):
-                                tokens = await shared.run_cpu(shared.tokenize, source, docs[i:i + size],
-                                                              reader.key, reader.bad)
+                            tokens = await shared.run_cpu(shared.tokenize, source, docs[i:i + size], reader.key,
+                                                          reader.bad)
                             i += size
                             found = found or bool(tokens)  # a bad image or conversation skipped is no document
                             await send.send(tokens)
