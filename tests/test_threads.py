@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextvars
 import threading
-import time
 
 import anyio
 import pytest
@@ -77,25 +76,30 @@ def test_a_call_in_flight_is_never_stranded():
 
 
 def test_the_limiter_bounds_concurrent_calls():
+    """12 calls under a limiter of 3: the first three wait for one another (the third lets them
+    go), so three run at once, and never more."""
     limiter = anyio.CapacityLimiter(3)
     running, peak = [0], [0]
-    lock = threading.Lock()
+    lock, three = threading.Lock(), threading.Event()
 
     def work() -> None:
         with lock:
             running[0] += 1
             peak[0] = max(peak[0], running[0])
-        time.sleep(0.01)
+            if running[0] == 3:
+                three.set()
+        assert three.wait(10)
         with lock:
             running[0] -= 1
 
     async def main() -> None:
-        async with anyio.create_task_group() as tg:
-            for _ in range(12):
-                tg.start_soon(lambda: threads.run_sync(work, limiter=limiter))
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for _ in range(12):
+                    tg.start_soon(lambda: threads.run_sync(work, limiter=limiter))
 
     anyio.run(main)
-    assert peak[0] <= 3
+    assert peak[0] == 3
 
 
 def test_cancelled_caller_waits_for_the_call_unless_it_abandons_it():
