@@ -6,7 +6,6 @@ that holds a version keeps verify-then-write, so a refused pull leaves it as it 
 from __future__ import annotations
 
 import anyio
-import numpy as np
 import pytest
 
 from tests.refit._helpers import assert_same, model, step, zeros_like
@@ -34,15 +33,16 @@ async def publish_chain(store, n: int, *, keyframe_every: int, keep_versions: in
 
 def flip_one_bit(monkeypatch) -> list[int]:
     """Make the keyframe decoder write one wrong bit (a decoder bug or bad memory)."""
-    real, calls = codec.decode_full_into, []
+    real, calls = codec.full_planes, []
 
-    def wrong(data, out, *, key):
-        real(data, out, key=key)
+    def wrong(data, *, itemsize, words, key):
+        planes = real(data, itemsize=itemsize, words=words, key=key)
         calls.append(1)
         if len(calls) == 2:
-            out.view(np.uint8)[0] ^= 1
+            planes[0][0] ^= 1
+        return planes
 
-    monkeypatch.setattr(codec, "decode_full_into", wrong)
+    monkeypatch.setattr(codec, "full_planes", wrong)
     return calls
 
 
@@ -114,15 +114,14 @@ def test_a_held_version_is_not_overwritten_by_a_keyframe_that_fails(store, monke
                 state = step(state, seed=v, frac=0.3)
                 await pub.publish(state)
 
-        real = codec.decode
+        real = codec.full_planes
 
-        def wrong(data, *, kinds, itemsize, words, key):
-            got = real(data, kinds=kinds, itemsize=itemsize, words=words, key=key)
-            if codec.FULL in kinds:
-                got.values.view(np.uint8)[0] ^= 1
-            return got
+        def wrong(data, *, itemsize, words, key):
+            planes = real(data, itemsize=itemsize, words=words, key=key)
+            planes[0][0] ^= 1
+            return planes
 
-        monkeypatch.setattr(codec, "decode", wrong)
+        monkeypatch.setattr(codec, "full_planes", wrong)
         with pytest.raises(DigestMismatch):
             await sub.pull(replica)
         assert_same(v1, replica)  # nothing written

@@ -34,7 +34,8 @@ from zephon_stream.errors import ConfigError, DataError
 from zephon_stream.refit.layout import WORD
 
 __all__ = ["DENSE_XOR", "FULL", "SPARSE_SET", "SPARSE_XOR", "Decoded", "check_level", "compose_set", "compose_xor",
-           "decode", "decode_full_into", "diff", "encode_dense", "encode_sparse", "encode_xor"]
+           "decode", "diff", "encode_dense", "encode_sparse", "encode_xor",
+           "full_planes"]
 
 SPARSE_XOR, DENSE_XOR, SPARSE_SET, FULL = 1, 2, 3, 4
 KIND_NAMES = {0: "zero", SPARSE_XOR: "sparse-xor", DENSE_XOR: "dense-xor", SPARSE_SET: "overwrite", FULL: "full"}
@@ -218,25 +219,39 @@ def decode(data: bytes, *, kinds: tuple[int, ...], itemsize: int, words: int, ke
     return Decoded(kind, positions, _merge(planes, itemsize, count))
 
 
-def decode_full_into(data: bytes, out: np.ndarray, *, key: str) -> None:
-    """Decode a FULL object straight into `out` (the chunk's words, e.g. a view of the weights).
+def full_planes(data: bytes, *, itemsize: int, words: int, key: str) -> list[memoryview]:
+    """The byte planes of a FULL object (plane b: byte b of every word), checked against the chunk.
 
-    Each plane is decompressed and scattered into its byte column of `out` at once, so the
-    chunk is never staged in a second array. Every size is checked before `out` is touched; a
-    frame found corrupt while decompressing (after the object's blake2b matched) raises
-    DataError with the planes before it already written.
+    Every size is checked before anything is decompressed, and each plane is decompressed into
+    this thread's reusable scratch (no allocation per chunk): the planes are valid until this
+    thread's next call. Weave them into words with `hashing.weave_sum`, which hashes in the
+    same pass. A corrupt frame raises DataError, and the caller has written nothing yet.
     """
-    itemsize, words = out.dtype.itemsize, len(out)
     _, _, sec, bounds = _sections(data, (FULL,), itemsize, words, key)
-    for i in range(itemsize):  # sizes first: a hostile header never gets a partial write
+    for i in range(itemsize):  # sizes first: a hostile header never makes us decompress
         _frame_size(sec[i], words, f"plane {i}", key, bounds[i])
-    columns = out.view(np.uint8).reshape(words, itemsize)
+    scratch = memoryview(_scratch("planes", itemsize * words, np.dtype(np.uint8)))
+    planes = [scratch[i * words : (i + 1) * words] for i in range(itemsize)]
     for i in range(itemsize):
-        plane = np.frombuffer(_frame(sec[i], words, f"plane {i}", key, bounds[i]), dtype=np.uint8)
-        if itemsize == 1:
-            out[:] = plane
-        else:
-            columns[:, i] = plane
+        _frame_into(sec[i], planes[i], f"plane {i}", key, bounds[i])
+    return planes
+
+
+def _frame_into(data: memoryview, out: memoryview, what: str, key: str, offset: int) -> None:
+    """Decompress one frame into `out`, which it must fill exactly: nothing short, nothing after
+    (a second frame or trailing bytes are refused). readinto costs ~15% less CPU than
+    `decompress`, which allocates its output each time."""
+    if not len(out):
+        return  # an empty section, as `_frame_size` checked
+    try:
+        with _decompressor().stream_reader(data, read_across_frames=False) as reader:
+            got = reader.readinto(out)
+            extra = len(reader.read(1)) if got == len(out) else 0
+    except zstandard.ZstdError as exc:
+        raise DataError(f"{key}: {what} section is corrupt ({exc})", key=key, offset=offset) from exc
+    if got != len(out) or extra:
+        size = f"{got}" if not extra else f"more than {got}"
+        raise DataError(f"{key}: {what} section gave {size} bytes, expected {len(out)}", key=key, offset=offset)
 
 
 def _frame_size(data: memoryview, expected: int, what: str, key: str, offset: int) -> None:

@@ -9,7 +9,7 @@ it, on CPU by numpy views of the tensors' memory, on CUDA by torch indexing.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import msgspec
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from zephon_stream.errors import ConfigError
-from zephon_stream.refit.hashing import MASK, contiguous_sum, element_sum, element_sums
+from zephon_stream.refit.hashing import MASK, contiguous_sum, element_sum, element_sums, weave, weave_sum
 from zephon_stream.refit.layout import WORD, Chunk, Piece, RankStream, Sharding, TensorTable
 
 __all__ = ["ChunkPlan", "LocalState", "Placed"]
@@ -136,6 +136,11 @@ class ChunkPlan:
         """The whole chunk as a fresh array (an owned chunk only)."""
         return self.gather(np.arange(self.chunk.words))
 
+    def current(self) -> np.ndarray:
+        """The whole chunk's words to read (an owned chunk only): a view when it is one, else a copy."""
+        view = self.view()
+        return view if view is not None else self.read()
+
     def view(self) -> np.ndarray | None:
         """The chunk's words as a view into local memory, when it is one contiguous CPU slice."""
         if len(self.parts) == 1 and self.parts[0].mode == "same" and self.on_cpu:
@@ -161,6 +166,22 @@ class ChunkPlan:
             where = self.canonical(p, pos[s] - p.word0 + p.elem0)
             now, was = element_sums(where, new[s], old[s])
             total += now - was
+        return total & MASK
+
+    def load(self, planes: Sequence[memoryview], out: np.ndarray) -> int:
+        """Weave the whole chunk's byte planes (see `codec.full_planes`) into `out`, its words,
+        and return the chunk's digest. A part of a whole tensor is woven and hashed in one pass
+        over each word; a part of a shard piece is woven, then hashed at its canonical positions."""
+        total = 0
+        for p in self.parts:
+            s = slice(p.word0, p.word0 + p.nwords)
+            mine = [plane[s] for plane in planes]
+            spec = self.table.specs[p.tensor]
+            if p.pub.whole:
+                total += weave_sum(spec.offset + p.elem0 * spec.itemsize, mine, out[s])
+            else:
+                weave(mine, out[s])
+                total += element_sum(self.canonical(p, np.arange(p.elem0, p.elem0 + p.nwords)), out[s])
         return total & MASK
 
     def digest(self, words: np.ndarray) -> int:

@@ -59,7 +59,7 @@ from zephon_stream.errors import (
     DigestMismatch,
     RefitError,
 )
-from zephon_stream.refit import codec
+from zephon_stream.refit import codec, hashing
 from zephon_stream.refit import manifest as _manifest
 from zephon_stream.refit.layout import WORD, RankStream, Sharding, TensorTable, check_count
 from zephon_stream.refit.local import ChunkPlan, LocalState, Placed
@@ -384,6 +384,23 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+class _Object(NamedTuple):
+    """A fetched object and the blake2b digest its manifest gives it (data b"": no object)."""
+
+    key: str
+    data: bytes
+    digest: str
+
+
+def _verified(objects: list[_Object], cause: Exception | None = None) -> None:
+    """Check each object's blake2b digest against its manifest (CPU work: ~1 ns per byte, so in
+    a worker thread, never on the event loop). `cause`: the failure that called for the check."""
+    for o in objects:
+        got = object_digest(o.data) if o.data else o.digest
+        if got != o.digest:
+            raise DigestMismatch(f"{o.key}: blake2b digest {got} != manifest's {o.digest}: corrupt object") from cause
+
+
 class _Staged(NamedTuple):
     route: Route
     decoded: tuple[np.ndarray | None, np.ndarray, np.ndarray] | None  # None: re-fetch (over budget)
@@ -470,7 +487,7 @@ class _Pull:
             routes: list[Route] = []
             owned = self.plans[i].owned
             if rehash and owned:
-                h = await sub._cpu(lambda i=i: self.plans[i].digest(self.plans[i].read()))
+                h = await sub._cpu(lambda i=i: self.plans[i].digest(self.plans[i].current()))
                 routes += [Route("xor", v, h) for v, digests in known if digests[i] == h][:1]
                 if not routes:
                     self.fresh.add(i)  # torn: at no version it could build on
@@ -506,8 +523,9 @@ class _Pull:
 
     # -- fetching -------------------------------------------------------------------------
 
-    async def _fetch(self, i: int, route: Route) -> list[bytes]:
-        """The objects of a route for chunk i, each checked against its manifest entry."""
+    async def _fetch(self, i: int, route: Route) -> list[_Object]:
+        """The objects of a route for chunk i, each size checked against its manifest entry; their
+        blake2b digests are checked with the chunk's CPU work (`_verified`), off the event loop."""
         if route.kind == "key":
             route = Route("key", await self._keyframe(), None)
             out = [await self._object(route.start, i, "key")]
@@ -519,39 +537,41 @@ class _Pull:
             out.append(await self._object(v, i, what))
         return out
 
-    async def _object(self, version: int, i: int, what: str) -> bytes:
+    async def _object(self, version: int, i: int, what: str) -> _Object:
         m = (await self.sub._manifest(version))[0]
         c = m.chunks[i]
         size, digest = {"chunk": (c.size, c.digest), "key": (c.key_size, c.key_digest),
                         "over": (c.over_size, c.over_digest)}[what]
         if what == "over" and c.kind and not size:
             raise RefitError(f"version {version} chunk {i} has no overwrite object")
-        if not size:
-            return b""
         key = chunk_key(self.sub.key_prefix, m, i, what)
+        if not size:
+            return _Object(key, b"", digest)
         data = await self.sub.store.read(key)
         if len(data) != size:
             raise DataError(f"{key}: object is {len(data)} bytes, the manifest says {size} (truncated?)", key=key,
                             offset=len(data))
-        if object_digest(data) != digest:
-            raise DigestMismatch(f"{key}: blake2b digest {object_digest(data)} != manifest's {digest}: corrupt object")
-        return data
+        return _Object(key, data, digest)
 
     # -- CPU work -------------------------------------------------------------------------
 
-    def _decode(self, i: int, route: Route, objects: list[bytes]) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
-        """(the keyframe chunk for key routes, else None; composed positions; composed values)."""
-        plan = self.plans[i]
-        c = plan.chunk
-        base = None
-        deltas = objects
-        first = route.start + 1
-        if route.kind == "key":
-            key = object_label(route.start, "key", i)
-            full = codec.decode(objects[0], kinds=(codec.FULL,), itemsize=c.itemsize, words=c.words, key=key)
-            base = full.values.copy()
-            deltas = objects[1:]
-        return (base, *self._compose(i, route.kind, first, deltas))
+    def _key_words(self, i: int, data: bytes, out: np.ndarray | None) -> tuple[np.ndarray, int]:
+        """Keyframe chunk i woven into `out` (a fresh array when None), and its digest: one pass."""
+        c = self.plans[i].chunk
+        planes = codec.full_planes(data, itemsize=c.itemsize, words=c.words, key=object_label(self.key or 0, "key", i))
+        words = out if out is not None else np.empty(c.words, WORD[c.itemsize])
+        return words, self.plans[i].load(planes, words)
+
+    def _xor_in(self, i: int, words: np.ndarray, deltas: list[bytes], digest: int) -> int:
+        """XOR the deltas after keyframe `self.key` into chunk i's whole `words`; return the digest
+        moved from `digest` (theirs before) by the changed words only: O(delta), no second pass."""
+        pos, val = self._compose(i, "xor", (self.key or 0) + 1, deltas)
+        if not len(pos):
+            return digest
+        old = words[pos]
+        new = old ^ val
+        words[pos] = new
+        return (digest + self.plans[i].change_sum(pos, old, new)) & hashing.MASK
 
     def _compose(self, i: int, kind: str, first: int, deltas: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
         """The delta objects of versions first, first+1, ... for chunk i as one (positions, values)."""
@@ -569,25 +589,29 @@ class _Pull:
             return np.zeros(0, np.int64), np.zeros(0, WORD[c.itemsize])
         return (codec.compose_set if kind == "set" else codec.compose_xor)(parts)
 
-    def _load_key(self, i: int, objects: list[bytes]) -> None:
+    def _load_key(self, i: int, objects: list[_Object]) -> None:
         """Keyframe + later deltas for a chunk that holds no version, in one pass: decompress
-        straight into the weights (or one scratch array off CPU), XOR the deltas in, hash once.
+        each plane into scratch, weave it straight into the weights (or one array off CPU) while
+        hashing it, XOR the deltas in and move the digest by them.
 
         Only for `fresh` chunks: a mismatch leaves a chunk that held nothing holding nothing
-        valid, and the record (at "applying") makes the next pull load it again."""
+        valid, and the record (at "applying") makes the next pull load it again. So the keyframe
+        object's blake2b (as costly as the load) is computed only when the load fails, to name
+        a corrupt object; the delta objects' are checked first, as on every other route."""
         plan, want = self.plans[i], self.m.chunks[i].plain
-        c = plan.chunk
+        _verified(objects[1:])
         view = plan.view()
-        words = view if view is not None else np.empty(c.words, WORD[c.itemsize])
-        codec.decode_full_into(objects[0], words, key=object_label(self.key or 0, "key", i))
-        pos, val = self._compose(i, "xor", (self.key or 0) + 1, objects[1:])
-        words[pos] ^= val
-        got = plan.digest(words)
-        if got != want:
-            raise DigestMismatch(f"chunk {i} loaded from keyframe v{self.key} has digest {got:016x}, version "
-                                 f"{self.target} says {want:016x}: the chunk holds no version; pull again")
+        try:
+            words, got = self._key_words(i, objects[0].data, view)
+            got = self._xor_in(i, words, [o.data for o in objects[1:]], got)
+            if got != want:
+                raise DigestMismatch(f"chunk {i} loaded from keyframe v{self.key} has digest {got:016x}, version "
+                                     f"{self.target} says {want:016x}: the chunk holds no version; pull again")
+        except (DataError, DigestMismatch) as exc:
+            _verified(objects[:1], cause=exc)
+            raise
         if view is None:
-            plan.write(np.arange(c.words), words, xor=False)
+            plan.write(np.arange(plan.chunk.words), words, xor=False)
 
     def ahead(self, i: int, version: int, base: int, data: bytes) -> _Ahead | None:
         """Phase 1 of an owned chunk's single delta, before its MANIFEST (None: undecodable)."""
@@ -617,29 +641,35 @@ class _Pull:
             return None  # the values it read were not our version's: the normal path and its fallbacks decide
         return None, got.positions, got.new
 
-    def _check(self, i: int, route: Route, objects: list[bytes]) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
-        """Decode a route and check the chunk digest it would produce, writing nothing."""
+    def _check(self, i: int, route: Route, objects: list[_Object]
+               ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+        """Check a route's objects, decode them and check the chunk digest they would produce,
+        writing nothing. Returns what `_write` writes: (whole words for a key route, else None;
+        positions; values)."""
         plan, want = self.plans[i], self.m.chunks[i].plain
-        decoded = base, pos, val = self._decode(i, route, objects)
-        if base is not None:
+        _verified(objects)
+        data = [o.data for o in objects]
+        if route.kind == "key":
+            base, got_key = self._key_words(i, data[0], None)
             key_plain = self.sub._manifests[self.key][0].chunks[i].plain
-            got_key = plan.digest(base)
             if got_key != key_plain:
                 raise DigestMismatch(f"keyframe v{self.key} chunk {i}: digest {got_key:016x} != {key_plain:016x}")
-            base[pos] ^= val
-            got = plan.digest(base)
-            decoded = base, np.zeros(0, np.int64), val[:0]
-        elif not plan.owned:
-            return decoded  # object digests and decoding checked; this rank cannot see the whole chunk
-        elif route.kind == "set":
-            words = plan.read()
-            words[pos] = val
-            got = plan.digest(words)
+            got = self._xor_in(i, base, data[1:], got_key)
+            decoded = base, np.zeros(0, np.int64), np.zeros(0, base.dtype)
         else:
-            old = plan.gather(pos)
-            new = old ^ val
-            got = (route.digest + plan.change_sum(pos, old, new)) & ((1 << 64) - 1)
-            decoded = None, pos, new  # new values: the write is then a plain scatter
+            pos, val = self._compose(i, route.kind, route.start + 1, data)
+            decoded = None, pos, val
+            if not plan.owned:
+                return decoded  # object digests and decoding checked; this rank cannot see the whole chunk
+            if route.kind == "set":
+                words = plan.read()
+                words[pos] = val
+                got = plan.digest(words)
+            else:
+                old = plan.gather(pos)
+                new = old ^ val
+                got = (route.digest + plan.change_sum(pos, old, new)) & hashing.MASK
+                decoded = None, pos, new  # new values: the write is then a plain scatter
         if got != want:
             raise DigestMismatch(
                 f"chunk {i} would have digest {got:016x} after applying v{self.target}, the manifest says {want:016x}"
@@ -656,7 +686,7 @@ class _Pull:
         else:
             plan.write(pos, val, xor=route.kind == "xor" and not plan.owned)
         if self.m.keyframe and route.kind != "key" and plan.owned:
-            got = plan.digest(plan.read())  # keyframes re-hash in full
+            got = plan.digest(plan.current())  # keyframes re-hash in full
             if got != self.m.chunks[i].plain:
                 raise DigestMismatch(f"chunk {i} re-hashed to {got:016x} at keyframe v{self.target}, expected "
                                      f"{self.m.chunks[i].plain:016x}: local memory was corrupt; pull again to repair")
