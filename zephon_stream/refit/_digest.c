@@ -42,19 +42,23 @@ static inline uint64_t fmix(uint64_t x) {
 #include <immintrin.h>
 #define HAVE_AVX2 1
 #define AVX2 __attribute__((target("avx2")))
+#define SWAP(K) ((long long)(((K) >> 32) | ((K) << 32)))
 
-/* x * (khi:klo) mod 2**64, lane by lane: three 32x32->64 multiplies. */
-AVX2 static inline __m256i mul64(__m256i x, __m256i klo, __m256i khi) {
-    __m256i lo = _mm256_mul_epu32(x, klo);
-    __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(x, khi), _mm256_mul_epu32(_mm256_srli_epi64(x, 32), klo));
-    return _mm256_add_epi64(lo, _mm256_slli_epi64(cross, 32));
+/* x * K mod 2**64, lane by lane. klo: lo(K) in each lane; kswap: hi(K) in the low and lo(K) in
+   the high 32 bits of each lane. lo(x) * lo(K) needs all 64 bits of its product; the cross terms
+   lo(x) * hi(K) + hi(x) * lo(K) only their low 32 (they are shifted up by 32), which one 32-bit
+   multiply of x by kswap gives for both at once. */
+AVX2 static inline __m256i mul64(__m256i x, __m256i klo, __m256i kswap) {
+    __m256i cross = _mm256_mullo_epi32(x, kswap);
+    cross = _mm256_add_epi32(cross, _mm256_srli_epi64(cross, 32));
+    return _mm256_add_epi64(_mm256_mul_epu32(x, klo), _mm256_slli_epi64(cross, 32));
 }
 
 /* mix(p, v) of four words v < 2**32 (zero-extended in 64-bit lanes), pk = p * K1 per lane. */
 AVX2 static inline __m256i mix4(__m256i v, __m256i pk) {
     const __m256i k2lo = _mm256_set1_epi64x(K2 & 0xFFFFFFFFULL), k2hi = _mm256_set1_epi64x(K2 >> 32);
-    const __m256i k3lo = _mm256_set1_epi64x(K3 & 0xFFFFFFFFULL), k3hi = _mm256_set1_epi64x(K3 >> 32);
-    const __m256i k1lo = _mm256_set1_epi64x(K1 & 0xFFFFFFFFULL), k1hi = _mm256_set1_epi64x(K1 >> 32);
+    const __m256i k3lo = _mm256_set1_epi64x(K3 & 0xFFFFFFFFULL), k3hi = _mm256_set1_epi64x(SWAP(K3));
+    const __m256i k1lo = _mm256_set1_epi64x(K1 & 0xFFFFFFFFULL), k1hi = _mm256_set1_epi64x(SWAP(K1));
     __m256i x = _mm256_add_epi64(_mm256_mul_epu32(v, k2lo), _mm256_slli_epi64(_mm256_mul_epu32(v, k2hi), 32));
     x = _mm256_add_epi64(x, pk);
     x = _mm256_xor_si256(x, _mm256_srli_epi64(x, 31));

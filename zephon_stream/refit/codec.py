@@ -62,11 +62,24 @@ def check_level(level: object) -> int:
     return level
 
 
-def _compressor(level: int) -> zstandard.ZstdCompressor:
+def _compressor(level: int, *, planes: bool = False) -> zstandard.ZstdCompressor:
+    """This thread's compressor for `level`; `planes`: for a keyframe's byte planes (see `_pack`)."""
     cache = _local.__dict__.setdefault("c", {})
-    if level not in cache:
-        cache[level] = zstandard.ZstdCompressor(level=level, write_checksum=False)
-    return cache[level]
+    if (level, planes) not in cache:
+        if planes:
+            params = zstandard.ZstdCompressionParameters.from_level(level, **_PLANE_PARAMS)
+            cache[level, planes] = zstandard.ZstdCompressor(compression_params=params)
+        else:
+            cache[level, planes] = zstandard.ZstdCompressor(level=level, write_checksum=False)
+    return cache[level, planes]
+
+
+# A weight's byte plane is entropy, not repeats: its bytes compress by their Huffman code, and the
+# matches level 1 finds are short and costly to decode. A 64-entry hash table and matches of 7
+# bytes or more keep the long repeats (constant or tiled tensors) and leave the rest to literals.
+# Measured on 4 MiB chunks: bf16 N(0, 0.02) keyframes 2% smaller, encoded 3x and decoded 1.8x
+# faster than at level 1; fp32 and int8 alike or better; constant and tiled tensors within 0.03%.
+_PLANE_PARAMS = {"min_match": 7, "search_log": 1, "hash_log": 6}
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
@@ -119,7 +132,7 @@ def _planes(values: np.ndarray) -> list[bytes]:
 
 
 def _pack(kind: int, itemsize: int, words: int, count: int, sections: list[bytes], level: int) -> bytes:
-    comp = _compressor(level)
+    comp = _compressor(level, planes=kind == FULL and level == 1)  # level 1, the default, asks for speed
     frames = [comp.compress(s) if s else b"" for s in sections]
     head = _HEAD.pack(_MAGIC, kind, itemsize, len(frames), words, count)
     return b"".join([head, struct.pack(f"<{len(frames)}I", *map(len, frames)), *frames])
@@ -239,8 +252,8 @@ def full_planes(data: bytes, *, itemsize: int, words: int, key: str) -> list[mem
 
 def _frame_into(data: memoryview, out: memoryview, what: str, key: str, offset: int) -> None:
     """Decompress one frame into `out`, which it must fill exactly: nothing short, nothing after
-    (a second frame or trailing bytes are refused). readinto costs ~15% less CPU than
-    `decompress`, which allocates its output each time."""
+    (a second frame or trailing bytes are refused, which `decompress` lets through). It costs
+    the same CPU as `decompress` without allocating a fresh output for every plane."""
     if not len(out):
         return  # an empty section, as `_frame_size` checked
     try:
