@@ -10,8 +10,10 @@ bytes per second twice over: per CPU-second of the whole process (all threads: t
 figure, robust to other load on a shared machine) and per wall-clock second.
 
 Joiner: a fresh subscriber pulls the newest keyframe (`--join-runs` times, `--join-workers`
-worker threads), the figure a rollout worker that starts late waits for. Run it against the
-code before a change with PYTHONPATH=<a git worktree of that commit>.
+worker threads), the figure a rollout worker that starts late waits for. It prints which digest
+implementation ran (the compiled kernels, with or without their AVX2 loops, or the numpy
+reference: ZEPHON_DIGEST=numpy forces it) and the keyframe's size against the model. Run it
+against the code before a change with PYTHONPATH=<a git worktree of that commit>.
 
     .venv/bin/python bench/refit.py [--params 1073741824] [--steps 3] [--scenario A B]
     .venv/bin/python bench/refit.py --params 268435456 --scenario --join-runs 5 --join-workers 1 2
@@ -28,7 +30,7 @@ import numpy as np
 import torch
 
 from zephon_stream.connectors import MemoryStore
-from zephon_stream.refit import Publisher, Subscriber, codec
+from zephon_stream.refit import Publisher, Subscriber, codec, hashing
 
 BLOCK = 1 << 26
 
@@ -136,8 +138,10 @@ async def join(args: argparse.Namespace) -> None:
     store = MemoryStore()
     pub = Publisher("bench/", store=store, chunk_bytes=args.chunk_bytes, keyframe_every=1000, workers=2, threads=2)
     await pub.publish(model)
+    stored = sum(len(v) for k, v in store.objects.items() if "/key-" in k)
     print(f"\n== joiner: keyframe of {nbytes // 2:,} bf16 params ({nbytes / 1e9:.2f} GB), "
-          f"chunks of {args.chunk_bytes >> 20} MiB")
+          f"chunks of {args.chunk_bytes >> 20} MiB; keyframe objects {stored / nbytes:.3f} of the model; "
+          f"digest: {digest_implementation()}")
     replica = {k: torch.zeros_like(v) for k, v in model.items()}
     for workers in args.join_workers:
         per_core, wall = [], []
@@ -153,6 +157,13 @@ async def join(args: argparse.Namespace) -> None:
             wall.append(nbytes / tw / 1e9)
         print(f"joiner keyframe pull, {workers} worker thread(s), {args.join_runs} runs, bit-exact: "
               f"{spread(per_core)} GB/s per CPU-second; {spread(wall)} GB/s wall")
+
+
+def digest_implementation() -> str:
+    if hashing.implementation() == "numpy":
+        return "numpy reference"
+    kernel = hashing._compiled
+    return "compiled, AVX2 loops" if kernel.simd() else "compiled, portable loops"
 
 
 def spread(xs: list[float]) -> str:

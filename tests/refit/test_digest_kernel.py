@@ -64,6 +64,7 @@ def test_the_kernels_are_built_in_this_checkout() -> None:
                     "built. Build it with `pip install --no-deps --no-build-isolation -e .` or `python setup.py "
                     "build_ext --inplace` (needs gcc and the Python headers) and read the compiler's error there.")
     assert Path(hashing._compiled.__file__).parent == Path(hashing.__file__).parent
+    assert hashing._compiled.simd() in (True, False)
     forced = os.environ.get("ZEPHON_DIGEST", "")
     assert hashing.implementation() == ("numpy" if forced == "numpy" else "c")
     if " avx2 " in f" {Path('/proc/cpuinfo').read_text().split(chr(10) + chr(10))[0]} ".replace("\t", " "):
@@ -153,6 +154,22 @@ def test_full_planes_round_trip() -> None:
     obj, values = full_object()
     planes = codec.full_planes(obj, itemsize=2, words=len(values), key="k")
     assert [bytes(p) for p in planes] == planes_of(values)
+
+
+def test_keyframe_planes_keep_long_repeats_and_entropy() -> None:
+    """Keyframes at level 1 are encoded with few, long matches (fast to decode): a tiled or
+    constant tensor must still shrink to almost nothing, and weights by their byte entropy."""
+    row = np.random.default_rng(3).integers(0, 2**16, 4096, dtype=np.uint16)
+    tiled = np.tile(row, 256)
+    weights = (np.random.default_rng(4).normal(0, 0.02, len(tiled)).astype(np.float32).view(np.uint32) >> 16)
+    for values, most in ((tiled, 0.01), (np.full(len(tiled), 0x3F80, np.uint16), 0.001),
+                         (weights.astype(np.uint16), 0.7)):
+        obj = codec.encode_dense(codec.FULL, values)
+        assert len(obj) < most * values.nbytes, (len(obj), values.nbytes)
+        out = np.empty_like(values)
+        assert hashing.weave_sum(0, codec.full_planes(obj, itemsize=2, words=len(values), key="k"), out) == \
+            hashing.contiguous_sum(0, 2, values)
+        assert out.tobytes() == values.tobytes()
 
 
 @pytest.mark.parametrize("damage", ["trailing", "second frame", "truncated", "flipped header"])

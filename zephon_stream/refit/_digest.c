@@ -377,11 +377,15 @@ static PyObject *py_set_simd(PyObject *self, PyObject *arg) {
     return PyBool_FromLong(was);
 }
 
+/* simd() -> bool: whether the AVX2 loops are in use. */
+static PyObject *py_simd(PyObject *self, PyObject *unused) { return PyBool_FromLong(simd); }
+
 static PyMethodDef methods[] = {
     {"contiguous_sum", py_contiguous_sum, METH_VARARGS, "sum of mix over words laid back to back from `base`"},
     {"element_sum", py_element_sum, METH_VARARGS, "sum of mix over words at 8-byte canonical positions"},
     {"weave_sum", py_weave_sum, METH_VARARGS, "weave byte planes into words and return their digest, one pass"},
     {"set_simd", py_set_simd, METH_O, "use the AVX2 loops where the CPU has them (True) or the portable ones"},
+    {"simd", py_simd, METH_NOARGS, "whether the AVX2 loops are in use"},
     {NULL, NULL, 0, NULL},
 };
 
