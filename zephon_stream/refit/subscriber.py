@@ -10,10 +10,13 @@ A pull runs in two phases over the chunks, both streamed through the same worker
 2. apply: record "applying v" locally, write each chunk in place, then record v.
 
 A chunk that holds no version (a joiner's, or one a killed join left torn) has nothing to
-protect, so it skips phase 1: in phase 2 its keyframe is decompressed straight into the
-weights, the later deltas are XORed in and the chunk is hashed once (one pass, no staging).
-A chunk that does not verify then raises DigestMismatch; the record still says "applying",
-and the next pull loads it again.
+protect, so it skips phase 1: in phase 2 each byte plane of its keyframe is decompressed into
+per-thread scratch and woven into the weights by a compiled loop that hashes each word as it
+writes it (one pass, no staging); the later deltas are XORed in and move the digest by the
+changed words only. A chunk that does not verify then raises DigestMismatch (naming the object
+when its blake2b, computed only then, shows it corrupt); the record still says "applying", and
+the next pull loads it again. Object digests are computed in the worker threads, with the
+chunk's other CPU work, never on the event loop.
 
 `prefetch()`, called while waiting for the next version, does phase 1's work early for the
 delta objects already in the store (a relay streaming ahead puts them there before the
