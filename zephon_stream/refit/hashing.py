@@ -34,6 +34,13 @@ from zephon_stream.errors import ConfigError
 
 __all__ = ["MASK", "contiguous_sum", "element_sum", "element_sums", "implementation", "weave", "weave_sum"]
 
+MASK = (1 << 64) - 1
+_K1 = np.uint64(0x9E3779B97F4A7C15)
+_K2 = np.uint64(0xBF58476D1CE4E5B9)
+_K3 = np.uint64(0x94D049BB133111EB)
+_S31, _S29, _S32 = np.uint64(31), np.uint64(29), np.uint64(32)
+_BLOCK = 1 << 18
+
 try:
     import zephon_stream.refit._digest as _compiled
 except ImportError as exc:  # not built (no compiler when installed): the numpy reference serves
@@ -69,12 +76,7 @@ def _words(values: np.ndarray, itemsize: int) -> bool:
     dt = values.dtype
     return values.ndim == 1 and dt.kind == "u" and dt.itemsize == itemsize and dt.isnative
 
-MASK = (1 << 64) - 1
-_K1 = np.uint64(0x9E3779B97F4A7C15)
-_K2 = np.uint64(0xBF58476D1CE4E5B9)
-_K3 = np.uint64(0x94D049BB133111EB)
-_S31, _S29, _S32 = np.uint64(31), np.uint64(29), np.uint64(32)
-_BLOCK = 1 << 18
+
 
 
 def element_sum(positions: np.ndarray, values: np.ndarray) -> int:
@@ -128,12 +130,11 @@ def weave(planes: Sequence[memoryview | bytes | np.ndarray], out: np.ndarray) ->
 
 def weave_sum(base: int, planes: Sequence[memoryview | bytes | np.ndarray], out: np.ndarray) -> int:
     """`weave` planes into `out` and return contiguous_sum(base, itemsize, out): one pass compiled."""
-    cols = _columns(planes, out)
     k = _kernel
     if k is not None and _words(out, out.dtype.itemsize):
+        _columns(planes, out)  # the reference's checks and errors
         return k.weave_sum(base, tuple(planes), out)
-    for b, plane in enumerate(planes):
-        cols[:, b] = np.frombuffer(plane, dtype=np.uint8)
+    weave(planes, out)
     return _contiguous_sum(base, out.dtype.itemsize, out)
 
 
