@@ -1,6 +1,7 @@
 """Realized source shares around a mixture change, on real text (the demo corpus).
 
     .venv/bin/python bench/mixtures.py [--root data/demo] [--change 120] [--steps 240] [--shuffle-scope source]
+        [--piece-tokens N]
 
 Data: `tools.corpus.build_demo` (Debian's documentation as prose, the standard library's
 sources as code; the Debian packages come from the apt cache, fetched by `make demo`). The run
@@ -9,7 +10,8 @@ Prints, for every window of 100 consecutive steps that starts 10 or more steps a
 (step 0 counts as one) and ends before the next, the largest gap between a source's realized
 token share (from the `--digests` field `source_tokens`) and its weight, in percentage points.
 The goal is under 1 point at 12 lanes. `--shuffle-scope lane` (one window after the mix) shows
-how long documents drawn before the change stay in a lane's window.
+how long documents drawn before the change stay in a lane's window. `--piece-tokens N` cuts
+documents longer than N tokens into pieces before the mix (the config's `piece_tokens`).
 """
 
 from __future__ import annotations
@@ -69,11 +71,13 @@ def main() -> int:
     ap.add_argument("--shuffle-window", type=int, default=64)
     ap.add_argument("--shuffle-scope", choices=["lane", "source"], default="source")
     ap.add_argument("--backend", default="threads")
+    ap.add_argument("--piece-tokens", type=int, default=0, help="the config's piece_tokens (0: documents whole)")
     args = ap.parse_args()
     demo = build_demo(args.root)
     config = Config(
         seed=1234, lanes=12, seq_len=args.seq_len, global_batch_size=args.global_batch_size,
         tokenizer=demo.tokenizer, shuffle_window=args.shuffle_window, shuffle_scope=args.shuffle_scope,
+        piece_tokens=args.piece_tokens,
         sources=[SourceConfig(name="prose", uri=f"file://{demo.sources['prose']}/", weight=0.7),
                  SourceConfig(name="code", uri=f"file://{demo.sources['code']}/", weight=0.3)],
         schedule=[ScheduleEntry(args.change, {"prose": 0.3, "code": 0.7})])

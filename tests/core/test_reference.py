@@ -30,7 +30,8 @@ def test_kinds_agree_with_the_order_settings():
                  shuffle_scope="source",
                  vision=VisionConfig(), schedule=[ScheduleEntry(step=5, weights={"a": 1.0})],
                  sources=[SourceConfig(name="a", uri="file:///x/", image_field="png")])
-    text = cfg.replace(vision=None, packing="none", truncate=True, sources=[SourceConfig(name="a", uri="file:///x/")])
+    text = cfg.replace(vision=None, packing="none", truncate=True, piece_tokens=512,
+                       sources=[SourceConfig(name="a", uri="file:///x/")])
     order = set(cfg.order_settings("sha")) | set(text.order_settings("sha"))
     for f in msgspec.structs.fields(Config):
         in_order = f.name in order or {"tokenizer": "tokenizer_sha256"}.get(f.name) in order

@@ -14,7 +14,7 @@ DOCS = [((0, p, off, 10), np.full(2, 10 * p + off, dtype=np.uint32)) for p in ra
 
 
 def _feed(produced: list) -> Feed:
-    async def produce(position: int, offset: int, send) -> None:
+    async def produce(position: int, offset: int, piece: int, send) -> None:
         produced.append((position, offset))
         async with send:
             todo = [d for d in DOCS if (d[0][1], d[0][2]) >= (position, offset)]
@@ -51,7 +51,7 @@ def test_resume_from_the_cursor_gives_the_rest(k: int) -> None:
 
 
 def test_restore_refuses_a_negative_cursor() -> None:
-    with pytest.raises(IncompatibleState, match=r"cursor = \(-1, 0\)"):
+    with pytest.raises(IncompatibleState, match=r"cursor = \(-1, 0, 0\)"):
         _feed([]).restore(FeedState(-1, 0), lambda r: None)
 
 
@@ -59,7 +59,7 @@ def test_the_read_ahead_grows_with_what_the_lane_takes() -> None:
     docs = [((0, 0, 10 * i, 10), np.full(2, i, dtype=np.uint32)) for i in range(200)]
     seen: list[tuple[int, int, int]] = []  # (documents sent, taken, the room given) at each call
 
-    async def produce(position: int, offset: int, send) -> None:
+    async def produce(position: int, offset: int, piece: int, send) -> None:
         async with send:
             i = 0
             while i < len(docs):

@@ -219,6 +219,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     packing: Literal["concat", "best_fit", "none"] = "concat"  # how documents become samples
     packing_window: int = 64  # best_fit: documents per lane that a sample is chosen from
     truncate: bool = False  # packing = "none": cut a longer document at seq_len (counted) instead of splitting it
+    # text documents longer than this are cut into pieces of it (the last one shorter) as they are read, before
+    # shuffling and mixing, so one long document never holds a lane to its source for many samples; 0 = off
+    piece_tokens: int = 0
 
     def __post_init__(self) -> None:
         _check(0 <= self.seed < 1 << 64, "seed", self.seed, "must be in [0, 2**64): seeds are 64-bit")
@@ -244,6 +247,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
                       "read_ahead"):
             _check(getattr(self, field) >= 1, field, getattr(self, field), "must be >= 1")
         _check(self.packing_window >= 1, "packing_window", self.packing_window, "must be >= 1")
+        _check(self.piece_tokens >= 0, "piece_tokens", self.piece_tokens, "must be >= 0 (0 = documents whole)")
         _check(not self.truncate or self.packing == "none", "truncate", self.truncate,
                'applies to packing = "none" only (concat and best_fit split long documents)')
         _check(self.packing == "concat" or self.vision is None, "packing", self.packing,
@@ -396,6 +400,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
             order["schedule"] = [[e.step, self.check_weights(e.weights, "schedule")] for e in self.schedule]
         if self.packing != "concat":  # absent at its default: older configs keep their digests
             order.update(packing=self.packing, packing_window=self.packing_window, truncate=self.truncate)
+        if self.piece_tokens:  # absent when off: configs from before it keep their digests
+            order["piece_tokens"] = self.piece_tokens
         order["tokenizer_sha256"] = tokenizer_sha
         return order
 

@@ -36,7 +36,7 @@ import anyio
 
 from zephon_stream.chat import ChatTokens
 from zephon_stream.connectors.base import Store
-from zephon_stream.engine.operator import Operator
+from zephon_stream.engine.operator import Operator, refuse
 from zephon_stream.engine.rng import mix64, permutation
 from zephon_stream.errors import DataError, IncompatibleState
 from zephon_stream.loader.config import Config
@@ -44,7 +44,7 @@ from zephon_stream.loader.plan import DataPlan
 from zephon_stream.loader.reread import Reread, interleave
 from zephon_stream.loader.state import LaneState, split_at
 from zephon_stream.operators.best_fit import BestFitPack
-from zephon_stream.operators.feed import Feed, FeedSender
+from zephon_stream.operators.feed import Feed, FeedSender, cut, piece_of
 from zephon_stream.operators.images import VisionTokens
 from zephon_stream.operators.mix import Mix, Schedule
 from zephon_stream.operators.pack import Pack
@@ -194,7 +194,8 @@ class TextLane:
         cfg = shared.config
         n = len(shared.plan.sources)
         self.state_in = state or LaneState.initial(lane, n)
-        self.sources = [Feed(functools.partial(self._read_source, s), cfg.doc_buffer) for s in range(n)]
+        self.sources = [Feed(functools.partial(self._read_source, s), cfg.doc_buffer, cfg.piece_tokens)
+                        for s in range(n)]
         by_source = cfg.shuffle_scope == "source" and cfg.shuffle_window > 0
         self.source_shuffles = [Shuffle(cfg.shuffle_window, mix64(cfg.seed, _SOURCE_SHUFFLE, s), lane, feed)
                                 for s, feed in enumerate(self.sources)] if by_source else []
@@ -281,7 +282,7 @@ class TextLane:
         """Read the documents a checkpoint refers to: one pass over each split involved; their
         records by reference, in the order of `refs`."""
         by_split: dict[tuple[int, int], set[int]] = {}
-        for source, position, offset, _ in refs:
+        for source, position, offset, *_ in refs:
             by_split.setdefault((source, position), set()).add(offset)
         found: dict[tuple[int, int, int], tuple[int, Any]] = {}  # (source, position, offset) -> (length, record)
 
@@ -311,16 +312,25 @@ class TextLane:
         return {r: found[r[0], r[1], r[2]][1] for r in refs}
 
     async def _tokenize_again(self, source: int, docs: list[Doc]) -> list[Doc]:
-        """Tokenize documents a checkpoint refers to (their bad records were counted by the first run)."""
-        return await self.shared.run_cpu(self.shared.tokenize, source, docs, "a checkpoint's documents",
-                                         BadRecords(self.shared.config.on_bad_record))
+        """Tokenize documents a checkpoint refers to (their bad records were counted by the first run);
+        a piece's reference gives that piece of its document."""
+        whole = await self.shared.run_cpu(self.shared.tokenize, source, docs, "a checkpoint's documents",
+                                          BadRecords(self.shared.config.on_bad_record))
+        try:
+            return [(ref, piece_of(ref, tokens, self.shared.config.piece_tokens) if len(ref) == 5 else tokens)
+                    for ref, tokens in whole]
+        except IncompatibleState as exc:
+            raise self._refused(f"of a document of source {source}: {exc}") from None
 
-    async def _read_source(self, source: int, position: int, offset: int, send: FeedSender) -> None:
-        """The producer of `sources[source]`: read, decode and tokenize from the cursor on.
+    async def _read_source(self, source: int, position: int, offset: int, piece: int, send: FeedSender) -> None:
+        """The producer of `sources[source]`: read, decode and tokenize from the cursor on
+        (`piece`: tokens of the document at the cursor already handed out, see `operators.feed.cut`).
 
         A tokenizer call takes what `send.room` allows (the read-ahead grows with what the lane
         takes, see `operators.feed`), so the lane's first documents come after a short call."""
         shared = self.shared
+        pieces = shared.config.piece_tokens
+        first = (position, offset) if piece else None  # the document the cursor is inside
         batch = shared.batch_size(source)
         empty = 0  # positions in a row that gave no document
         async with send:
@@ -336,9 +346,13 @@ class TextLane:
                                                           reader.bad)
                             i += size
                             found = found or bool(tokens)  # a bad image or conversation skipped is no document
+                            if first is not None and (not tokens or tuple(tokens[0][0][1:3]) != first):
+                                refuse("piece", piece, "no document starts at the cursor to take pieces from")
+                            if pieces:
+                                tokens, first = cut(tokens, pieces, piece if first else 0), None
                             await send.send(tokens)
-                except IncompatibleState as exc:  # the cursor is not a record start
-                    raise self._refused(f"sources[{source}] = {(position, offset)}: {exc}") from None
+                except IncompatibleState as exc:  # the cursor is not a record start, or not a piece start
+                    raise self._refused(f"sources[{source}] = {(position, offset, piece)}: {exc}") from None
                 empty = 0 if found else empty + 1
                 if empty >= min(_EMPTY_RUN, len(shared.plan.sources[source].splits)):
                     await shared.check_source(source)

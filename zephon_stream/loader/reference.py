@@ -42,6 +42,9 @@ MEANINGS: dict[tuple[str, str], str] = {
                             "full, so the first samples need a few documents, not a window; 0 = off. ",
     ("", "shuffle_scope"): '`"lane"`: one window after the mix; `"source"`: one per source before it, so '
                            "realized shares follow a weight change within a few steps. ",
+    ("", "piece_tokens"): "Text documents longer than this many tokens are cut into pieces of it as they are "
+                          "read, before the shuffle and the mix, so realized shares hold over short spans "
+                          "whatever the documents' lengths (image documents stay whole); 0 = off. ",
     ("", "max_epochs"): "0 = forever; N = every source's documents appear exactly N times, then the lanes "
                         "end. ",
     ("", "mix"): '`"tokens"`: the mix tracks the weights in tokens; `"documents"`: in documents. ',

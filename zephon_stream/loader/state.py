@@ -191,6 +191,7 @@ def check_lane_state(ls: LaneState, config: Config, plan: DataPlan | None = None
     bad = Refusal(ls.lane)
     _check_counters(ls, config, bad)
     _check_cursors(ls, len(config.sources), bad)
+    _check_pieces(ls, config.piece_tokens, bad)
     _check_refs(ls, config, bad)
     if plan is not None:
         _check_positions(ls, config, plan, bad)
@@ -282,12 +283,19 @@ def _check_cursors(ls: LaneState, n_sources: int, bad: Refusal) -> None:
         bad("sources", [(c.position, c.offset) for c in ls.sources],
             f"needs one cursor per source ({n_sources} sources)")
     for s, cursor in enumerate(ls.sources):
-        position, offset = cursor.position, cursor.offset
-        if position < 0 or offset < 0:
-            bad(f"sources[{s}]", (position, offset), "a split position and offset must be >= 0")
-        if (ls.mix.counts[s] == 0) != ((position, offset) == (0, 0)):
+        position, offset, piece = cursor.position, cursor.offset, cursor.piece
+        if position < 0 or offset < 0 or piece < 0:
+            bad(f"sources[{s}]", (position, offset, piece), "a split position, offset and piece must be >= 0")
+        if (ls.mix.counts[s] == 0) != ((position, offset, piece) == (0, 0, 0)):
             bad(f"sources[{s}]", (position, offset), f"mix.counts[{s}] = {ls.mix.counts[s]}: a cursor moves "
                 "exactly when documents of its source are taken")
+
+
+def _check_pieces(ls: LaneState, size: int, bad: Refusal) -> None:
+    for s, cursor in enumerate(ls.sources):
+        if cursor.piece and (not size or cursor.piece % size):
+            bad(f"sources[{s}]", (cursor.position, cursor.offset, cursor.piece), "a cursor inside a document "
+                f"stands at a piece start, a multiple of piece_tokens = {size} (and only when it is set)")
 
 
 def _check_refs(ls: LaneState, config: Config, bad: Refusal) -> None:
@@ -295,19 +303,28 @@ def _check_refs(ls: LaneState, config: Config, bad: Refusal) -> None:
         bad("shuffle.window", f"{len(ls.shuffle.window)} documents",
             f"holds at most shuffle_window = {config.shuffle_window}")
     _check_pack(ls.pack, config, bad)
-    seen: set[tuple[int, int, int]] = set()
+    seen: set[tuple[int, ...]] = set()
+    size = config.piece_tokens
     for field, ref in _refs(ls):
-        source, position, offset, length = ref
+        if len(ref) != 4 and not (size and len(ref) == 5):
+            bad(field, tuple(ref), "a document is (source, position, offset, length)" + (
+                ", a piece of one the same and its first token" if size else " (pieces need piece_tokens)"))
+        source, position, offset, length = ref[:4]
         if not 0 <= source < len(config.sources) or position < 0 or offset < 0 or length < 1:
             bad(field, tuple(ref), f"needs 0 <= source < {len(config.sources)}, position >= 0, offset >= 0 "
                 "and length >= 1")
+        if len(ref) == 5 and (ref[4] < 0 or ref[4] % size):
+            bad(field, tuple(ref), f"a piece starts at a multiple of piece_tokens = {size}")
         cursor = ls.sources[source]
-        if (position, offset + length) > (cursor.position, cursor.offset):
+        read = (position, offset + length) <= (cursor.position, cursor.offset) or (
+            len(ref) == 5 and (position, offset, ref[4]) < (cursor.position, cursor.offset, cursor.piece))
+        if not read:
             bad(field, tuple(ref), f"the document lies past sources[{source}] = {(cursor.position, cursor.offset)}: "
                 "only documents already read can be in the window or carried")
-        if (source, position, offset) in seen:
+        key = (source, position, offset, *ref[4:])
+        if key in seen:
             bad(field, tuple(ref), "the same document is referenced twice")
-        seen.add((source, position, offset))
+        seen.add(key)
 
 
 def _refs(ls: LaneState) -> list[tuple[str, DocRef]]:
@@ -355,7 +372,7 @@ def _check_positions(ls: LaneState, config: Config, plan: DataPlan, bad: Refusal
     """Each split position names a split of the data; JSONL offsets lie inside it."""
     places = [(f"sources[{s}]", s, c.position, c.offset, 0) for s, c in enumerate(ls.sources)
               if (c.position, c.offset) != (0, 0)]
-    places += [(field, s, p, off, n) for field, (s, p, off, n) in _refs(ls)]
+    places += [(field, *ref[:4]) for field, ref in _refs(ls)]
     for field, source, position, offset, length in places:
         src = plan.sources[source]
         at = split_at(len(src.splits), config.lanes, config.max_epochs, ls.lane, position)

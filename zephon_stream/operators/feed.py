@@ -7,7 +7,9 @@ producer task: read split -> parse -> tokenize --[buffer batches]--> Feed.next()
 The producer starts at the feed's cursor when the lane calls `start`, after `restore`, and runs
 ahead by at most `buffer` batches. The state is the cursor of the next document not handed out
 yet, `(split position in the lane, decoded offset)`, so what the producer has read ahead is
-never in a checkpoint: it is read again after a restore.
+never in a checkpoint: it is read again after a restore. With `piece_tokens` the producer hands
+out a longer document as pieces (references of five ints, the fifth the piece's first token),
+and a cursor inside such a document has a third element, the tokens of it already handed out.
 
 The read-ahead grows with what the lane takes: before each tokenizer call the producer asks
 `send.room(most)`, which waits until fewer than `max(1, taken)` documents it sent are not taken
@@ -31,16 +33,17 @@ import anyio
 import msgspec
 
 from zephon_stream.engine.operator import Resolve, refuse
-from zephon_stream.operators.types import Doc
+from zephon_stream.operators.types import ChatDoc, Doc, DocRef, ImageDoc
 
-__all__ = ["Feed", "FeedSender", "FeedState"]
+__all__ = ["Feed", "FeedSender", "FeedState", "cut", "piece_of"]
 
-Produce = Callable[[int, int, "FeedSender"], Awaitable[None]]  # (position, offset, where to send lists of Doc)
+Produce = Callable[[int, int, int, "FeedSender"], Awaitable[None]]  # (position, offset, piece, where to send)
 
 
-class FeedState(msgspec.Struct, frozen=True, array_like=True):
+class FeedState(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     position: int  # split position in the lane's sequence for the source
     offset: int  # decoded offset of the next document in that split
+    piece: int = 0  # its tokens already handed out as pieces (piece_tokens); absent when 0
 
 
 class FeedSender:
@@ -66,9 +69,9 @@ class FeedSender:
 
 
 class Feed:
-    def __init__(self, produce: Produce, buffer: int) -> None:
-        self.produce, self.buffer = produce, buffer
-        self.cursor = (0, 0)
+    def __init__(self, produce: Produce, buffer: int, piece_tokens: int = 0) -> None:
+        self.produce, self.buffer, self.piece_tokens = produce, buffer, piece_tokens
+        self.cursor = (0, 0, 0)
         self._recv: anyio.abc.ObjectReceiveStream[list[Doc]] | None = None
         self._batch: list[Doc] = []
         self._i = 0
@@ -105,8 +108,11 @@ class Feed:
         if self._took is not None:
             self._took.set()
             self._took = None
-        _, position, offset, length = doc[0]
-        self.cursor = (position, offset + length)
+        ref = doc[0]
+        if len(ref) == 5 and len(doc[1]) == self.piece_tokens:  # a whole piece: the document may go on
+            self.cursor = (ref[1], ref[2], ref[4] + len(doc[1]))
+        else:
+            self.cursor = (ref[1], ref[2] + ref[3], 0)
         return doc
 
     def state(self) -> FeedState:
@@ -116,6 +122,45 @@ class Feed:
         return []
 
     def restore(self, state: FeedState, resolve: Resolve) -> None:
-        if state.position < 0 or state.offset < 0:
-            refuse("cursor", (state.position, state.offset), "a split position and offset must be >= 0")
-        self.cursor = (state.position, state.offset)
+        if state.position < 0 or state.offset < 0 or state.piece < 0:
+            refuse("cursor", (state.position, state.offset, state.piece), "a split position, offset and piece must "
+                   "be >= 0")
+        if state.piece and (not self.piece_tokens or state.piece % self.piece_tokens):
+            refuse("cursor", (state.position, state.offset, state.piece), f"a piece starts at a multiple of "
+                   f"piece_tokens = {self.piece_tokens} (and only when it is set)")
+        self.cursor = (state.position, state.offset, state.piece)
+
+
+def cut(docs: list[Doc], size: int, skip: int = 0) -> list[Doc]:
+    """Each text document longer than `size` tokens as pieces of `size` tokens (the last one
+    shorter), each with its reference plus its first token; shorter documents and image
+    documents as they are. `skip`: tokens of the first document already handed out (a cursor
+    inside it), refused unless they end at a piece boundary of a document that is cut."""
+    out: list[Doc] = []
+    for k, (ref, tokens) in enumerate(docs):
+        start = skip if k == 0 else 0
+        n = len(tokens)
+        if n <= size or isinstance(tokens, ImageDoc):
+            if start:
+                refuse("piece", start, f"document {tuple(ref)} ({n} tokens) is not cut into pieces of {size}")
+            out.append((ref, tokens))
+            continue
+        if start % size or start > n:
+            refuse("piece", start, f"pieces of document {tuple(ref)} ({n} tokens) start at multiples of {size}")
+        out += [((*ref, a), _slice(tokens, a, a + size)) for a in range(start, n, size)]
+    return out
+
+
+def piece_of(ref: DocRef, tokens: Any, size: int) -> Any:
+    """The tokens of the piece `ref` names (five ints) of a document's `tokens`, as `cut` made it."""
+    start, n = ref[4], len(tokens)
+    if not size or n <= size or isinstance(tokens, ImageDoc) or start % size or not 0 <= start < n:
+        refuse("piece", tuple(ref), f"no piece of document {tuple(ref[:4])} ({n} tokens) starts at token {start} "
+               f"with piece_tokens = {size}")
+    return _slice(tokens, start, start + size)
+
+
+def _slice(tokens: Any, begin: int, end: int) -> Any:
+    if isinstance(tokens, ChatDoc):
+        return ChatDoc(tokens.ids[begin:end], tokens.trained[begin:end])
+    return tokens[begin:end]

@@ -8,7 +8,9 @@ import numpy as np
 
 __all__ = ["IGNORE", "ChatDoc", "Doc", "DocRef", "ImageDoc", "Sample", "trained_mask"]
 
-DocRef = tuple[int, int, int, int]  # (source, split position in the lane, decoded offset, length in bytes)
+# (source, split position in the lane, decoded offset, length in bytes), and with `piece_tokens` a fifth
+# element for a piece of a longer document: its first token. Four or five ints (states check the length).
+DocRef = tuple[int, ...]
 Doc = tuple[DocRef, Any]  # (reference, token ids: a uint32 array, or text before tokenizing)
 IGNORE = -100  # the label of a position that is not trained on
 
