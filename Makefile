@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install test demo bench bench-data clean
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt pyproject.toml setup.py zephon_stream/refit/_digest.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q -r requirements.txt
 	$(BIN)/pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
