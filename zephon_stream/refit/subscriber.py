@@ -81,6 +81,7 @@ from zephon_stream.refit.versions import (
 
 __all__ = ["FileIdentity", "LocalRecord", "Subscriber"]
 
+_KEY_BATCH_BYTES = 32 << 20  # model bytes a worker loads from a keyframe per hand-off (see `_Pull._batches`)
 _REFUSABLE = (DataError, DigestMismatch, ConnectorError, BaseVersionMismatch)
 _U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack holds no int over 2**64 - 1
 _Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 62)]
@@ -696,12 +697,17 @@ class _Pull:
 
     # -- phases ---------------------------------------------------------------------------
 
+    def _one_pass(self, i: int) -> bool:
+        """Whether chunk i is loaded from the keyframe in one pass in apply (nothing to verify first)."""
+        return i in self.fresh and self.routes[i][0].kind == "key"
+
     async def verify(self) -> None:
         cpu = self.sub._cpu
+        for i in self.todo:  # a joiner's chunks: no per-chunk trip through the workers
+            if self._one_pass(i):
+                self.staged[i] = _Staged(Route("key", await self._keyframe(), None), None)
 
         async def stage(i: int) -> _Staged:
-            if i in self.fresh and self.routes[i][0].kind == "key":
-                return _Staged(Route("key", await self._keyframe(), None), None)  # one pass, in apply
             errors: list[Exception] = []
             for route in self.routes[i]:
                 ready = self._ready(i, route)
@@ -733,26 +739,48 @@ class _Pull:
         async def commit(i: int, staged: _Staged) -> None:
             self.staged[i] = staged
 
-        await run_ordered(self.todo, stage, commit, workers=self.sub.workers, window=2 * self.sub.workers)
+        todo = [i for i in self.todo if i not in self.staged]
+        await run_ordered(todo, stage, commit, workers=self.sub.workers, window=2 * self.sub.workers)
 
     async def apply(self) -> None:
         cpu = self.sub._cpu
 
-        async def stage(i: int) -> None:
+        async def stage(batch: list[int]) -> None:
+            if self._loads(batch[0]):
+                loads = [(i, await self._fetch(i, self.staged.pop(i).route)) for i in batch]
+                await cpu(self._load_keys, loads)
+                return
+            (i,) = batch
             st = self.staged.pop(i)
             decoded = st.decoded
             if decoded is None:
-                objects = await self._fetch(i, st.route)
-                if st.route.kind == "key" and i in self.fresh:
-                    await cpu(self._load_key, i, objects)
-                    return
-                decoded = await cpu(self._check, i, st.route, objects)
+                decoded = await cpu(self._check, i, st.route, await self._fetch(i, st.route))
             await cpu(self._write, i, st.route, decoded)
 
-        async def commit(i: int, _: None) -> None:
+        async def commit(batch: list[int], _: None) -> None:
             pass
 
-        await run_ordered(self.todo, stage, commit, workers=self.sub.workers, window=2 * self.sub.workers)
+        await run_ordered(self._batches(), stage, commit, workers=self.sub.workers, window=2 * self.sub.workers)
+
+    def _batches(self) -> list[list[int]]:
+        """The apply's work items: runs of one-pass keyframe chunks, each of up to
+        `_KEY_BATCH_BYTES` of model (and of `staged_bytes` over all workers: a worker holds its
+        batch's objects at once), handed to a worker thread in one call, so the event loop and the
+        thread hand-off cost per batch, not per chunk; every other chunk alone."""
+        loads = [i for i in self.todo if self._loads(i)]
+        per = min(_KEY_BATCH_BYTES, self.sub.staged_bytes // self.sub.workers) // self.m.chunk_bytes
+        per = max(1, min(per, len(loads) // (4 * self.sub.workers)))  # 4+ batches a worker: they end together
+        others = [[i] for i in self.todo if not self._loads(i)]
+        return [loads[k : k + per] for k in range(0, len(loads), per)] + others
+
+    def _loads(self, i: int) -> bool:
+        """Whether apply loads chunk i from its keyframe in one pass (`_load_key`)."""
+        st = self.staged[i]
+        return st.decoded is None and st.route.kind == "key" and i in self.fresh
+
+    def _load_keys(self, loads: list[tuple[int, list[_Object]]]) -> None:
+        for i, objects in loads:
+            self._load_key(i, objects)
 
 
 def _touches(plan: ChunkPlan) -> bool:
