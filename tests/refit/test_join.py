@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
+import torch
 
 from tests.refit._helpers import assert_same, model, step, zeros_like
 from zephon_stream.errors import DigestMismatch
@@ -126,5 +127,31 @@ def test_a_held_version_is_not_overwritten_by_a_keyframe_that_fails(store, monke
             await sub.pull(replica)
         assert_same(v1, replica)  # nothing written
         assert sub.version == 1 and sub.record.target is None
+
+    anyio.run(main)
+
+
+@pytest.mark.parametrize(("workers", "staged_bytes", "most"), [(2, 4 * 256, 2), (2, 256 << 20, 4), (1, 0, 1)])
+def test_a_joiners_keyframe_chunks_reach_the_workers_in_bounded_batches(store, monkeypatch, workers, staged_bytes,
+                                                                       most) -> None:
+    """One worker-thread call loads a run of keyframe chunks (the per-chunk hand-off cost was a
+    tenth of the pull): every chunk exactly once, a batch's model bytes within staged_bytes per
+    worker, and at least 4 batches a worker, so the workers end together."""
+    async def main() -> None:
+        state = model(1, {"w": ((64, 64), torch.bfloat16)})  # 32 chunks of 256 bytes
+        async with Publisher("p/", store=store, chunk_bytes=256) as pub:
+            await pub.publish(state)
+        real, batches = subscriber_mod._Pull._load_keys, []
+
+        def spy(self, loads):
+            batches.append([i for i, _ in loads])
+            real(self, loads)
+
+        monkeypatch.setattr(subscriber_mod._Pull, "_load_keys", spy)
+        replica = zeros_like(state)
+        assert await Subscriber("p/", store=store, workers=workers, staged_bytes=staged_bytes).pull(replica) == 1
+        assert_same(state, replica)
+        assert sorted(i for b in batches for i in b) == list(range(32))
+        assert max(map(len, batches)) == most
 
     anyio.run(main)
