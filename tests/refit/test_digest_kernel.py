@@ -153,7 +153,8 @@ def full_object(n: int = 4096) -> tuple[bytes, np.ndarray]:
 def test_full_planes_round_trip() -> None:
     obj, values = full_object()
     planes = codec.full_planes(obj, itemsize=2, words=len(values), key="k")
-    assert [bytes(p) for p in planes] == planes_of(values)
+    assert isinstance(planes[0], tuple) and isinstance(planes[1], memoryview)  # raw low plane: read in place
+    assert [b"".join(p) if isinstance(p, tuple) else bytes(p) for p in planes] == planes_of(values)
 
 
 def test_keyframe_planes_keep_long_repeats_and_entropy() -> None:
@@ -172,19 +173,52 @@ def test_keyframe_planes_keep_long_repeats_and_entropy() -> None:
         assert out.tobytes() == values.tobytes()
 
 
-@pytest.mark.parametrize("damage", ["trailing", "second frame", "truncated", "flipped header"])
-def test_full_planes_refuse_a_damaged_section(damage: str) -> None:
-    """Each plane must be exactly one zstd frame of exactly the chunk's words."""
+RAW_DAMAGE = {  # to a frame of raw blocks (the low plane): each must fall back to zstd, which refuses it
+    "wrong checksum": lambda f: f[:4] + bytes([f[4] | 0x04]) + f[5:] + b"\0\0\0\0",  # zstd checks it
+    "dictionary flag": lambda f: f[:4] + bytes([f[4] | 0x01]) + f[5:],
+    "reserved bit": lambda f: f[:4] + bytes([f[4] | 0x08]) + f[5:],
+    "block past the end": lambda f: f[:BLOCK] + bytes([f[BLOCK] | 0x08]) + f[BLOCK + 1 :],
+    "zero magic": lambda f: b"\0" + f[1:],
+}
+BLOCK = 7  # magic 4, descriptor 1 (single segment: no window byte), content size 2: the first block header
+
+
+@pytest.mark.parametrize(("plane", "damage"), [(p, d) for p in (0, 1) for d in
+                                               ("trailing", "second frame", "truncated", "flipped header")] +
+                         [(0, d) for d in RAW_DAMAGE])
+def test_full_planes_refuse_a_damaged_section(plane: int, damage: str) -> None:
+    """Each plane must be exactly one zstd frame of exactly the chunk's words, whether it is
+    decompressed (plane 1) or read in place as raw blocks (plane 0)."""
     obj, values = full_object()
     _, _, sec, bounds = codec._sections(obj, (codec.FULL,), 2, len(values), "k")
     head, frames = bytes(obj[: bounds[0]]), [bytes(s) for s in sec]
-    last = frames[-1]
-    frames[-1] = {"trailing": last + b"\x01\x02\x03", "second frame": last + last, "truncated": last[:-3],
-                  "flipped header": last[:4] + bytes([last[4] ^ 0x40]) + last[5:]}[damage]
+    f = frames[plane]
+    assert plane == 1 or (f[4] == 0x60 and f[BLOCK] & 0b111 == 0b001)  # one raw block, the last, as BLOCK says
+    frames[plane] = RAW_DAMAGE[damage](f) if damage in RAW_DAMAGE else {
+        "trailing": f + b"\x01\x02\x03", "second frame": f + f, "truncated": f[:-3],
+        "flipped header": f[:4] + bytes([f[4] ^ 0x40]) + f[5:]}[damage]
     sizes = np.array([len(f) for f in frames], "<u4").tobytes()
     bad = head[: codec._HEAD.size] + sizes + b"".join(frames)
-    with pytest.raises(DataError, match="k: plane 1"):
+    with pytest.raises(DataError, match=f"k: plane {plane}"):
         codec.full_planes(bad, itemsize=2, words=len(values), key="k")
+
+
+def test_raw_planes_in_pieces_weave_as_one() -> None:
+    """A raw plane of several zstd blocks (128 KiB each) comes back as pieces of the object;
+    woven and hashed with its partner plane, cut at any word, they give the reference's words
+    and digest."""
+    values = words(2, 300_000, seed=5) & np.uint16(0x3FFF)
+    obj = codec.encode_dense(codec.FULL, values)
+    planes = codec.full_planes(obj, itemsize=2, words=len(values), key="k")
+    assert isinstance(planes[0], tuple) and len(planes[0]) == 3
+    for lo, hi in ((0, len(values)), (1, 131_073), (131_072, 262_144), (5, 299_999), (7, 7)):
+        out = np.empty(hi - lo, np.uint16)
+        got = hashing.weave_sum(2 * lo, [hashing.cut(p, lo, hi) for p in planes], out)
+        assert out.tobytes() == values[lo:hi].tobytes()
+        assert got == hashing.contiguous_sum(2 * lo, 2, values[lo:hi])
+        ref = np.empty_like(out)
+        hashing.weave([hashing.cut(p, lo, hi) for p in planes], ref)  # the numpy reference reads pieces too
+        assert ref.tobytes() == values[lo:hi].tobytes()
 
 
 # -- the joiner's pull ----------------------------------------------------------------------

@@ -32,6 +32,13 @@ async def publish_chain(store, n: int, *, keyframe_every: int, keep_versions: in
     return states
 
 
+def flipped(plane) -> memoryview:
+    """A copy of a plane with its first bit flipped (a raw plane is read-only pieces of the object)."""
+    data = bytearray(b"".join(plane) if isinstance(plane, tuple) else plane)
+    data[0] ^= 1
+    return memoryview(data)
+
+
 def flip_one_bit(monkeypatch) -> list[int]:
     """Make the keyframe decoder write one wrong bit (a decoder bug or bad memory)."""
     real, calls = codec.full_planes, []
@@ -40,7 +47,7 @@ def flip_one_bit(monkeypatch) -> list[int]:
         planes = real(data, itemsize=itemsize, words=words, key=key)
         calls.append(1)
         if len(calls) == 2:
-            planes[0][0] ^= 1
+            planes[0] = flipped(planes[0])
         return planes
 
     monkeypatch.setattr(codec, "full_planes", wrong)
@@ -119,7 +126,7 @@ def test_a_held_version_is_not_overwritten_by_a_keyframe_that_fails(store, monke
 
         def wrong(data, *, itemsize, words, key):
             planes = real(data, itemsize=itemsize, words=words, key=key)
-            planes[0][0] ^= 1
+            planes[0] = flipped(planes[0])
             return planes
 
         monkeypatch.setattr(codec, "full_planes", wrong)

@@ -327,13 +327,46 @@ fail:
     return NULL;
 }
 
+/* A byte plane handed over in pieces: the buffers of one object, or of each item of a tuple
+   (a keyframe's raw plane, read in place inside its zstd frame), consumed in order. */
+typedef struct {
+    Py_buffer *bufs;
+    Py_ssize_t count, at, off; /* pieces; the piece and the byte in it where the next span starts */
+} pieces_t;
+
+static int get_pieces(PyObject *plane, pieces_t *pc, Py_buffer *store, Py_ssize_t *used, Py_ssize_t *len) {
+    Py_ssize_t n = PyTuple_Check(plane) ? PyTuple_GET_SIZE(plane) : 1;
+    pc->bufs = store + *used, pc->count = 0, pc->at = 0, pc->off = 0, *len = 0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *o = PyTuple_Check(plane) ? PyTuple_GET_ITEM(plane, j) : plane;
+        if (PyObject_GetBuffer(o, &pc->bufs[j], PyBUF_SIMPLE) < 0) return -1;
+        pc->count++, (*used)++, *len += pc->bufs[j].len;
+    }
+    return 0;
+}
+
+/* The next `span` bytes at most that every plane holds contiguously; p[k]: where each starts. */
+static Py_ssize_t next_span(pieces_t *pc, int itemsize, const uint8_t **p, Py_ssize_t span) {
+    for (int k = 0; k < itemsize; k++) {
+        while (pc[k].off == pc[k].bufs[pc[k].at].len) pc[k].at++, pc[k].off = 0; /* empty pieces */
+        Py_ssize_t left = pc[k].bufs[pc[k].at].len - pc[k].off;
+        if (left < span) span = left;
+        p[k] = (const uint8_t *)pc[k].bufs[pc[k].at].buf + pc[k].off;
+    }
+    for (int k = 0; k < itemsize; k++) pc[k].off += span;
+    return span;
+}
+
 /* weave_sum(base, planes, out) -> int: out's words from byte planes (plane b: byte b of each
-   word, little-endian order), and their contiguous digest from `base`, in one pass. */
+   word, little-endian order), and their contiguous digest from `base`, in one pass. A plane is
+   a buffer, or a tuple of buffers that are its pieces in order. */
 static PyObject *py_weave_sum(PyObject *self, PyObject *args) {
     PyObject *base_obj, *planes;
-    Py_buffer out, bufs[8];
+    Py_buffer out, *store = NULL;
+    pieces_t pc[8];
     const uint8_t *p[8];
-    int k = 0, itemsize;
+    int itemsize;
+    Py_ssize_t used = 0, total_pieces = 0, len;
     uint64_t base, total = 0;
     if (!PyArg_ParseTuple(args, "OO!w*", &base_obj, &PyTuple_Type, &planes, &out)) return NULL;
     itemsize = (int)PyTuple_GET_SIZE(planes);
@@ -343,23 +376,36 @@ static PyObject *py_weave_sum(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "%zd bytes are not whole %d-byte words", out.len, itemsize);
         goto fail;
     }
-    for (; k < itemsize; k++) {
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(planes, k), &bufs[k], PyBUF_SIMPLE) < 0) goto fail;
-        if (bufs[k].len != n) {
-            PyErr_Format(PyExc_ValueError, "plane %d holds %zd bytes, the output %zd words", k, bufs[k].len, n);
-            k++;
+    for (int k = 0; k < itemsize; k++) {
+        PyObject *plane = PyTuple_GET_ITEM(planes, k);
+        total_pieces += PyTuple_Check(plane) ? PyTuple_GET_SIZE(plane) : 1;
+    }
+    store = PyMem_Calloc(total_pieces ? total_pieces : 1, sizeof(Py_buffer));
+    if (store == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (int k = 0; k < itemsize; k++) {
+        if (get_pieces(PyTuple_GET_ITEM(planes, k), &pc[k], store, &used, &len) < 0) goto fail;
+        if (len != n) {
+            PyErr_Format(PyExc_ValueError, "plane %d holds %zd bytes, the output %zd words", k, len, n);
             goto fail;
         }
-        p[k] = bufs[k].buf;
     }
     Py_BEGIN_ALLOW_THREADS
-    total = weave_run(p, itemsize, out.buf, n, base);
+    for (Py_ssize_t done = 0; done < n;) {
+        Py_ssize_t span = next_span(pc, itemsize, p, n - done);
+        total += weave_run(p, itemsize, (uint8_t *)out.buf + done * itemsize, span, base + (uint64_t)done * itemsize);
+        done += span;
+    }
     Py_END_ALLOW_THREADS
-    for (int j = 0; j < k; j++) PyBuffer_Release(&bufs[j]);
+    for (Py_ssize_t j = 0; j < used; j++) PyBuffer_Release(&store[j]);
+    PyMem_Free(store);
     PyBuffer_Release(&out);
     return PyLong_FromUnsignedLongLong(total);
 fail:
-    for (int j = 0; j < k; j++) PyBuffer_Release(&bufs[j]);
+    for (Py_ssize_t j = 0; j < used; j++) PyBuffer_Release(&store[j]);
+    PyMem_Free(store);
     PyBuffer_Release(&out);
     return NULL;
 }

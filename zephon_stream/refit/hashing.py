@@ -20,6 +20,7 @@ The environment variable ZEPHON_DIGEST, read at import, chooses:
 
 `implementation()` says which one runs. `weave_sum` is the keyframe loader's one pass: byte
 planes (as the codec stores them) woven into the chunk's words and hashed while they are in cache.
+A plane is one buffer or a tuple of pieces (a raw plane read in place inside its zstd frame).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import numpy as np
 
 from zephon_stream.errors import ConfigError
 
-__all__ = ["MASK", "contiguous_sum", "element_sum", "element_sums", "implementation", "weave", "weave_sum"]
+__all__ = ["MASK", "Plane", "contiguous_sum", "cut", "element_sum", "element_sums", "implementation", "weave",
+           "weave_sum"]
 
 MASK = (1 << 64) - 1
 _K1 = np.uint64(0x9E3779B97F4A7C15)
@@ -121,14 +123,21 @@ def contiguous_sum(base: int, itemsize: int, values: np.ndarray) -> int:
     return _contiguous_sum(base, itemsize, values)
 
 
-def weave(planes: Sequence[memoryview | bytes | np.ndarray], out: np.ndarray) -> None:
+Plane = memoryview | bytes | np.ndarray | tuple[memoryview | bytes | np.ndarray, ...]  # a tuple: pieces in order
+
+
+def weave(planes: Sequence[Plane], out: np.ndarray) -> None:
     """out's words from byte planes: plane b holds byte b (little-endian) of every word."""
     cols = _columns(planes, out)
     for b, plane in enumerate(planes):
-        cols[:, b] = np.frombuffer(plane, dtype=np.uint8)
+        at = 0
+        for piece in plane if isinstance(plane, tuple) else (plane,):
+            data = np.frombuffer(piece, dtype=np.uint8)
+            cols[at : at + len(data), b] = data
+            at += len(data)
 
 
-def weave_sum(base: int, planes: Sequence[memoryview | bytes | np.ndarray], out: np.ndarray) -> int:
+def weave_sum(base: int, planes: Sequence[Plane], out: np.ndarray) -> int:
     """`weave` planes into `out` and return contiguous_sum(base, itemsize, out): one pass compiled."""
     k = _kernel
     if k is not None and _words(out, out.dtype.itemsize):
@@ -138,12 +147,25 @@ def weave_sum(base: int, planes: Sequence[memoryview | bytes | np.ndarray], out:
     return _contiguous_sum(base, out.dtype.itemsize, out)
 
 
-def _columns(planes: Sequence[object], out: np.ndarray) -> np.ndarray:
+def cut(plane: Plane, lo: int, hi: int) -> Plane:
+    """Bytes lo:hi of a plane, in the same form (pieces stay pieces: nothing is copied)."""
+    if not isinstance(plane, tuple):
+        return plane[lo:hi]
+    out, at = [], 0
+    for piece in plane:
+        n = memoryview(piece).nbytes
+        if at < hi and lo < at + n:
+            out.append(piece[max(lo - at, 0) : min(hi - at, n)])
+        at += n
+    return tuple(out)
+
+
+def _columns(planes: Sequence[Plane], out: np.ndarray) -> np.ndarray:
     """out as (words, itemsize) bytes, after checking the planes fit it."""
     w, n = out.dtype.itemsize, len(out)
     if out.ndim != 1 or not out.flags.c_contiguous or not out.flags.writeable:
         raise ValueError(f"weave writes a contiguous writable 1-D array, not {out.ndim}-D {out.flags}")
-    sizes = [memoryview(p).nbytes for p in planes]
+    sizes = [sum(memoryview(q).nbytes for q in p) if isinstance(p, tuple) else memoryview(p).nbytes for p in planes]
     if sizes != [n] * w:
         raise ValueError(f"{len(planes)} planes of {sizes} bytes do not make {n} words of {w} bytes")
     return out.view(np.uint8).reshape(n, w)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from zephon_stream.errors import ConfigError
-from zephon_stream.refit.hashing import MASK, contiguous_sum, element_sum, element_sums, weave, weave_sum
+from zephon_stream.refit.hashing import MASK, Plane, contiguous_sum, cut, element_sum, element_sums, weave, weave_sum
 from zephon_stream.refit.layout import WORD, Chunk, Piece, RankStream, Sharding, TensorTable
 
 __all__ = ["ChunkPlan", "LocalState", "Placed"]
@@ -168,14 +168,14 @@ class ChunkPlan:
             total += now - was
         return total & MASK
 
-    def load(self, planes: Sequence[memoryview], out: np.ndarray) -> int:
+    def load(self, planes: Sequence[Plane], out: np.ndarray) -> int:
         """Weave the whole chunk's byte planes (see `codec.full_planes`) into `out`, its words,
         and return the chunk's digest. A part of a whole tensor is woven and hashed in one pass
         over each word; a part of a shard piece is woven, then hashed at its canonical positions."""
         total = 0
         for p in self.parts:
             s = slice(p.word0, p.word0 + p.nwords)
-            mine = [plane[s] for plane in planes]
+            mine = [cut(plane, p.word0, p.word0 + p.nwords) for plane in planes]
             spec = self.table.specs[p.tensor]
             if p.pub.whole:
                 total += weave_sum(spec.offset + p.elem0 * spec.itemsize, mine, out[s])
