@@ -5,6 +5,7 @@ The determinism matrix (tests/core/test_determinism.py) runs for the image+text 
 
 from __future__ import annotations
 
+import hashlib
 import io
 import random
 import struct
@@ -86,6 +87,19 @@ def test_every_image_appears_once_per_epoch(vision_config, vision_dataset, epoch
     for batch in Loader(cfg, dp_size=2, dp_rank=1, backend="threads"):
         images += sum(d["images"] for d in sample_digests(batch))
     assert images == epochs * len(data["img"])
+
+
+def test_batches_kept_alive_keep_their_pixels(vision_config):
+    """The pixels' memory is pooled (collate.PixelBuffers): a consumer that holds every batch
+    still sees each one as it was handed over, while later batches are made."""
+    kept, digests = [], []
+    for b, batch in enumerate(Loader(vision_config, backend="threads")):
+        kept.append(batch["pixel_values"])
+        digests.append(hashlib.sha256(batch["pixel_values"].numpy().tobytes()).hexdigest())
+        if b == 7:
+            break
+    assert [hashlib.sha256(p.numpy().tobytes()).hexdigest() for p in kept] == digests
+    assert len({p.data_ptr() for p in kept}) == len(kept)
 
 
 def test_float32_pixels_are_normalised_uint8_pixels(vision_config):

@@ -13,6 +13,8 @@ With a `[vision]` config the batch also holds the images of its samples, in samp
 from __future__ import annotations
 
 import hashlib
+import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +22,9 @@ import numpy as np
 
 from zephon_stream.operators.types import IGNORE, Sample
 
-__all__ = ["collate", "document_ids", "padding_sample", "sample_digests", "source_tokens"]
+__all__ = [
+    "PIXEL_BUFFERS", "PixelBuffers", "collate", "document_ids", "padding_sample", "sample_digests", "source_tokens",
+]
 
 
 def padding_sample(seq_len: int, pad_id: int, lane: int, index: int) -> Sample:
@@ -93,8 +97,8 @@ def _images(samples: list[Sample], vision: Any) -> dict[str, object]:
     spec = vision.image_spec()
     grids = [g for s in samples for g in s.grids]
     rows = [t * h * w for t, h, w in grids]
-    pixels = torch.empty((sum(rows), spec.row_size), dtype=torch.uint8)
-    out, at = pixels.numpy(), 0
+    out, at = PIXEL_BUFFERS.take(sum(rows), spec.row_size), 0
+    pixels = torch.from_numpy(out)  # holds `out`, and through it the pooled buffer, while the batch lives
     for image, n in zip((image for s in samples for image in s.images), rows):
         patchify(image, spec, out[at:at + n])  # each image's patches written once, in place
         at += n
@@ -106,6 +110,60 @@ def _images(samples: list[Sample], vision: Any) -> dict[str, object]:
         "image_sample": torch.tensor([b for b, s in enumerate(samples) for _ in s.images], dtype=torch.int64),
         "mm_token_type_ids": torch.from_numpy(np.stack(types).astype(np.int64)),
     }
+
+
+class PixelBuffers:
+    """The memory behind the batches' `pixel_values`, recycled once the consumer has let a batch go.
+
+    A batch's pixels are tens of MB (the stamps at seq_len 2048: 58 MB). A fresh allocation that
+    large is mapped anew by malloc every time, and the kernel faults in and zeroes each of its
+    pages as collate first writes them: half of the loader's page faults, 0.15 CPU-seconds per
+    epoch of the stamps on the bench machine. Here a batch takes a slice of a pooled buffer
+    instead. A buffer is free again when nothing but the pool refers to it: the batch's tensor
+    (`torch.from_numpy` of the slice) holds the slice, which holds the buffer, and so does every
+    view, `.numpy()` or tensor made from it; a tensor moved elsewhere (`.to(device)`,
+    `pin_memory()`, `share_memory_()`) lets go of it. So a buffer is never written while a
+    batch on it can still be read, whatever the consumer keeps.
+
+    At most `keep` buffers are pooled: the consumer's current batch, the one being collated and
+    one more. A batch that finds none free gets memory of its own, freed with it as before. A
+    new buffer has room for a quarter more rows than asked, so that a later, larger batch fits
+    too; the room costs no resident memory until a batch writes into it.
+    """
+
+    def __init__(self, keep: int) -> None:
+        if keep < 0:
+            raise ValueError(f"keep must be >= 0, got {keep}")
+        self.keep = keep
+        self._pool: list[np.ndarray] = []
+        self._lock = threading.Lock()  # collates of two streams may run at once
+
+    def take(self, rows: int, width: int) -> np.ndarray:
+        """Writable uint8 `[rows, width]` that no live batch shares (contents undefined)."""
+        with self._lock:
+            free = [i for i in range(len(self._pool)) if _only_pooled(self._pool, i)]
+            fits = [i for i in free if self._pool[i].shape[0] >= rows and self._pool[i].shape[1] == width]
+            if fits:
+                return self._pool[min(fits, key=lambda i: self._pool[i].shape[0])][:rows]
+            buf = np.empty((rows + rows // 4, width), np.uint8)
+            if free:  # too small or of another width: a new one takes its place
+                self._pool[free[0]] = buf
+            elif len(self._pool) < self.keep:
+                self._pool.append(buf)
+            return buf[:rows]
+
+    def clear(self) -> None:
+        """Drop the pooled buffers (the memory of those in use goes when their batches go)."""
+        with self._lock:
+            self._pool.clear()
+
+
+def _only_pooled(pool: list[np.ndarray], i: int) -> bool:
+    """Whether nothing but `pool` refers to its buffer `i`: sys.getrefcount counts the list and its own argument."""
+    return sys.getrefcount(pool[i]) == 2
+
+#: The pool behind every batch's `pixel_values` in this process (see `PixelBuffers`).
+PIXEL_BUFFERS = PixelBuffers(keep=3)
 
 
 def sample_digests(batch: dict[str, Any], source_names: Sequence[str] = ()) -> list[dict[str, Any]]:
