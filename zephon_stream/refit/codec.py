@@ -23,6 +23,7 @@ allowed to allocate more than the chunk it claims to be.
 
 from __future__ import annotations
 
+import itertools
 import struct
 import threading
 from typing import NamedTuple
@@ -207,7 +208,7 @@ def _sections(data: bytes, kinds: tuple[int, ...], itemsize: int, words: int, ke
     sizes = struct.unpack_from(f"<{nsec}I", view, _HEAD.size)
     if at + sum(sizes) != len(view):
         raise DataError(f"{key}: sections total {sum(sizes)} bytes, object holds {len(view) - at}", key=key, offset=at)
-    bounds = np.cumsum([at, *sizes]).tolist()
+    bounds = list(itertools.accumulate(sizes, initial=at))  # not np.cumsum: 10 us a call, per chunk
     return kind, count, [view[bounds[i] : bounds[i + 1]] for i in range(nsec)], bounds
 
 
