@@ -11,12 +11,14 @@ A pull runs in two phases over the chunks, both streamed through the same worker
 
 A chunk that holds no version (a joiner's, or one a killed join left torn) has nothing to
 protect, so it skips phase 1: in phase 2 each byte plane of its keyframe is decompressed into
-per-thread scratch and woven into the weights by a compiled loop that hashes each word as it
-writes it (one pass, no staging); the later deltas are XORed in and move the digest by the
-changed words only. A chunk that does not verify then raises DigestMismatch (naming the object
-when its blake2b, computed only then, shows it corrupt); the record still says "applying", and
-the next pull loads it again. Object digests are computed in the worker threads, with the
-chunk's other CPU work, never on the event loop.
+per-thread scratch (or read in place, when zstd stored it raw) and woven into the weights by a
+compiled loop that hashes each word as it writes it (one pass, no staging); the later deltas
+are XORed in and move the digest by the changed words only. Such chunks go to the workers in
+batches (`_Pull._batches`), so the event loop and the thread hand-off cost per batch. A chunk
+that does not verify then raises DigestMismatch (naming the object when its blake2b, computed
+only then, shows it corrupt); the record still says "applying", and the next pull loads it
+again. Object digests are computed in the worker threads, with the chunk's other CPU work,
+never on the event loop.
 
 `prefetch()`, called while waiting for the next version, does phase 1's work early for the
 delta objects already in the store (a relay streaming ahead puts them there before the
