@@ -121,7 +121,7 @@ async def _run_local(config: Config, plan: DataPlan, stores: list[Store], tokeni
 # ---- processes ----------------------------------------------------------------------------------
 
 class _Image(msgspec.Struct, array_like=True):
-    pixels: bytes  # resized uint8, height x width x 3
+    pixels: bytes  # uint8 [height, width, -1]: an ImageDoc.image (a patch frame: patches, 3, patch_size^2)
     height: int
     width: int
     grid: tuple[int, int, int]
@@ -150,7 +150,7 @@ def _pack(lane: int, batch: list[Sample]) -> bytes:
 def _unpack(msg: _Msg) -> list[Sample]:
     return [Sample(np.frombuffer(ids, np.uint32), np.frombuffer(lab, np.int32), np.frombuffer(pos, np.int32),
                    segs, n, msg.lane, index, state,
-                   [np.frombuffer(im.pixels, np.uint8).reshape(im.height, im.width, 3) for im in images],
+                   [np.frombuffer(im.pixels, np.uint8).reshape(im.height, im.width, -1) for im in images],
                    [tuple(im.grid) for im in images], np.frombuffer(types, np.uint8) if types else None, sources)
             for index, ids, lab, pos, segs, n, state, images, types, sources in msg.samples]
 

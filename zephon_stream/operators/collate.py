@@ -92,15 +92,15 @@ def document_ids(segments: Sequence[int], seq_len: int) -> np.ndarray:
 def _images(samples: list[Sample], vision: Any) -> dict[str, object]:
     import torch
 
-    from zephon_stream.vision.image import normalize, patchify
+    from zephon_stream.vision.image import normalize, patch_rows
 
     spec = vision.image_spec()
     grids = [g for s in samples for g in s.grids]
     rows = [t * h * w for t, h, w in grids]
     out, at = PIXEL_BUFFERS.take(sum(rows), spec.row_size), 0
     pixels = torch.from_numpy(out)  # holds `out`, and through it the pooled buffer, while the batch lives
-    for image, n in zip((image for s in samples for image in s.images), rows):
-        patchify(image, spec, out[at:at + n])  # each image's patches written once, in place
+    for frame, n in zip((frame for s in samples for frame in s.images), rows):
+        patch_rows(frame, spec, out[at:at + n])  # each image's patches written once, in place
         at += n
     seq_len = len(samples[0].input_ids)
     types = [s.token_types if s.token_types is not None else np.zeros(seq_len, np.uint8) for s in samples]

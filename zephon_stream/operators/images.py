@@ -15,8 +15,10 @@ records, offsets relative to the split's first sample), so the lane's producer, 
 source check are the same for text and images. A document's reference is the sample's offset
 and length: restore re-reads and re-decodes it; pixels are never in a checkpoint.
 
-Pixels stay uint8 and resized (height x width x 3) from decode to collate, which cuts them
-into patches: at most `max_pixels * 3` bytes per image in any buffer.
+Pixels stay uint8 from decode to collate: the worker that decodes an image also gathers its
+patches (`vision.patch_frame`, one frame, as many bytes as the resized image: at most
+`max_pixels * 3` per image in any buffer) while its bytes are in the cache; collate only
+copies them into the batch with the temporal copies (`vision.patch_rows`).
 """
 
 from __future__ import annotations
@@ -189,7 +191,7 @@ class VisionTokens:
     def __call__(self, docs: list[tuple[Any, ImageRecord]], bad: BadRecords, key: str) -> list[tuple[Any, ImageDoc]]:
         """Decode the images of `docs` (read from shard `key`), skipping or raising on a bad one
         as `bad` says; tokenize the captions."""
-        from zephon_stream.vision.image import BadImage, load_image
+        from zephon_stream.vision.image import BadImage, load_image, patch_frame
 
         images = []
         for ref, rec in docs:
@@ -199,17 +201,17 @@ class VisionTokens:
                 if gh * gw // self.spec.merge_size ** 2 + len(self.bos + self.start + self.end) >= self.seq_len:
                     raise BadImage(f"it takes {gh * gw // self.spec.merge_size ** 2} image tokens, more than "
                                    f"seq_len = {self.seq_len} holds")
-                images.append((ref, rec, image, (gh, gw)))
+                images.append((ref, rec, patch_frame(image, self.spec), (gh, gw)))  # gathered while in the cache
             except BadImage as exc:
                 bad(DataError(f"bad image {rec.member!r} in {key!r} (sample at byte {ref[2]} of its split): {exc}",
                               key=key, offset=ref[2]))
         captions = self.tokenizer([rec.text for _, rec, _, _ in images]) if images else []
         out = []
-        for (ref, _, image, (gh, gw)), caption in zip(images, captions):
+        for (ref, _, frame, (gh, gw)), caption in zip(images, captions):
             k = gh * gw // self.spec.merge_size ** 2
             head = np.array(self.bos + self.start + [self.image_id] * k + self.end, dtype=np.uint32)
             first = len(self.bos) + len(self.start)  # the BOS (if any) opens the document, before the image
-            out.append((ref, ImageDoc(np.concatenate([head, caption[len(self.bos):]]), image, (1, gh, gw), len(head),
+            out.append((ref, ImageDoc(np.concatenate([head, caption[len(self.bos):]]), frame, (1, gh, gw), len(head),
                                       (first, first + k))))
         return out
 

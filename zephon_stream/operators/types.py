@@ -16,7 +16,8 @@ IGNORE = -100  # the label of a position that is not trained on
 
 
 class ImageDoc:
-    """The tokens of an image+text document, and its image: resized, uint8, height x width x 3.
+    """The tokens of an image+text document, and its image: resized, as one frame of patches
+    (`vision.patch_frame`: uint8 [grid_h * grid_w, 3, patch_size^2]).
 
     Its first `span` ids are the image span (vision start, placeholders, vision end), which
     packing never cuts and labels never train on; `placeholders` is the `[begin, end)` of the
@@ -37,7 +38,7 @@ class ImageDoc:
         return self.ids[index]
 
     def __repr__(self) -> str:
-        return f"ImageDoc({len(self.ids)} ids, image {self.image.shape[1]}x{self.image.shape[0]}, grid {self.grid})"
+        return f"ImageDoc({len(self.ids)} ids, {len(self.image)} patches, grid {self.grid})"
 
 
 class ChatDoc:
@@ -73,7 +74,7 @@ class Sample:
     """One packed sample, plus the lane and lane-local index that produced it and the lane state
     right after it (which becomes the checkpoint once the trainer consumes the sample).
 
-    An image+text sample also has its images (resized uint8 arrays, in token order), their
+    An image+text sample also has its images (`ImageDoc.image` patch frames, in token order), their
     grids `(t, h, w)` in patches, and `token_types` (1 where an image placeholder stands).
 
     `sources` is the source index of each of `segments` (the document pieces), so the tokens of

@@ -16,6 +16,8 @@ from zephon_stream.vision.image import (
     image_tokens,
     load_image,
     normalize,
+    patch_frame,
+    patch_rows,
     patchify,
 )
 
@@ -31,5 +33,7 @@ __all__ = [
     "image_tokens",
     "load_image",
     "normalize",
+    "patch_frame",
+    "patch_rows",
     "patchify",
 ]

@@ -88,6 +88,8 @@ __all__ = [
     "image_tokens",
     "load_image",
     "normalize",
+    "patch_frame",
+    "patch_rows",
     "patchify",
 ]
 
@@ -418,9 +420,49 @@ def patchify(image: np.ndarray, spec: ImageSpec, out: np.ndarray | None = None) 
 
     With `out` (C-contiguous uint8 of that shape, say an image's rows of a batch's
     `pixel_values`), the rows are written there and `out` is returned: a batch is assembled
-    without a copy per image.
+    without a copy per image. `patch_rows(patch_frame(image))` gives the same rows in two steps.
     """
-    p, m, t = spec.patch_size, spec.merge_size, spec.temporal_patch_size
+    blocks = _blocks(image, spec)
+    n, t = _patches(blocks), spec.temporal_patch_size
+    out = _rows_out(out, (n, spec.row_size))
+    # Gather the first frame (a byte-strided copy, the costly part), then copy it to the others in
+    # runs of p * p bytes: about half the time of gathering every frame from the image.
+    first = out.reshape(*blocks.shape[:5], t, *blocks.shape[5:])
+    first[:, :, :, :, :, 0] = blocks
+    _repeat_frame(out.reshape(n, 3, t, -1))
+    return out
+
+
+def patch_frame(image: np.ndarray, spec: ImageSpec) -> np.ndarray:
+    """uint8 [H', W', 3] to its patches, one frame: uint8 [grid_h * grid_w, 3, patch_size^2].
+
+    The byte-strided gather of `patchify` alone, in its row order, without the temporal copies:
+    as many bytes as the image. The loader does it where the image is decoded, while its bytes
+    are still in the cache, and `patch_rows` makes the batch's rows from it later.
+    """
+    blocks = _blocks(image, spec)
+    out = np.empty((_patches(blocks), 3, spec.patch_size ** 2), np.uint8)
+    out.reshape(blocks.shape)[...] = blocks
+    return out
+
+
+def patch_rows(frame: np.ndarray, spec: ImageSpec, out: np.ndarray | None = None) -> np.ndarray:
+    """`patch_frame`'s output to patch rows uint8 [n, spec.row_size], the bytes `patchify` gives;
+    into `out` as `patchify` does. Copies runs of patch_size^2 bytes only."""
+    n, p2 = len(frame), spec.patch_size ** 2
+    if frame.dtype != np.uint8 or frame.shape != (n, 3, p2):
+        raise ValueError(f"patch_rows takes uint8 [N, 3, {p2}] (from patch_frame), got {frame.dtype} "
+                         f"{list(frame.shape)}")
+    out = _rows_out(out, (n, spec.row_size))
+    frames = out.reshape(n, 3, spec.temporal_patch_size, p2)
+    frames[:, :, 0] = frame
+    _repeat_frame(frames)
+    return out
+
+
+def _blocks(image: np.ndarray, spec: ImageSpec) -> np.ndarray:
+    """The image's patches as a strided view (gh/m, gw/m, m, m, C, p, p): row order, then the row's bytes."""
+    p, m = spec.patch_size, spec.merge_size
     if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
         raise ValueError(f"patchify takes uint8 [H, W, 3], got {image.dtype} {list(image.shape)}")
     height, width = image.shape[:2]
@@ -428,16 +470,18 @@ def patchify(image: np.ndarray, spec: ImageSpec, out: np.ndarray | None = None) 
         raise ValueError(f"patchify takes sides that are multiples of {spec.factor}, got {width}x{height}: "
                          "pass the output of load_image")
     gh, gw = height // p, width // p
-    out = _rows_out(out, (gh * gw, spec.row_size))
     blocks = image.reshape(gh // m, m, p, gw // m, m, p, 3)
-    blocks = blocks.transpose(0, 3, 1, 4, 6, 2, 5)  # (gh/m, gw/m, mh, mw, C, ph, pw)
-    frames = out.reshape(gh // m, gw // m, m, m, 3, t, p, p)
-    # Gather the first frame (a byte-strided copy, the costly part), then copy it to the others in
-    # runs of p * p bytes: about half the time of gathering every frame from the image.
-    frames[:, :, :, :, :, 0] = blocks
-    for k in range(1, t):
-        frames[:, :, :, :, :, k] = frames[:, :, :, :, :, 0]
-    return out
+    return blocks.transpose(0, 3, 1, 4, 6, 2, 5)  # (gh/m, gw/m, mh, mw, C, ph, pw)
+
+
+def _patches(blocks: np.ndarray) -> int:
+    return blocks.shape[0] * blocks.shape[1] * blocks.shape[2] * blocks.shape[3]
+
+
+def _repeat_frame(frames: np.ndarray) -> None:
+    """frames [n, 3, t, p*p]: copy frame 0 to frames 1..t-1."""
+    for k in range(1, frames.shape[2]):
+        frames[:, :, k] = frames[:, :, 0]
 
 
 def _rows_out(out: np.ndarray | None, shape: tuple[int, int]) -> np.ndarray:
