@@ -13,7 +13,9 @@ Joiner: a fresh subscriber pulls the newest keyframe (`--join-runs` times, `--jo
 worker threads), the figure a rollout worker that starts late waits for. It prints which digest
 implementation ran (the compiled kernels, with or without their AVX2 loops, or the numpy
 reference: ZEPHON_DIGEST=numpy forces it) and the keyframe's size against the model. Run it
-against the code before a change with PYTHONPATH=<a git worktree of that commit>.
+against the code before a change with PYTHONPATH=<a checkout of that commit> (build its digest
+extension there first: python setup.py build_ext --inplace). The figure is per CPU-second,
+robust to other load but not immune: on a shared 2-core machine, repeat it and compare medians.
 
     .venv/bin/python bench/refit.py [--params 1073741824] [--steps 3] [--scenario A B]
     .venv/bin/python bench/refit.py --params 268435456 --scenario --join-runs 5 --join-workers 1 2
