@@ -101,8 +101,9 @@ def _no_main_guard_error() -> ConfigError:
 
 @asynccontextmanager
 async def _run_local(config: Config, plan: DataPlan, stores: list[Store], tokenizer: Tokenize,
-                     states: dict[int, LaneState]) -> AsyncIterator[tuple[Streams, Lanes]]:
-    shared = Lanes(config, plan, stores, tokenizer, cpu_policy(config))
+                     states: dict[int, LaneState], first_step_waits: bool = True
+                     ) -> AsyncIterator[tuple[Streams, Lanes]]:
+    shared = Lanes(config, plan, stores, tokenizer, cpu_policy(config), first_step_waits)
     streams: Streams = {}
     async with anyio.create_task_group() as tg:
         shared.spawn = tg.start_soon

@@ -115,7 +115,9 @@ class _LaneActor:
             async with AsyncExitStack() as stack:
                 self.stores = await open_stores(cfg, stack, self.wrap_store)
                 tokenizer = Tokenize.for_config(cfg)
-                async with self.run_local(cfg, plan, self.stores, tokenizer, states) as (streams, shared):
+                # lanes never wait for each other's first step here: see lane.FirstStep
+                async with self.run_local(cfg, plan, self.stores, tokenizer, states, first_step_waits=False) as (
+                        streams, shared):
                     self.streams, self.skipped = streams, shared.record_counts
                     self.ready.set()
                     await anyio.sleep_forever()  # the lanes run until the trainer side kills this actor
