@@ -13,6 +13,7 @@ With a `[vision]` config the batch also holds the images of its samples, in samp
 from __future__ import annotations
 
 import hashlib
+import mmap
 import sys
 import threading
 from collections.abc import Sequence
@@ -118,49 +119,57 @@ class PixelBuffers:
     A batch's pixels are tens of MB (the stamps at seq_len 2048: 58 MB). A fresh allocation that
     large is mapped anew by malloc every time, and the kernel faults in and zeroes each of its
     pages as collate first writes them: half of the loader's page faults, 0.15 CPU-seconds per
-    epoch of the stamps on the bench machine. Here a batch takes a slice of a pooled buffer
-    instead. A buffer is free again when nothing but the pool refers to it: the batch's tensor
-    (`torch.from_numpy` of the slice) holds the slice, which holds the buffer, and so does every
-    view, `.numpy()` or tensor made from it; a tensor moved elsewhere (`.to(device)`,
-    `pin_memory()`, `share_memory_()`) lets go of it. So a buffer is never written while a
-    batch on it can still be read, whatever the consumer keeps.
+    epoch of the stamps on the bench machine (numpy's allocator asks for huge pages there, whose
+    zeroing and compaction cost as much, and far more on a machine short of free huge pages).
+    Here a batch takes a slice of a pooled anonymous mapping instead. A mapping is free again
+    when nothing but the pool refers to it: the batch's array (`np.frombuffer` of it) holds it,
+    and so does every view, tensor (`torch.from_numpy`) or `.numpy()` made from that array; a
+    tensor moved elsewhere (`.to(device)`, `pin_memory()`, `share_memory_()`) lets go of it. So
+    memory is never written while a batch on it can still be read, whatever the consumer keeps.
 
-    At most `keep` buffers are pooled: the consumer's current batch, the one being collated and
-    one more. A batch that finds none free gets memory of its own, freed with it as before. A
-    new buffer has room for a quarter more rows than asked, so that a later, larger batch fits
-    too; the room costs no resident memory until a batch writes into it.
+    At most `keep` mappings are pooled: the consumer's current batch, the one being collated and
+    one more. A batch that finds none free gets memory of its own, freed with it. A new mapping
+    has room for a quarter more bytes than asked, so that a later, larger batch fits too; the
+    room costs no resident memory until a batch writes into it.
     """
 
     def __init__(self, keep: int) -> None:
         if keep < 0:
             raise ValueError(f"keep must be >= 0, got {keep}")
         self.keep = keep
-        self._pool: list[np.ndarray] = []
+        self._pool: list[mmap.mmap] = []
         self._lock = threading.Lock()  # collates of two streams may run at once
 
     def take(self, rows: int, width: int) -> np.ndarray:
         """Writable uint8 `[rows, width]` that no live batch shares (contents undefined)."""
+        size = rows * width
+        if not size:
+            return np.empty((rows, width), np.uint8)
+        return np.frombuffer(self._memory(size), np.uint8, count=size).reshape(rows, width)
+
+    def _memory(self, size: int) -> mmap.mmap:
         with self._lock:
             free = [i for i in range(len(self._pool)) if _only_pooled(self._pool, i)]
-            fits = [i for i in free if self._pool[i].shape[0] >= rows and self._pool[i].shape[1] == width]
+            fits = [i for i in free if len(self._pool[i]) >= size]
             if fits:
-                return self._pool[min(fits, key=lambda i: self._pool[i].shape[0])][:rows]
-            buf = np.empty((rows + rows // 4, width), np.uint8)
-            if free:  # too small or of another width: a new one takes its place
-                self._pool[free[0]] = buf
+                return self._pool[min(fits, key=lambda i: len(self._pool[i]))]
+            memory = mmap.mmap(-1, size + size // 4)
+            if free:  # too small: a new one takes its place
+                self._pool[free[0]] = memory
             elif len(self._pool) < self.keep:
-                self._pool.append(buf)
-            return buf[:rows]
+                self._pool.append(memory)
+            return memory
 
     def clear(self) -> None:
-        """Drop the pooled buffers (the memory of those in use goes when their batches go)."""
+        """Drop the pooled mappings (the memory of those in use goes when their batches go)."""
         with self._lock:
             self._pool.clear()
 
 
-def _only_pooled(pool: list[np.ndarray], i: int) -> bool:
-    """Whether nothing but `pool` refers to its buffer `i`: sys.getrefcount counts the list and its own argument."""
+def _only_pooled(pool: list[mmap.mmap], i: int) -> bool:
+    """Whether nothing but `pool` refers to its mapping `i`: sys.getrefcount counts the list and its own argument."""
     return sys.getrefcount(pool[i]) == 2
+
 
 #: The pool behind every batch's `pixel_values` in this process (see `PixelBuffers`).
 PIXEL_BUFFERS = PixelBuffers(keep=3)
