@@ -12,6 +12,8 @@ fresh process (so peak RSS is its own) that imports torch before its clock start
 loader runs alternate; the loader's time includes planning (the tar index) and its first batch. Packing efficiency is
 the share of batch positions that hold a token, not padding, over the whole run. Where the
 machine's noise hides the wall-clock ratio, images per CPU-second of the process is the second figure.
+Page faults are the process's minor faults (imports included): the loader's excess over the limit
+is memory the pipeline touches anew (collate's batch buffers are pooled, `collate.PixelBuffers`).
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ def child(mode: str, args: argparse.Namespace) -> None:
 
     cfg = config(args.shards, args.tokenizer, args.epochs, args.backend)
     out = run_limit(cfg) if mode == "limit" else run_loader(cfg)
-    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out["peak_rss_mb"], out["page_faults"] = usage.ru_maxrss / 1024, usage.ru_minflt  # the process's, imports included
     print(json.dumps(out))
 
 
@@ -127,6 +130,8 @@ def main() -> None:
           f"{fmt([b['tokens'] / b['seconds'] for b in loader], ' tokens/s')}")
     print(f"        peak RSS {fmt([b['peak_rss_mb'] for b in loader], ' MB')}; "
           f"first batch {fmt([b['first_batch'] for b in loader], ' s')}")
+    print(f"page faults (whole process): limit {fmt([a['page_faults'] for a in limit], digits=0)}, "
+          f"loader {fmt([b['page_faults'] for b in loader], digits=0)}")
     print(f"loader / limit: {fmt(ratios, digits=3)}  (goal >= 0.85)")
     print(f"images per CPU-second: limit {fmt([a['images'] / a['cpu'] for a in limit])}, loader "
           f"{fmt([b['images'] / b['cpu'] for b in loader])}; loader / limit: {fmt(cpu_ratios, digits=3)}")
