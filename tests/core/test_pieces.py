@@ -13,6 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from tests._chat_data import CHATML, train_tokenizer, word_conversations
 from zephon_stream import IncompatibleState
 from zephon_stream.loader.config import Config, ScheduleEntry, SourceConfig
 from zephon_stream.loader.loader import Loader
@@ -20,7 +21,7 @@ from zephon_stream.loader.state import check_lane_state
 from zephon_stream.operators.feed import FeedState
 from zephon_stream.testing.determinism import run_world
 
-from .conftest import write_jsonl
+from .conftest import make_docs, write_jsonl
 from .test_mixtures import worst_gap
 
 SIZE = 24
@@ -166,3 +167,49 @@ def test_pieces_keep_realized_shares_within_one_point_when_documents_are_long(da
 def test_piece_tokens_is_an_order_setting(config):
     assert "piece_tokens" not in config.order_settings("t")
     assert config.replace(piece_tokens=SIZE).order_settings("t")["piece_tokens"] == SIZE
+
+
+@pytest.fixture()
+def chat_config(config, tmp_path):
+    """Conversations of the test words (ChatML, labels only on the assistant turns) mixed with
+    source a, cut into pieces of 16 tokens: pieces of chat documents carry their trained flags."""
+    root = tmp_path
+    (root / "sft").mkdir()
+    conversations = word_conversations(seed=13, n=240, turns=3)
+    for s in range(2):
+        part = conversations[s * 120:(s + 1) * 120]
+        (root / "sft" / f"part-{s}.jsonl").write_bytes(b"".join(
+            msgspec.json.encode({"id": i, "messages": c}) + b"\n" for i, c in enumerate(part)))
+    train_tokenizer(root / "tokenizer.json", make_docs(random.Random(3), 300, 40))
+    (root / "chatml.jinja").write_text(CHATML)
+    chat = msgspec.structs.replace(config.sources[0], name="sft", uri=f"file://{root}/sft/", weight=0.6,
+                                   messages_field="messages", chat_template=str(root / "chatml.jinja"))
+    return config.replace(tokenizer=str(root / "tokenizer.json"), piece_tokens=16, shuffle_scope="source",
+                          sources=[chat, msgspec.structs.replace(config.sources[0], weight=0.4)])
+
+
+def test_chat_pieces_keep_their_trained_tokens_and_resume(chat_config):
+    """Every token of an epoch once, the trained ones trained as often as whole (less the last
+    token of each cut piece, whose target lay in the next piece), and a resume from a checkpoint
+    holding chat pieces gives the same batches."""
+    one = chat_config.replace(max_epochs=1, packing="none")
+
+    def tokens_and_targets(cfg: Config) -> tuple[Counter[int], int]:
+        counts, targets = Counter(), 0
+        for batch in Loader(cfg, backend="inline"):
+            for ids, n, labels in zip(batch["input_ids"].tolist(), batch["num_tokens"].tolist(),
+                                      batch["labels"].tolist()):
+                counts.update(ids[:n])
+                targets += sum(1 for t in labels[:n] if t != -100)
+        return counts, targets
+
+    whole, whole_targets = tokens_and_targets(one.replace(piece_tokens=0))
+    cut, cut_targets = tokens_and_targets(one)
+    assert cut == whole
+    assert 0 < cut_targets < whole_targets
+    full, _ = run_world(chat_config, 1, 24, backend="inline")
+    states = _states_with_pieces(chat_config, 10)
+    assert states, "no checkpoint of the first 10 steps holds a piece and a cursor inside a document"
+    step = max(states)
+    rest, _ = run_world(chat_config, 2, 24 - step, backend="processes", resume=[states[step]])
+    assert rest == [r for r in full if r[0] >= step]
