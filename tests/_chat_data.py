@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -103,6 +104,21 @@ def word_conversations(seed: int, n: int, turns: int = 3) -> list[list[dict[str,
         out.append(conv)
     return out
 
+
+
+def write_word_chats(root: Path, n: int, shards: int) -> Path:
+    """`root/sft/part-*.jsonl`: `n` word conversations (seed 13, up to 3 turns) in `shards`
+    shards of a `messages` field; `root/tokenizer.json` with ChatML's tokens; `root/chatml.jinja`."""
+    (root / "sft").mkdir()
+    conversations = word_conversations(seed=13, n=n, turns=3)
+    per = n // shards
+    for s in range(shards):
+        part = conversations[s * per:(s + 1) * per]
+        (root / "sft" / f"part-{s}.jsonl").write_bytes(b"".join(
+            msgspec.json.encode({"id": i, "messages": c}) + b"\n" for i, c in enumerate(part)))
+    train_tokenizer(root / "tokenizer.json", make_docs(random.Random(3), 300, 40))
+    (root / "chatml.jinja").write_text(CHATML)
+    return root
 
 _HEADING = re.compile(r"^(?P<title>\S.*)\n(?P<line>([=\-~^\"'`#*+])\3{2,})\n", re.MULTILINE)
 

@@ -7,14 +7,12 @@ tests/core/conftest.py keeps for the text config alone are left out here as for 
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from tests._chat_data import CHATML, train_tokenizer, word_conversations
-from tests.core.conftest import make_docs
+from tests._chat_data import write_word_chats
 from tests.core.test_determinism import (  # noqa: F401  (collected here with this module's `config`)
     baseline,
     test_buffer_capacities,
@@ -32,16 +30,7 @@ from tests.core.test_determinism import (  # noqa: F401  (collected here with th
 @pytest.fixture(scope="module")
 def chat_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Generated conversations of the test words (3 JSONL shards) and a tokenizer with ChatML's tokens."""
-    root = tmp_path_factory.mktemp("chat_matrix")
-    (root / "sft").mkdir()
-    conversations = word_conversations(seed=13, n=360, turns=3)
-    for s in range(3):
-        part = conversations[s * 120:(s + 1) * 120]
-        (root / "sft" / f"part-{s}.jsonl").write_bytes(b"".join(
-            msgspec.json.encode({"id": i, "messages": c}) + b"\n" for i, c in enumerate(part)))
-    train_tokenizer(root / "tokenizer.json", make_docs(random.Random(3), 300, 40))
-    (root / "chatml.jinja").write_text(CHATML)
-    return root
+    return write_word_chats(tmp_path_factory.mktemp("chat_matrix"), n=360, shards=3)
 
 
 @pytest.fixture(params=["chat_best_fit"])

@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from tests._chat_data import CHATML, train_tokenizer, word_conversations
+from tests._chat_data import write_word_chats
 from zephon_stream import IncompatibleState
 from zephon_stream.loader.config import Config, ScheduleEntry, SourceConfig
 from zephon_stream.loader.loader import Loader
@@ -21,27 +21,30 @@ from zephon_stream.loader.state import check_lane_state
 from zephon_stream.operators.feed import FeedState
 from zephon_stream.testing.determinism import run_world
 
-from .conftest import make_docs, write_jsonl
+from .conftest import write_jsonl
 from .test_mixtures import worst_gap
 
 SIZE = 24
 
 
-def _tokens(cfg: Config) -> tuple[Counter[int], list[int]]:
-    """(every real token of one epoch, counted; the real tokens of each sample)."""
+def _epoch(cfg: Config) -> tuple[Counter[int], list[int], int]:
+    """One epoch, inline: (every real token, counted; the real tokens of each sample; the
+    positions with a target)."""
     counts: Counter[int] = Counter()
-    lengths = []
+    lengths, targets = [], 0
     for batch in Loader(cfg, backend="inline"):
-        for ids, n in zip(batch["input_ids"].tolist(), batch["num_tokens"].tolist()):
+        for ids, n, labels in zip(batch["input_ids"].tolist(), batch["num_tokens"].tolist(),
+                                  batch["labels"].tolist()):
             lengths.append(n)
             counts.update(ids[:n])
-    return counts, lengths
+            targets += sum(1 for t in labels[:n] if t != -100)
+    return counts, lengths, targets
 
 
 def test_every_token_once_an_epoch_in_pieces_no_longer_than_the_setting(config):
     one = config.replace(max_epochs=1, packing="none")
-    whole, whole_lengths = _tokens(one)
-    cut, lengths = _tokens(one.replace(piece_tokens=SIZE))
+    whole, whole_lengths, _ = _epoch(one)
+    cut, lengths, _ = _epoch(one.replace(piece_tokens=SIZE))
     assert max(whole_lengths) > SIZE, "the data has documents longer than a piece"
     assert max(lengths) <= SIZE and cut == whole
 
@@ -173,15 +176,7 @@ def test_piece_tokens_is_an_order_setting(config):
 def chat_config(config, tmp_path):
     """Conversations of the test words (ChatML, labels only on the assistant turns) mixed with
     source a, cut into pieces of 16 tokens: pieces of chat documents carry their trained flags."""
-    root = tmp_path
-    (root / "sft").mkdir()
-    conversations = word_conversations(seed=13, n=240, turns=3)
-    for s in range(2):
-        part = conversations[s * 120:(s + 1) * 120]
-        (root / "sft" / f"part-{s}.jsonl").write_bytes(b"".join(
-            msgspec.json.encode({"id": i, "messages": c}) + b"\n" for i, c in enumerate(part)))
-    train_tokenizer(root / "tokenizer.json", make_docs(random.Random(3), 300, 40))
-    (root / "chatml.jinja").write_text(CHATML)
+    root = write_word_chats(tmp_path, n=240, shards=2)
     chat = msgspec.structs.replace(config.sources[0], name="sft", uri=f"file://{root}/sft/", weight=0.6,
                                    messages_field="messages", chat_template=str(root / "chatml.jinja"))
     return config.replace(tokenizer=str(root / "tokenizer.json"), piece_tokens=16, shuffle_scope="source",
@@ -194,17 +189,8 @@ def test_chat_pieces_keep_their_trained_tokens_and_resume(chat_config):
     holding chat pieces gives the same batches."""
     one = chat_config.replace(max_epochs=1, packing="none")
 
-    def tokens_and_targets(cfg: Config) -> tuple[Counter[int], int]:
-        counts, targets = Counter(), 0
-        for batch in Loader(cfg, backend="inline"):
-            for ids, n, labels in zip(batch["input_ids"].tolist(), batch["num_tokens"].tolist(),
-                                      batch["labels"].tolist()):
-                counts.update(ids[:n])
-                targets += sum(1 for t in labels[:n] if t != -100)
-        return counts, targets
-
-    whole, whole_targets = tokens_and_targets(one.replace(piece_tokens=0))
-    cut, cut_targets = tokens_and_targets(one)
+    whole, _, whole_targets = _epoch(one.replace(piece_tokens=0))
+    cut, _, cut_targets = _epoch(one)
     assert cut == whole
     assert 0 < cut_targets < whole_targets
     full, _ = run_world(chat_config, 1, 24, backend="inline")
