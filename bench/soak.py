@@ -28,6 +28,7 @@ Data: the bench's (`make bench-data`; see bench/loader.py), built into `--data` 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -95,6 +96,9 @@ def stream(args: argparse.Namespace) -> None:
             line = {"t": now - start, "tokens": tokens, "alloc": alloc and {
                 f: getattr(alloc, f) for f in alloc.__struct_fields__}}
             line["trim_s"] = memory.trim_seconds
+            line["resident"] = resident_by_kind()
+            line["py_blocks"] = sys.getallocatedblocks()  # pymalloc's live blocks: a Python leak grows them
+            line["gc_objects"] = len(gc.get_objects())
             if args.tracemalloc:
                 line["python"] = tracemalloc.get_traced_memory()[0]
             print(json.dumps(line), flush=True)
@@ -102,6 +106,27 @@ def stream(args: argparse.Namespace) -> None:
         if now >= end:
             break
     loader.close()
+
+
+HEAP_ALIGN = 64 << 20  # glibc's thread arenas are heaps of HEAP_MAX_SIZE (64 MiB), aligned to it
+
+
+def resident_by_kind() -> dict[str, int]:
+    """This process's resident bytes by kind of mapping (/proc/self/smaps): the main arena ([heap]),
+    the thread arenas (anonymous, 64 MiB-aligned), other anonymous memory (large chunks mapped on their
+    own, pymalloc's arenas, thread stacks) and files (code, the tokenizer's mapped data)."""
+    out = {"main_arena": 0, "thread_arenas": 0, "anon": 0, "file": 0}
+    kind = "file"
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=5)
+        if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+            start = int(head[0].partition("-")[0], 16)
+            path = head[5] if len(head) > 5 else ""
+            kind = ("main_arena" if path == "[heap]" else "file" if path.startswith("/") else
+                    "thread_arenas" if not path and start % HEAP_ALIGN == 0 else "anon")
+        elif head[0] == "Rss:":
+            out[kind] += int(head[1]) << 10
+    return out
 
 
 # ---- this process: run, sample, report ----------------------------------------------------------
@@ -186,6 +211,16 @@ def summarize(rows: list[dict]) -> dict[str, float]:
         out |= {"arenas": last["alloc"]["arenas"], "heap_mb": last["alloc"]["heap"] / 1e6,
                 "free_mb": last["alloc"]["free"] / 1e6, "mmapped_mb": last["alloc"]["mmapped"] / 1e6,
                 "heap_slope": slope([r["t"] for r in half], [r["alloc"]["heap"] / 1e6 for r in half])}
+    for kind in last.get("resident", {}):
+        out[f"{kind}_mb"] = last["resident"][kind] / 1e6
+        out[f"{kind}_slope"] = slope([r["t"] for r in half], [r["resident"][kind] / 1e6 for r in half])
+    if "py_blocks" in last:
+        out["py_blocks_slope"] = slope([r["t"] for r in half], [r["py_blocks"] / 1e3 for r in half])  # k/min
+        out["gc_objects_slope"] = slope([r["t"] for r in half], [r["gc_objects"] / 1e3 for r in half])
+    if last.get("alloc"):
+        out["in_use_slope"] = slope([r["t"] for r in half], [r["alloc"]["in_use"] / 1e6 for r in half])
+        out["free_slope"] = slope([r["t"] for r in half], [r["alloc"]["free"] / 1e6 for r in half])
+        out["mmapped_slope"] = slope([r["t"] for r in half], [r["alloc"]["mmapped"] / 1e6 for r in half])
     if "python" in last:
         out["python_slope"] = slope([r["t"] for r in half], [r["python"] / 1e6 for r in half])
         out["python_mb"] = last["python"] / 1e6
