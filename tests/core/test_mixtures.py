@@ -70,10 +70,20 @@ def scheduled(mixing):
     return _scheduled(mixing)
 
 
+_INLINE: dict[tuple[str, int], list] = {}  # (config TOML, steps) -> records (runs are pure functions of both)
+
+
+def _inline(config: Config, steps: int = STEPS) -> list:
+    """The records of the single-rank inline run of `config` to `steps`, computed once per session."""
+    key = (config.to_toml(), steps)
+    if key not in _INLINE:
+        _INLINE[key] = run_world(config, 1, steps, backend="inline")[0]
+    return list(_INLINE[key])
+
+
 @pytest.fixture()
 def baseline(mixing, scheduled):
-    records, _ = run_world(scheduled, 1, STEPS, backend="inline")
-    plain, _ = run_world(mixing, 1, STEPS, backend="inline")
+    records, plain = _inline(scheduled), _inline(mixing)
     assert [r for r in records if r[0] < 6] == [r for r in plain if r[0] < 6]  # before the first change: unchanged
     assert [r for r in records if r[0] >= 6] != [r for r in plain if r[0] >= 6]
     return records
@@ -104,7 +114,7 @@ def test_decisions_for_the_next_step_and_one_far_ahead(mixing, backend):
     """Lanes go back to their state at the decided step: none of what they made ahead is kept for
     the next step, all of it for a step past their read-ahead; several calls before a batch too."""
     calls = [(3, W1, 3), (5, W2, 40), (5, W1, 30), (8, W2, 9)]
-    want, _ = run_world(_scheduled(mixing, calls), 1, 12, backend="inline")
+    want = _inline(_scheduled(mixing, calls), 12)
     assert run_calls(mixing, 2 if backend == "processes" else 1, 12, backend=backend, calls=calls)[0] == want
 
 
