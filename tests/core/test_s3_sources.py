@@ -34,9 +34,16 @@ def _on_endpoint(config, bucket: str, endpoint: str):
                                 addressing_style="path") for src in config.sources])
 
 
+_LOCAL: dict[str, list] = {}  # config TOML -> records of its local inline run (a pure function of the config)
+
+
 @pytest.fixture()
 def local_baseline(config):
-    return run_world(config, 1, STEPS, backend="inline")[0]
+    """The local inline run's records: computed once per config and session, not again in each test."""
+    key = config.to_toml()
+    if key not in _LOCAL:
+        _LOCAL[key] = run_world(config, 1, STEPS, backend="inline")[0]
+    return list(_LOCAL[key])
 
 
 @pytest.mark.parametrize(("dp_size", "backend"), [(1, "threads"), (3, "inline"), (2, "processes")])
