@@ -2,7 +2,7 @@
 
     unshare --net -- python -m tests.core._ray_child SPEC.json OUT.json
 
-SPEC names the text and image+text configs (TOML files) and the steps. One local Ray is
+SPEC names the text, image+text and transforms configs (TOML files) and the steps. One local Ray is
 started the way the backend starts one (`ray_session`: 127.0.0.1, its own temp dir) and used by
 every case; OUT gets each case's per-sample records (or its error text), or `{"skip": why}`
 when Ray cannot start here.
@@ -25,7 +25,7 @@ from tests.core.test_worker_restarts import sigkill_and_wait
 from tests.distributed._launch import loopback_up
 from zephon_stream import Config, ConfigError, Loader, ZephonError
 from zephon_stream.loader.ray_backend import ACTOR_NAME, ray_session
-from zephon_stream.testing.determinism import batch_records, run_world
+from zephon_stream.testing.determinism import batch_records, rank_records, run_world
 from zephon_stream.testing.stores import WithLatency
 
 
@@ -76,9 +76,23 @@ def refused_after_max_restarts(config: Config) -> str:
     return "no error"
 
 
-def cases(text: Config, vision: Config, steps: int) -> dict[str, Any]:
+def transforms_run(cfg: Config) -> dict[str, Any]:
+    """test_transforms.py's case: dp 2 on one actor to the end of the data; the records, and the
+    filtered counts the actor reported."""
+    cfg = cfg.replace(ray_actors=1)
+    records, filtered = [], {}
+    for rank in range(2):
+        loader = Loader(cfg, dp_rank=rank, dp_size=2, backend="ray")
+        records += rank_records(loader, None)
+        for name, n in loader.statistics().filtered_records.items():
+            filtered[name] = filtered.get(name, 0) + n
+    return {"records": sorted(records, key=lambda r: r[1]), "filtered": filtered}
+
+
+def cases(text: Config, vision: Config, transforms: Config, steps: int) -> dict[str, Any]:
     """Each case's records. Lane actors start slowly on a loaded 2-core host (seconds each), so
-    the cases are chosen to start few: 9 for the matrix, 11 for the kills, 1 for the refusal."""
+    the cases are chosen to start few: 9 for the matrix, 1 for the transforms, 11 for the kills, 1 for
+    the refusal."""
     out: dict[str, Any] = {}
     one = text.replace(ray_actors=1)
     timed(out, "dp1_three_actors_latency", lambda: run_world(
@@ -96,6 +110,7 @@ def cases(text: Config, vision: Config, steps: int) -> dict[str, Any]:
 
     timed(out, "onto_dp2", onto)
     timed(out, "off_dp3", off)
+    timed(out, "transforms", lambda: transforms_run(transforms))  # actors import the transforms by name
     # 12 cuts, two in a row too; a cut that finds no actor alive (one still starting) kills none
     cuts = set(random.Random(15).sample(range(7, 2 * steps - 8), 10)) | {5, 6}
     timed(out, "kills", lambda: killed_run(text.replace(max_restarts=len(cuts)), 2 * steps, cuts, seed=15))
@@ -113,7 +128,7 @@ def timed(out: dict[str, Any], case: str, run: Callable[[], Any]) -> None:
 def main(spec_path: str, out_path: str) -> None:
     loopback_up()
     spec = json.loads(Path(spec_path).read_text())
-    text, vision = Config.from_toml(spec["text"]), Config.from_toml(spec["vision"])
+    text, vision, transforms = (Config.from_toml(spec[name]) for name in ("text", "vision", "transforms"))
     result: dict[str, Any] = {}
     with anyio.from_thread.start_blocking_portal() as portal:
         try:
@@ -126,7 +141,7 @@ def main(spec_path: str, out_path: str) -> None:
                 import ray
 
                 temp = ray._private.worker._global_node.get_temp_dir_path()  # the session's files
-                result = cases(text, vision, spec["steps"])
+                result = cases(text, vision, transforms, spec["steps"])
                 result["node_ip"] = ray.util.get_node_ip_address()
                 result["temp"] = temp
             finally:

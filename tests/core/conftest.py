@@ -236,6 +236,17 @@ def vision_parquet_config(vision_config, vision_parquet_dataset) -> Config:
     return vision_config.replace(sources=[img, vision_config.sources[1]])
 
 
+@pytest.fixture(scope="session")
+def ray_child(tmp_path_factory: pytest.TempPathFactory):
+    """The one Ray child of the session (tests/core/test_ray.py: `RayChild`), or a skip with the reason."""
+    from tests.core.test_ray import RayChild, sandbox_problem
+
+    problem = sandbox_problem()
+    if problem:
+        pytest.skip(problem)
+    return RayChild(tmp_path_factory.mktemp("ray"))
+
+
 #: Determinism-matrix cases (tests/core/test_determinism.py) run for the text config alone: the
 #: second and third runs through worker processes (under injected latency, and resumed onto them).
 #: Every other config still streams through worker processes once (`test_world_sizes_and_backends`

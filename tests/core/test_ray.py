@@ -2,7 +2,8 @@
 
 Ray binds to the host's address, and tests may reach only 127.0.0.1, so the Ray side runs in
 a child process in a network namespace that has only loopback (`unshare --net`, `lo` up: the
-mechanism of tests/distributed), started once for the module (`_ray_child.py`). Its per-sample
+mechanism of tests/distributed), started once for the session (`_ray_child.py`, the `ray_child`
+fixture of tests/core/conftest.py; test_transforms.py's ray case runs in it too). Its per-sample
 digests are compared here with the in-process baseline. Where the namespace cannot be made,
 Ray is missing, or Ray does not start, every test here is skipped with the reason.
 """
@@ -47,7 +48,8 @@ def sandbox_problem() -> str | None:
 
 
 class RayChild:
-    """Runs `_ray_child.py` once (on the first configs asked for) and keeps its results."""
+    """Runs `_ray_child.py` once (on the first configs asked for) and keeps its results: one Ray
+    start for every Ray case of the session (a start is seconds of a 2-core host)."""
 
     def __init__(self, tmp: Path) -> None:
         self.tmp, self.results = tmp, None
@@ -60,11 +62,13 @@ class RayChild:
         return self.results
 
     def _run(self, text: Config, vision: Config) -> dict[str, Any]:
-        (self.tmp / "text.toml").write_text(text.to_toml())
-        (self.tmp / "vision.toml").write_text(vision.to_toml())
+        from tests.core.test_transforms import ray_transforms_config
+
+        configs = {"text": text, "vision": vision, "transforms": ray_transforms_config(text)}
+        for name, cfg in configs.items():
+            (self.tmp / f"{name}.toml").write_text(cfg.to_toml())
         spec = self.tmp / "spec.json"
-        spec.write_text(json.dumps({"text": str(self.tmp / "text.toml"), "vision": str(self.tmp / "vision.toml"),
-                                    "steps": STEPS}))
+        spec.write_text(json.dumps({**{name: str(self.tmp / f"{name}.toml") for name in configs}, "steps": STEPS}))
         out = self.tmp / "out.json"
         proc = subprocess.run(["unshare", "--net", "--", sys.executable, "-m", "tests.core._ray_child", str(spec),
                                str(out)], cwd=ROOT, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
@@ -72,14 +76,6 @@ class RayChild:
             raise AssertionError(f"the Ray child exited {proc.returncode}:\n{proc.stdout[-4000:]}\n"
                                  f"{proc.stderr[-8000:]}")
         return json.loads(out.read_text())
-
-
-@pytest.fixture(scope="module")
-def ray_child(tmp_path_factory: pytest.TempPathFactory) -> RayChild:
-    problem = sandbox_problem()
-    if problem:
-        pytest.skip(problem)
-    return RayChild(tmp_path_factory.mktemp("ray"))
 
 
 @pytest.fixture()

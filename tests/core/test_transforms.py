@@ -338,30 +338,19 @@ def test_transforms_round_trip_through_toml(config, tmp_path: Path):
 
 # ---- ray ----------------------------------------------------------------------------------------
 
+def ray_transforms_config(config: Config) -> Config:
+    """The config of the ray case: source a alone, filtered and mapped, to the end of its data."""
+    return with_steps(config.replace(max_epochs=1, sources=config.sources[:1]),
+                      a=[step("filter", "drop_bang"), step("map", "seeded_word")])
+
+
 @pytest.mark.slow
-def test_transforms_on_ray(config, dataset, tmp_path):
+def test_transforms_on_ray(ray_child, config, vision_config, dataset):
     """Ray actors import the transforms by name: the batches of the inline run (dp 2 on one actor,
-    every step to the end of the data), and the filtered records counted from the actor's reports."""
-    import json
-    import subprocess
-
-    from tests.core.test_ray import ROOT, sandbox_problem
-
-    problem = sandbox_problem()
-    if problem:
-        pytest.skip(problem)
+    every step to the end of the data), and the filtered records counted from the actor's reports.
+    The case runs in the session's one Ray child (tests/core/test_ray.py), which starts Ray once."""
     _, docs = dataset
-    cfg = with_steps(config.replace(max_epochs=1, sources=config.sources[:1]),
-                     a=[step("filter", "drop_bang"), step("map", "seeded_word")])
-    (tmp_path / "c.toml").write_text(cfg.to_toml())
-    out = tmp_path / "out.json"
-    proc = subprocess.run(["unshare", "--net", "--", sys.executable, "-m", "tests.core._ray_transforms_child",
-                           str(tmp_path / "c.toml"), "all", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=240)
-    assert proc.returncode == 0, proc.stderr[-8000:]
-    result = json.loads(out.read_text())
-    if "skip" in result:
-        pytest.skip(f"Ray did not start in the network namespace: {result['skip']}")
-    want, _ = run_world(cfg, 1, None, backend="inline")
+    result = ray_child(config, vision_config)["transforms"]
+    want, _ = run_world(ray_transforms_config(config), 1, None, backend="inline")
     assert real(tuple(r) for r in result["records"]) == real(want)
     assert result["filtered"] == {"a": bangs(docs["a"])}
