@@ -52,11 +52,17 @@ class RayChild:
     start for every Ray case of the session (a start is seconds of a 2-core host)."""
 
     def __init__(self, tmp: Path) -> None:
-        self.tmp, self.results = tmp, None
+        self.tmp, self.results, self.failure = tmp, None, None
 
     def __call__(self, text: Config, vision: Config) -> dict[str, Any]:
+        if self.failure is not None:  # every case fails with the child's output, without running it again
+            raise AssertionError(self.failure)
         if self.results is None:
-            self.results = self._run(text, vision)
+            try:
+                self.results = self._run(text, vision)
+            except (AssertionError, subprocess.TimeoutExpired) as exc:
+                self.failure = f"the Ray child failed once for the session: {exc}"
+                raise
         if "skip" in self.results:
             pytest.skip(f"Ray did not start in the network namespace: {self.results['skip']}")
         return self.results
