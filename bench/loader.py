@@ -1,17 +1,24 @@
 """Loader throughput against the tokenizer alone, restore time, and checkpoint size, on real text.
 
-    .venv/bin/python bench/loader.py [--mb 48] [--repeats 3] [--backend threads]
+    .venv/bin/python bench/loader.py [--mb 48] [--repeats 5] [--tokenizers 8k,50k]
+        [--backends threads,processes] [--shuffles 0,64] [--parquet]
     unshare --net -- .venv/bin/python bench/loader.py --backend ray [--mb 8] [--data /tmp/bench]
 
 Data: Debian's kernel and Python documentation (about 41 MB of English text, fetched beforehand
 by `make bench-data` with apt-get into ~/.cache/zephon-stream) topped up with the standard
-library's sources, written as multi-frame JSONL.zst shards; a byte-level BPE (vocab 8192) trained on it. The baseline is
-`Tokenizer.encode_batch_fast` alone on the same documents, in batches of the same size, in this
-process on the same cores. The loader runs one epoch (max_epochs = 1) of the same documents.
+library's sources, written as multi-frame JSONL.zst shards. Two byte-level BPEs trained on it:
+the project's small one (vocab 8192) and one of GPT-2's size (50257). The baseline is
+`Tokenizer.encode_batch_fast` alone on the same documents, in batches of 64 (the loader's
+`tokenize_batch`), in this process on the same cores. The loader runs one epoch (max_epochs = 1)
+of the same documents at 12 lanes, seq_len 2048, on each backend and shuffle window; its CPU
+seconds include its worker processes (the processes backend). torch is imported before any clock
+starts, as a trainer has it before it makes a loader. The runs alternate (per repeat: tokenizer
+alone, then every loader configuration), and each loader run is divided by the tokenizer-only run
+of its repeat, so a change in the machine's load falls on both.
 
-The Parquet row reads the same documents from Parquet files written by pyarrow (snappy, row
-groups of about 1 MiB of text, an `id` column beside `text`), as FineWeb ships them: the loader
-from Parquet against the loader from JSONL.zst, in tokens/s and in tokens per CPU-second.
+`--parquet` adds the loader from Parquet files written by pyarrow (snappy, row groups of about
+1 MiB of text, an `id` column beside `text`), as FineWeb ships them, against the loader from
+JSONL.zst, in tokens/s and in tokens per CPU-second.
 
 `--backend ray` compares the ray backend with threads on the same data instead: one local Ray
 (started once, its start-up timed apart), then epochs on each backend in turn; per batch, the
@@ -47,9 +54,10 @@ def prepare(root: Path, mb: int) -> tuple[list[str], Path]:
                          "(apt-get download + dpkg-deb -x, the one step that uses the network)")
     docs = collect_documents(mb << 20, download=False)
     marker = root / f"built-{mb}"
-    if not marker.exists():
+    if not marker.exists() or not (root / "tokenizer-50k.json").exists():
         write_jsonl_shards(docs, root / "text", name="text", shards=8, compress="zst")
         train_tokenizer(docs, root / "tokenizer.json")
+        train_tokenizer(docs, root / "tokenizer-50k.json", vocab_size=TOKENIZERS["50k"])
         marker.touch()
     if not (root / f"parquet-{mb}").exists():
         write_parquet(docs, root / "parquet", shards=8)
@@ -84,15 +92,22 @@ def tokenizer_only(texts: list[str], path: Path, batch: int) -> tuple[float, int
     return n / (time.perf_counter() - t), n, n / (time.process_time() - c)
 
 
+def cpu_seconds() -> float:
+    """CPU seconds of this process and of its reaped children (the processes backend's workers)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def loader_epoch(config: Config) -> tuple[float, int, float, float]:
-    """(tokens/s, tokens, seconds to the first batch, tokens per CPU-second) for one loader epoch."""
-    t, c = time.perf_counter(), time.process_time()
+    """(tokens/s, tokens, seconds to the first batch, tokens per CPU-second) for one loader epoch,
+    worker processes included."""
+    t, c = time.perf_counter(), cpu_seconds()
     loader = Loader(config)
     tokens, first = 0, None
     for batch in loader:
         tokens += int(batch["num_tokens"].sum())
         first = first or time.perf_counter() - t
-    return tokens / (time.perf_counter() - t), tokens, first, tokens / (time.process_time() - c)
+    return tokens / (time.perf_counter() - t), tokens, first, tokens / (cpu_seconds() - c)
 
 
 def restore_time(config: Config, step: int) -> tuple[float, int]:
@@ -237,53 +252,107 @@ def fmt(xs: list[float]) -> str:
     return f"median {statistics.median(xs):,.0f}  (min {min(xs):,.0f}, max {max(xs):,.0f})"
 
 
+def matrix(texts: list[str], data: Path, tokenizers: list[str], backends: list[str], shuffles: list[int],
+           repeats: int) -> None:
+    """The issue's matrix, runs alternating: per tokenizer, encode_batch_fast alone, then the loader
+    on each backend and shuffle window; the ratio of each run to the tokenizer-only run before it."""
+    base: dict[str, list[tuple[float, float]]] = {t: [] for t in tokenizers}
+    runs: dict[tuple[str, str, int], list[tuple[float, float, float, float]]] = {}
+    for r in range(repeats):
+        for name in tokenizers:
+            path = tokenizer_file(data, name)
+            rate, n, cpu = tokenizer_only(texts, path, 64)
+            base[name].append((rate, cpu))
+            line = [f"  run {r} {name}: tokenizer-only {rate:,.0f} tok/s {cpu:,.0f} tok/CPU-s"]
+            for backend in backends:
+                for window in shuffles:
+                    config = bench_config(path, backend, window)
+                    lrate, ln, first, lcpu = loader_epoch(config)
+                    if ln != n:
+                        raise SystemExit(f"the loader gave {ln} tokens, the tokenizer {n}: not the same documents")
+                    runs.setdefault((name, backend, window), []).append((lrate, lcpu, lrate / rate, lcpu / cpu))
+                    line.append(f"{backend}/shuffle {window}: {lrate:,.0f} tok/s ({lrate / rate:.3f}), "
+                                f"{lcpu:,.0f} tok/CPU-s ({lcpu / cpu:.3f}), first batch {first:.2f} s")
+            print("; ".join(line), flush=True)
+    print(f"\n{len(texts)} documents, {n:,} tokens an epoch with the last tokenizer; median (min - max) of {repeats}")
+    print("| tokenizer | backend | shuffle_window | loader tok/s | / tokenizer-only, wall (per run) "
+          "| loader tok/CPU-s | / tokenizer-only, per CPU-second (per run) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for (name, backend, window), rs in runs.items():
+        print(f"| {name} | {backend} | {window} | {fmt([x[0] for x in rs])} | {fmt3([x[2] for x in rs])} "
+              f"| {fmt([x[1] for x in rs])} | {fmt3([x[3] for x in rs])} |")
+    for name, bs in base.items():
+        print(f"tokenizer-only, {name}: {fmt([b[0] for b in bs])} tok/s, {fmt([b[1] for b in bs])} tok/CPU-s")
+
+
+TOKENIZERS = {"8k": 8192, "50k": 50257}  # the project's small-vocab BPE; one of GPT-2's size
+
+
+def tokenizer_file(data: Path, name: str) -> Path:
+    """The bench's byte-level BPE of `name`'s vocabulary size (trained on its documents by `prepare`)."""
+    if name not in TOKENIZERS:
+        raise SystemExit(f"--tokenizers: {name!r} is not one of {', '.join(TOKENIZERS)}")
+    return data / ("tokenizer.json" if name == "8k" else f"tokenizer-{name}.json")
+
+
+def bench_config(tokenizer: Path, backend: str, shuffle_window: int = 64) -> Config:
+    return Config(seed=1, lanes=12, seq_len=2048, global_batch_size=24, tokenizer=str(tokenizer), max_epochs=1,
+                  backend=backend, shuffle_window=shuffle_window,
+                  sources=[SourceConfig(name="text", uri=f"file://{tokenizer.parent}/text/")])
+
+
+def fmt3(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f} ({min(xs):.3f} - {max(xs):.3f})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=48)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--backend", default="threads", help="ray: compare the ray backend with threads instead")
+    ap.add_argument("--tokenizers", default="8k,50k", help="byte-level BPEs by vocabulary size: 8k, 50k")
+    ap.add_argument("--backends", default="threads,processes")
+    ap.add_argument("--shuffles", default="0,64", help="shuffle_window values")
+    ap.add_argument("--parquet", action="store_true", help="also the loader from Parquet against JSONL.zst")
     ap.add_argument("--data", type=Path, default=Path("data/bench"))
     args = ap.parse_args()
+    import torch  # noqa: F401  (a trainer has imported it before it makes a loader: not the loader's time)
+
     texts, tok = prepare(args.data.resolve(), args.mb)
     size = sum(len(t.encode()) for t in texts)
     print(f"data: {len(texts)} documents, {size / 1e6:.1f} MB of real text; tokenizer {tok}")
-    config = Config(seed=1, lanes=12, seq_len=2048, global_batch_size=24, tokenizer=str(tok), max_epochs=1,
-                    backend=args.backend, sources=[SourceConfig(name="text", uri=f"file://{tok.parent}/text/")])
+    config = bench_config(tok, args.backend)
     if args.backend == "ray":
         compare_ray(config, args.repeats)
         return
-    parquet = config.replace(sources=[SourceConfig(name="text", uri=f"file://{tok.parent}/parquet/")])
-    base, mine, base_cpu, mine_cpu, pq_rate, pq_cpu = [], [], [], [], [], []
-    for r in range(args.repeats):
-        rate, n, cpu = tokenizer_only(texts, tok, config.tokenize_batch)
-        base.append(rate)
-        base_cpu.append(cpu)
-        lrate, ln, first, lcpu = loader_epoch(config)
-        mine.append(lrate)
-        mine_cpu.append(lcpu)
-        prate, pn, pfirst, pcpu = loader_epoch(parquet)
-        pq_rate.append(prate)
-        pq_cpu.append(pcpu)
-        print(f"  run {r}: tokenizer-only {rate:,.0f} tok/s ({n:,} tokens, {cpu:,.0f} tok/CPU-s)   loader "
-              f"{lrate:,.0f} tok/s ({ln:,} tokens, first batch after {first:.2f}s, {lcpu:,.0f} tok/CPU-s)   "
-              f"parquet {prate:,.0f} tok/s ({pn:,} tokens, first batch after {pfirst:.2f}s, {pcpu:,.0f} tok/CPU-s)")
-        if pn != ln:
-            raise SystemExit(f"the Parquet epoch gave {pn} tokens, the JSONL.zst epoch {ln}: not the same documents")
-    print(f"tokenizer encode_batch_fast alone: {fmt(base)} tok/s")
-    print(f"loader ({args.backend}, 12 lanes, seq_len 2048): {fmt(mine)} tok/s")
-    print(f"loader from Parquet: {fmt(pq_rate)} tok/s; {fmt(pq_cpu)} tok/CPU-s (JSONL.zst: {fmt(mine_cpu)})")
-    print(f"ratio loader / tokenizer-only (wall): {statistics.median(mine) / statistics.median(base):.3f} "
-          f"(per-run: {', '.join(f'{m / b:.3f}' for m, b in zip(mine, base))})")
-    print(f"ratio loader / tokenizer-only (tokens per CPU-second of this process): "
-          f"{statistics.median(mine_cpu) / statistics.median(base_cpu):.3f} "
-          f"(per-run: {', '.join(f'{m / b:.3f}' for m, b in zip(mine_cpu, base_cpu))})")
-    print(f"ratio Parquet / JSONL.zst: wall {statistics.median(pq_rate) / statistics.median(mine):.3f}, "
-          f"per CPU-second {statistics.median(pq_cpu) / statistics.median(mine_cpu):.3f} (per-run wall: "
-          f"{', '.join(f'{p / m:.3f}' for p, m in zip(pq_rate, mine))})")
+    matrix(texts, tok.parent, args.tokenizers.split(","), args.backends.split(","),
+           [int(w) for w in args.shuffles.split(",")], args.repeats)
+    if args.parquet:
+        compare_parquet(config, args.repeats)
     for step in (10, 200):
         t, nbytes = restore_time(config.replace(max_epochs=0), step)
         print(f"restore at step {step}: first batch after {t * 1000:.0f} ms (median of 3); checkpoint "
               f"{nbytes} bytes = {nbytes / config.lanes:.0f} bytes per lane")
+
+
+def compare_parquet(config: Config, repeats: int) -> None:
+    """The loader from Parquet files against the loader from JSONL.zst, the same documents."""
+    parquet = config.replace(sources=[SourceConfig(name="text", uri=config.sources[0].uri.replace("/text/",
+                                                                                                 "/parquet/"))])
+    mine, mine_cpu, pq_rate, pq_cpu = [], [], [], []
+    for _ in range(repeats):
+        lrate, ln, _, lcpu = loader_epoch(config)
+        prate, pn, _, pcpu = loader_epoch(parquet)
+        if pn != ln:
+            raise SystemExit(f"the Parquet epoch gave {pn} tokens, the JSONL.zst epoch {ln}: not the same documents")
+        mine.append(lrate)
+        mine_cpu.append(lcpu)
+        pq_rate.append(prate)
+        pq_cpu.append(pcpu)
+    print(f"loader from Parquet: {fmt(pq_rate)} tok/s; {fmt(pq_cpu)} tok/CPU-s (JSONL.zst: {fmt(mine)} tok/s, "
+          f"{fmt(mine_cpu)} tok/CPU-s)")
+    print(f"ratio Parquet / JSONL.zst: wall {statistics.median(pq_rate) / statistics.median(mine):.3f}, "
+          f"per CPU-second {statistics.median(pq_cpu) / statistics.median(mine_cpu):.3f}")
 
 
 if __name__ == "__main__":
