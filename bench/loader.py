@@ -53,16 +53,21 @@ def prepare(root: Path, mb: int) -> tuple[list[str], Path]:
         raise SystemExit("the Debian documentation is not in the cache: run `make bench-data` first "
                          "(apt-get download + dpkg-deb -x, the one step that uses the network)")
     docs = collect_documents(mb << 20, download=False)
-    marker = root / f"built-{mb}"
-    if not marker.exists() or not (root / "tokenizer-50k.json").exists():
+    # one marker per build, naming its size: the shards and tokenizers of another --mb are rebuilt
+    marker, pq_marker = root / "built", root / "built-parquet"
+    if _read(marker) != str(mb) or not (root / "tokenizer-50k.json").exists():
         write_jsonl_shards(docs, root / "text", name="text", shards=8, compress="zst")
         train_tokenizer(docs, root / "tokenizer.json")
         train_tokenizer(docs, root / "tokenizer-50k.json", vocab_size=TOKENIZERS["50k"])
-        marker.touch()
-    if not (root / f"parquet-{mb}").exists():
+        marker.write_text(str(mb))
+    if _read(pq_marker) != str(mb):
         write_parquet(docs, root / "parquet", shards=8)
-        (root / f"parquet-{mb}").touch()
+        pq_marker.write_text(str(mb))
     return [t for _, t in docs], root / "tokenizer.json"
+
+
+def _read(path: Path) -> str | None:
+    return path.read_text() if path.exists() else None
 
 
 def write_parquet(docs: list[tuple[str, str]], out: Path, shards: int, group_bytes: int = 1 << 20) -> None:
