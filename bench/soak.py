@@ -28,9 +28,11 @@ Data: the bench's (`make bench-data`; see bench/loader.py), built into `--data` 
 from __future__ import annotations
 
 import argparse
+import bisect
 import gc
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -105,7 +107,21 @@ def stream(args: argparse.Namespace) -> None:
             due = now + args.interval
         if now >= end:
             break
+    if args.free_sizes:
+        print(json.dumps({"free_sizes": free_sizes(memory.malloc_info() or b"")}), flush=True)
     loader.close()
+
+
+FREE_BUCKETS = (1 << 10, 4 << 10, 64 << 10, 1 << 20)
+
+
+def free_sizes(xml: bytes) -> dict[str, float]:
+    """MB free in all arenas' bins by chunk size (from malloc_info): fragments under a page cannot be
+    trimmed; large free chunks are what a lower mmap threshold would have kept out of the arenas."""
+    out = dict.fromkeys(["<1K", "1K-4K", "4K-64K", "64K-1M", ">=1M"], 0.0)
+    for lo, total in re.findall(rb'<(?:size|unsorted) from="(\d+)" to="\d+" total="(\d+)"', xml):
+        out[list(out)[bisect.bisect_right(FREE_BUCKETS, int(lo))]] += int(total) / 1e6
+    return out
 
 
 HEAP_ALIGN = 64 << 20  # glibc's thread arenas are heaps of HEAP_MAX_SIZE (64 MiB), aligned to it
@@ -179,12 +195,15 @@ def run(args: argparse.Namespace, settings: str, variant: str) -> dict[str, floa
     env.update(kv.split("=", 1) for kv in assigns.split(",") if kv)
     cmd = [sys.executable, __file__, "--stream", "--settings", settings, "--minutes", str(args.minutes),
            "--interval", str(args.interval), "--backend", args.backend, "--tokenizer", str(args.tokenizer)]
-    if args.tracemalloc:
-        cmd.append("--tracemalloc")
+    cmd += ["--tracemalloc"] * args.tracemalloc + ["--free-sizes"] * args.free_sizes
     child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
     rows = []
     assert child.stdout is not None
     for line in child.stdout:
+        if line.startswith('{"free_sizes"'):
+            with PRINTING:
+                print(f"    {settings} {name} free in the bins, MB: {json.loads(line)['free_sizes']}", flush=True)
+            continue
         rss, hwm, cpu, faults = sample(child.pid)
         rows.append({**json.loads(line), "rss": rss, "hwm": hwm, "cpu": cpu, "faults": faults})
         if args.verbose:
@@ -246,6 +265,7 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=Path("data/bench"))
     ap.add_argument("--mb", type=int, default=48)
     ap.add_argument("--tracemalloc", action="store_true", help="also trace Python's allocations (slower)")
+    ap.add_argument("--free-sizes", action="store_true", help="at the end, the arenas' free bytes by chunk size")
     ap.add_argument("--verbose", action="store_true", help="print every sample")
     ap.add_argument("--stream", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tokenizer", type=Path, help=argparse.SUPPRESS)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from xml.etree import ElementTree
 
 import anyio
 import pytest
@@ -104,20 +105,36 @@ def test_mallopt_settings_once_and_never_over_the_users_own() -> None:
 
 @needs_glibc
 def test_a_streaming_loader_trims_and_not_when_switched_off(config, monkeypatch) -> None:
-    def trims_while_streaming(spec: str, batches: int, seconds: float) -> int:
-        """Trims made while streaming `batches` batches and then until the first trim, or for
-        `seconds` at most."""
+    started: list[float] = []  # the trim interval of each trimmer a stream started
+    real = memory._trim_every
+
+    async def spy(seconds: float) -> None:
+        started.append(seconds)
+        await real(seconds)
+
+    monkeypatch.setattr(memory, "_trim_every", spy)
+
+    def trims_while_streaming(spec: str, batches: int, until_a_trim: bool) -> int:
+        """Trims made while streaming `batches` batches, and then until the first trim if asked."""
         monkeypatch.setenv("ZEPHON_MALLOC", spec)
-        before, deadline = memory.trims, time.monotonic() + seconds
+        before, deadline = memory.trims, time.monotonic() + 60
         with Loader(config) as loader:
             for i, _ in enumerate(loader):
-                if (memory.trims > before and i >= batches) or time.monotonic() > deadline:
+                if i >= batches and (not until_a_trim or memory.trims > before or time.monotonic() > deadline):
                     break
         return memory.trims - before
 
-    assert trims_while_streaming("trim_interval=0.01", 3, 60) >= 1
-    # off: no trim for longer than the default interval, in which the default policy would trim
-    assert trims_while_streaming("off", 30, AllocatorPolicy().trim_interval + 2) == 0
+    assert trims_while_streaming("trim_interval=0.01", 3, until_a_trim=True) >= 1 and started == [0.01]
+    # off: no trimmer at all, so no trim however long the stream
+    assert trims_while_streaming("off", 3, until_a_trim=False) == 0 and started == [0.01]
+
+    async def unset() -> None:  # and with ZEPHON_MALLOC unset, the default schedule
+        monkeypatch.delenv("ZEPHON_MALLOC")
+        async with memory.managed_memory():
+            await anyio.wait_all_tasks_blocked()
+
+    anyio.run(unset)
+    assert started == [0.01, AllocatorPolicy().trim_interval]
 
 
 def test_buffered_bytes_while_streaming(config) -> None:
@@ -144,3 +161,25 @@ def test_buffered_bytes_while_streaming(config) -> None:
         assert batches == cfg.sample_buffer * cfg.lanes
         assert batches * per_sample <= held <= bound, (held, bound)  # a hand-off holds 1..sample_batch samples
     assert after == 0  # the stream closed: nothing is held
+
+
+@needs_glibc
+def test_malloc_info_shows_every_arena_and_a_freed_chunk() -> None:
+    libc = memory._glibc()
+    libc.malloc.restype = ctypes.c_void_p
+
+    def free_from(nbytes: int) -> int:
+        """Bytes free in the main arena's bins (the unsorted one too) in chunks of at least `nbytes`."""
+        sizes = ElementTree.fromstring(memory.malloc_info()).find("heap[@nr='0']/sizes")
+        return sum(int(s.get("total")) for s in sizes if int(s.get("from")) >= nbytes)
+
+    # three blocks under the mmap threshold: the middle one, freed, cannot merge into the arena's top
+    blocks = [libc.malloc(100_000) for _ in range(3)]
+    try:
+        before = free_from(100_000)
+        libc.free(ctypes.c_void_p(blocks.pop(1)))
+        assert free_from(100_000) >= before + 100_000
+        assert len(ElementTree.fromstring(memory.malloc_info()).findall("heap")) == allocator_stats().arenas
+    finally:
+        for block in blocks:
+            libc.free(ctypes.c_void_p(block))

@@ -10,19 +10,27 @@ free bytes inside the arenas grow by as much as RSS does. Capping the arenas
 cost 26% of the throughput on the many-core machine where the growth was reported.
 
 `managed_memory()`, entered by every loader stream and lane worker process, keeps the arenas
-and gives their free pages back instead: every `trim_interval` seconds (10) a worker thread
+and gives their free pages back instead: every `trim_interval` seconds (60) a worker thread
 calls `malloc_trim(0)`, which releases the whole free pages of every arena (a few ms; the event
-loop never waits on it). RSS then follows the bytes in use, and the threads allocate as before.
-The price is page faults: the pipeline touches much of the freed memory again within seconds,
-so each trim is followed by a refill. It is paid per second, not per token (at most the arenas'
-free pages per trim). bench/soak.py on a loaded 2-core machine (30-65k tokens/s): 0.7% of the
-CPU in the trims, 3.3% fewer tokens per CPU-second in the median of 6 pairs (-4.5% to +0.2%);
-at the tens of times higher rates of a many-core machine the share is that much smaller.
-Trimming only once RSS has grown by a margin does not hold it: the refill after each trim
-raises the level that the margin is taken from.
+loop never waits on it), so a burst (an oversized document, a restore) does not stay resident
+for the rest of the run.
+
+What a trim can and cannot do (bench/soak.py, which splits RSS by kind of mapping): bytes in
+use, pymalloc's blocks and gc's objects are flat after the first minutes, and all the growth
+is in the thread arenas' resident pages. A trim every 10 s lowers the level by 20-30 MB but
+not the slope: the thread arenas' lowest resident level, right after the trims, still rises
+(pages that hold a live chunk among free ones, which no trim can return). And each trim costs
+a refill, whatever the interval: it releases the 30-50 MB of free pages the threads are
+cycling through, and they fault them back within seconds. Its price is per trim, so per
+second: every 10 s it cost 3% of the tokens per CPU-second on a 2-core machine (4x the page
+faults of no trim); every 60 s the faults are a sixth of that. Trimming only once RSS has grown
+by a margin does not hold it either: the refill raises the level the margin is taken from.
+Fewer arenas cut the growth but serialize the threads (`arena_max=4`: -12% tokens per
+CPU-second on 2 cores; `MALLOC_ARENA_MAX=2`: -26% on a many-core machine), and a fixed mmap
+threshold (1 MiB) adds page faults without lowering the slope.
 
     ZEPHON_MALLOC=off                          # leave malloc as the process found it
-    ZEPHON_MALLOC=trim_interval=30             # trim less often (RSS then grows between trims)
+    ZEPHON_MALLOC=trim_interval=10             # trim more often: 20-30 MB lower, ~3% of the CPU
     ZEPHON_MALLOC=trim_interval=0,arena_max=4  # no trim; at most 4 arenas (mallopt M_ARENA_MAX)
 
 `arena_max`, `mmap_threshold` and `trim_threshold` are glibc's `mallopt` settings, set once
@@ -49,8 +57,8 @@ import msgspec
 from zephon_stream.engine import threads
 from zephon_stream.errors import ConfigError
 
-__all__ = ["MEMORY_ENV", "AllocatorPolicy", "AllocatorStats", "allocator_stats", "configure_allocator", "mallopt",
-           "managed_memory", "policy_from_env", "trim"]
+__all__ = ["MEMORY_ENV", "AllocatorPolicy", "AllocatorStats", "allocator_stats", "configure_allocator", "malloc_info",
+           "mallopt", "managed_memory", "policy_from_env", "trim"]
 
 #: Set to "off" to leave the C allocator as the process found it.
 MEMORY_ENV = "ZEPHON_MALLOC"
@@ -104,18 +112,26 @@ def allocator_stats() -> AllocatorStats | None:
     if libc is None:
         return None
     info = libc.mallinfo2()
-    return AllocatorStats(_count_arenas(libc), info.arena, info.hblkhd, info.uordblks, info.fordblks, info.keepcost)
+    return AllocatorStats(_count_arenas(), info.arena, info.hblkhd, info.uordblks, info.fordblks, info.keepcost)
 
 
-def _count_arenas(libc: ctypes.CDLL) -> int:
+def _count_arenas() -> int:
+    return len(re.findall(rb"<heap nr=", malloc_info() or b""))
+
+
+def malloc_info() -> bytes | None:
+    """glibc's `malloc_info` XML: per arena, its free chunks by size; None where it is not glibc."""
+    libc = _glibc()
+    if libc is None:
+        return None
     buf, size = ctypes.c_char_p(), ctypes.c_size_t()
     stream = libc.open_memstream(ctypes.byref(buf), ctypes.byref(size))
     if not stream:
-        return 0
+        return b""
     libc.malloc_info(0, stream)
     libc.fclose(stream)
     try:
-        return len(re.findall(rb"<heap nr=", ctypes.string_at(buf, size.value)))
+        return ctypes.string_at(buf, size.value)
     finally:
         libc.free(buf)
 
@@ -135,7 +151,7 @@ def trim() -> bool:
 class AllocatorPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What `managed_memory` does to glibc malloc; 0 leaves a setting as glibc has it."""
 
-    trim_interval: float = 10.0  # seconds between two malloc_trim(0) while a stream runs
+    trim_interval: float = 60.0  # seconds between two malloc_trim(0) while a stream runs; 0 = never
     arena_max: int = 0  # M_ARENA_MAX (glibc: 8 per core)
     mmap_threshold: int = 0  # M_MMAP_THRESHOLD in bytes (glibc: 128 KiB, raised by each large free)
     trim_threshold: int = 0  # M_TRIM_THRESHOLD in bytes (glibc: 128 KiB, raised with the mmap threshold)
