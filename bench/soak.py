@@ -22,7 +22,8 @@ the throughput after the first batch, in tokens/s and in tokens per CPU-second o
 processes (the figure to trust on a shared machine). Then the median and range of each
 (settings, variant). `--parallel` runs the variants side by side instead of one after the other.
 
-Data: the bench's (`make bench-data`; see bench/loader.py), built into `--data` on first use.
+Data: the bench's documents (`make bench-data`; see bench/loader.py), built into `--data` (data/soak) on
+first use.
 """
 
 from __future__ import annotations
@@ -262,7 +263,8 @@ def main() -> None:
     ap.add_argument("--parallel", action="store_true",
                     help="run the variants side by side (on a shared machine), not one after the other")
     ap.add_argument("--backend", default="threads")
-    ap.add_argument("--data", type=Path, default=Path("data/bench"))
+    ap.add_argument("--data", type=Path, default=Path("data/soak"), help="built here on first use; a directory of its "
+                    "own, so a bench that rebuilds data/bench at another size never changes the shards under a soak")
     ap.add_argument("--mb", type=int, default=48)
     ap.add_argument("--tracemalloc", action="store_true", help="also trace Python's allocations (slower)")
     ap.add_argument("--free-sizes", action="store_true", help="at the end, the arenas' free bytes by chunk size")
