@@ -129,23 +129,25 @@ class _Image(msgspec.Struct, array_like=True):
 
 
 class _Msg(msgspec.Struct, array_like=True):
-    kind: str  # "batch" | "end" | "error" | "skipped"
+    kind: str  # "batch" | "end" | "error"
     lane: int = -1
     samples: list[tuple[int, bytes, bytes, bytes, list[int], int, LaneState, list[_Image], bytes, list[int]]] = []
     error: tuple[str, str] = ("", "")
-    counts: RecordCounts = RecordCounts()  # "skipped": the worker's records skipped and filtered so far
+    counts: RecordCounts = RecordCounts()  # "batch", "end": the worker's records skipped and filtered so far
 
 
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(_Msg)
 
 
-def _pack(lane: int, batch: list[Sample]) -> bytes:
+def _pack(lane: int, batch: list[Sample], counts: RecordCounts | None = None) -> bytes:
+    """A batch of a lane's samples as one message, with the worker's bad-record counts (one message
+    a batch: each costs a thread hand-off on both sides)."""
     return _enc.encode(_Msg("batch", lane, [
         (s.index, s.input_ids.tobytes(), s.labels.tobytes(), s.position_ids.tobytes(), s.segments, s.num_tokens,
          s.state, [_Image(im.tobytes(), im.shape[0], im.shape[1], g) for im, g in zip(s.images, s.grids)],
          s.token_types.tobytes() if s.token_types is not None else b"", s.sources)
-        for s in batch]))
+        for s in batch], counts=counts or RecordCounts()))
 
 
 def _unpack(msg: _Msg) -> list[Sample]:
@@ -246,11 +248,11 @@ class _Workers:
                 samples = _unpack(msg)
                 self.sup.received(msg.lane, samples)
                 await self.sends[msg.lane].send(samples)
+                self.sup.set_skipped(w, msg.counts)
             elif msg.kind == "end":
+                self.sup.set_skipped(w, msg.counts)
                 self.sup.ended.add(msg.lane)
                 await self.sends[msg.lane].aclose()
-            elif msg.kind == "skipped":
-                self.sup.set_skipped(w, msg.counts)
             else:
                 raise _worker_error(*msg.error)
         return True
@@ -315,10 +317,9 @@ async def _forward(lane: int, recv: Any, credit: anyio.Semaphore, out: Any, shar
         async for batch in recv:
             await credit.acquire()
             _write_counters(shared.stores, counters)  # before the batch leaves: the parent sees its reads
-            await out.send(_pack(lane, batch))
-            await out.send(_enc.encode(_Msg("skipped", counts=shared.record_counts())))
+            await out.send(_pack(lane, batch, shared.record_counts()))
         _write_counters(shared.stores, counters)
-        await out.send(_enc.encode(_Msg("end", lane)))
+        await out.send(_enc.encode(_Msg("end", lane, counts=shared.record_counts())))
 
 
 _COUNTERS = ("requests", "retries", "bytes_read")  # the store counters a worker shares with the parent

@@ -1,0 +1,47 @@
+"""Tokenize: each document's ids as uint32, EOS after them and BOS before them when configured."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from zephon_stream.operators.tokenize import Tokenize
+
+TEXTS = ["", "a", "the loader reads the shard", "ünïcødé → 日本語 🙂", "x" * 5000, "two\nlines\n"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|bos|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TEXTS * 3, trainer=trainer)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("bos", [None, "<|bos|>"])
+def test_ids_then_eos_and_bos_first(tokenizer_path: Path, bos: str | None) -> None:
+    tok = Tokenize(str(tokenizer_path), "<|endoftext|>", bos)
+    ref = Tokenizer.from_file(str(tokenizer_path))
+    out = tok(TEXTS)
+    assert len(out) == len(TEXTS)
+    for text, arr in zip(TEXTS, out):
+        want = ([] if bos is None else [ref.token_to_id(bos)]) + ref.encode(text, add_special_tokens=False).ids
+        want.append(ref.token_to_id("<|endoftext|>"))
+        assert arr.dtype == np.uint32
+        assert arr.tolist() == want
+
+
+def test_arrays_are_separate_and_writable(tokenizer_path: Path) -> None:
+    """Each document's array owns its memory: writing one changes no other (packing slices them)."""
+    a, b = Tokenize(str(tokenizer_path), "<|endoftext|>")(["same text", "same text"])
+    assert a.flags.writeable and b.flags.writeable
+    before = b.tolist()
+    a[:] = 0
+    assert b.tolist() == before
