@@ -4,8 +4,8 @@
 
 SPEC names the text, image+text and transforms configs (TOML files) and the steps. One local Ray is
 started the way the backend starts one (`ray_session`: 127.0.0.1, its own temp dir) and used by
-every case; OUT gets each case's per-sample records (or its error text), or `{"skip": why}`
-when Ray cannot start here.
+every case; OUT gets each case's per-sample records as each case ends (so a crash loses only
+the cases after it), or `{"skip": why}` when Ray cannot start here.
 """
 
 from __future__ import annotations
@@ -89,11 +89,24 @@ def transforms_run(cfg: Config) -> dict[str, Any]:
     return {"records": sorted(records, key=lambda r: r[1]), "filtered": filtered}
 
 
-def cases(text: Config, vision: Config, transforms: Config, steps: int) -> dict[str, Any]:
-    """Each case's records. Lane actors start slowly on a loaded 2-core host (seconds each), so
-    the cases are chosen to start few: 9 for the matrix, 1 for the transforms, 11 for the kills, 1 for
-    the refusal."""
-    out: dict[str, Any] = {}
+class Out(dict):
+    """The results so far, written to OUT after each case (whole: a new file renamed over the old),
+    so that the cases done before a crash of the child or of Ray are still checked one by one."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+
+    def save(self) -> None:
+        part = self.path.with_suffix(".part")
+        part.write_text(json.dumps(self))
+        os.replace(part, self.path)
+
+
+def cases(text: Config, vision: Config, transforms: Config, steps: int, out: Out) -> None:
+    """Each case's records into `out`. Lane actors start slowly on a loaded 2-core host (seconds
+    each), so the cases are chosen to start few: 9 for the matrix, 1 for the transforms, 11 for the
+    kills, 1 for the refusal."""
     one = text.replace(ray_actors=1)
     timed(out, "dp1_three_actors_latency", lambda: run_world(
         text.replace(ray_actors=3, sample_buffer=1), 1, steps, backend="ray",
@@ -115,13 +128,13 @@ def cases(text: Config, vision: Config, transforms: Config, steps: int) -> dict[
     cuts = set(random.Random(15).sample(range(7, 2 * steps - 8), 10)) | {5, 6}
     timed(out, "kills", lambda: killed_run(text.replace(max_restarts=len(cuts)), 2 * steps, cuts, seed=15))
     timed(out, "max_restarts", lambda: refused_after_max_restarts(one))
-    return out
 
 
-def timed(out: dict[str, Any], case: str, run: Callable[[], Any]) -> None:
-    """out[case] = run(); its seconds to stderr (shown when the test fails, and with -s)."""
+def timed(out: Out, case: str, run: Callable[[], Any]) -> None:
+    """out[case] = run(), saved; its seconds to stderr (shown when the test fails, and with -s)."""
     t0 = time.monotonic()
     out[case] = run()
+    out.save()
     print(f"ray case {case}: {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
 
 
@@ -129,26 +142,26 @@ def main(spec_path: str, out_path: str) -> None:
     loopback_up()
     spec = json.loads(Path(spec_path).read_text())
     text, vision, transforms = (Config.from_toml(spec[name]) for name in ("text", "vision", "transforms"))
-    result: dict[str, Any] = {}
+    result = Out(Path(out_path))
     with anyio.from_thread.start_blocking_portal() as portal:
         try:
             session = portal.wrap_async_context_manager(ray_session(text, 3))
             session.__enter__()
         except ConfigError as exc:
-            result = {"skip": str(exc)}
+            result["skip"] = str(exc)
         else:
             try:
                 import ray
 
                 temp = ray._private.worker._global_node.get_temp_dir_path()  # the session's files
-                result = cases(text, vision, transforms, spec["steps"])
+                cases(text, vision, transforms, spec["steps"], result)
                 result["node_ip"] = ray.util.get_node_ip_address()
                 result["temp"] = temp
             finally:
                 session.__exit__(None, None, None)
             result["temp_left"] = Path(temp).exists()
             result["ray_left"] = ray.is_initialized()
-    Path(out_path).write_text(json.dumps(result))
+    result.save()
 
 
 if __name__ == "__main__":

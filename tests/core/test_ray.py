@@ -47,27 +47,33 @@ def sandbox_problem() -> str | None:
     return None
 
 
+class ChildResults(dict):
+    """The Ray child's results by case; a case it did not finish fails with the child's output."""
+
+    def __init__(self, results: dict[str, Any], failure: str | None) -> None:
+        super().__init__(results)
+        self.failure = failure  # why the child did not exit cleanly (None: it did)
+
+    def __missing__(self, case: str) -> Any:
+        raise AssertionError(f"the Ray child has no result for {case!r}: {self.failure or 'it exited 0 without it'}")
+
+
 class RayChild:
     """Runs `_ray_child.py` once (on the first configs asked for) and keeps its results: one Ray
-    start for every Ray case of the session (a start is seconds of a 2-core host)."""
+    start for every Ray case of the session (a start is seconds of a 2-core host). A child that
+    fails is not run again: the cases it finished are checked, the others fail with its output."""
 
     def __init__(self, tmp: Path) -> None:
-        self.tmp, self.results, self.failure = tmp, None, None
+        self.tmp, self.results = tmp, None
 
-    def __call__(self, text: Config, vision: Config) -> dict[str, Any]:
-        if self.failure is not None:  # every case fails with the child's output, without running it again
-            raise AssertionError(self.failure)
+    def __call__(self, text: Config, vision: Config) -> ChildResults:
         if self.results is None:
-            try:
-                self.results = self._run(text, vision)
-            except (AssertionError, subprocess.TimeoutExpired) as exc:
-                self.failure = f"the Ray child failed once for the session: {exc}"
-                raise
+            self.results = self._run(text, vision)
         if "skip" in self.results:
             pytest.skip(f"Ray did not start in the network namespace: {self.results['skip']}")
         return self.results
 
-    def _run(self, text: Config, vision: Config) -> dict[str, Any]:
+    def _run(self, text: Config, vision: Config) -> ChildResults:
         from tests.core.test_transforms import ray_transforms_config
 
         configs = {"text": text, "vision": vision, "transforms": ray_transforms_config(text)}
@@ -76,16 +82,18 @@ class RayChild:
         spec = self.tmp / "spec.json"
         spec.write_text(json.dumps({**{name: str(self.tmp / f"{name}.toml") for name in configs}, "steps": STEPS}))
         out = self.tmp / "out.json"
-        proc = subprocess.run(["unshare", "--net", "--", sys.executable, "-m", "tests.core._ray_child", str(spec),
-                               str(out)], cwd=ROOT, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
-        if proc.returncode:
-            raise AssertionError(f"the Ray child exited {proc.returncode}:\n{proc.stdout[-4000:]}\n"
-                                 f"{proc.stderr[-8000:]}")
-        return json.loads(out.read_text())
+        cmd = ["unshare", "--net", "--", sys.executable, "-m", "tests.core._ray_child", str(spec), str(out)]
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+            failure = (f"the Ray child exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+                       if proc.returncode else None)
+        except subprocess.TimeoutExpired as exc:
+            failure = f"the Ray child ran past {CHILD_TIMEOUT_S} s:\n{str(exc.stderr or '')[-8000:]}"
+        return ChildResults(json.loads(out.read_text()) if out.exists() else {}, failure)
 
 
 @pytest.fixture()
-def results(ray_child, config, vision_config) -> dict[str, Any]:
+def results(ray_child, config, vision_config) -> ChildResults:
     return ray_child(config, vision_config)
 
 
@@ -130,6 +138,7 @@ def test_fails_after_max_restarts_naming_the_lanes(results):
 
 
 def test_local_ray_is_private_to_loopback_and_cleaned_up(results):
+    assert results.failure is None, results.failure
     assert results["node_ip"] == "127.0.0.1"
     assert Path(results["temp"]).name.startswith("zephon-ray-")
     assert not results["temp_left"] and not results["ray_left"]
