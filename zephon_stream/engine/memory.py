@@ -15,22 +15,23 @@ calls `malloc_trim(0)`, which releases the whole free pages of every arena (a fe
 loop never waits on it), so a burst (an oversized document, a restore) does not stay resident
 for the rest of the run.
 
-What a trim can and cannot do (bench/soak.py, which splits RSS by kind of mapping): bytes in
-use, pymalloc's blocks and gc's objects are flat after the first minutes, and all the growth
-is in the thread arenas' resident pages. A trim every 10 s lowers the level by 20-30 MB but
-not the slope: the thread arenas' lowest resident level, right after the trims, still rises
-(pages that hold a live chunk among free ones, which no trim can return). And each trim costs
-a refill, whatever the interval: it releases the 30-50 MB of free pages the threads are
-cycling through, and they fault them back within seconds. Its price is per trim, so per
-second: every 10 s it cost 3% of the tokens per CPU-second on a 2-core machine (4x the page
-faults of no trim); every 60 s the faults are a sixth of that. Trimming only once RSS has grown
-by a margin does not hold it either: the refill raises the level the margin is taken from.
-Fewer arenas cut the growth but serialize the threads (`arena_max=4`: -12% tokens per
-CPU-second on 2 cores; `MALLOC_ARENA_MAX=2`: -26% on a many-core machine), and a fixed mmap
-threshold (1 MiB) adds page faults without lowering the slope.
+What a trim can and cannot do (bench/soak.py, which splits RSS by kind of mapping; 30 min at
+the defaults on a shared 2-core machine): pymalloc's blocks and gc's objects are flat, the bytes
+in use rise slowly (+15 MB over the last 25 min, in every variant), and the rest of the growth
+is in the thread arenas: at the end 46-60 MB of their ~110 MB free sits in chunks under 4 KiB,
+between live ones, which `malloc_trim` cannot return. So no trim schedule makes RSS flat: the
+slope was 2.0 MB/min with no trim, 2.2 trimming every 60 s and 3.4 every 10 s (peak 474, 472
+and 456 MB). And each trim costs a refill, whatever the interval: it releases the 30-50 MB of
+whole free pages the threads are cycling through, and they fault them back within seconds
+(5.0k page faults per million tokens untrimmed, 7.2k every 60 s, 15k every 10 s: about 3% of
+the tokens per CPU-second at 10 s). Trimming only once RSS has grown by a margin does not hold
+it either: the refill raises the level the margin is taken from. Fewer arenas cut the growth
+but serialize the threads (`arena_max=4`: -12% tokens per CPU-second on 2 cores;
+`MALLOC_ARENA_MAX=2`: -26% on a many-core machine), and a fixed 1 MiB mmap threshold doubles
+the page faults without lowering the slope.
 
     ZEPHON_MALLOC=off                          # leave malloc as the process found it
-    ZEPHON_MALLOC=trim_interval=10             # trim more often: 20-30 MB lower, ~3% of the CPU
+    ZEPHON_MALLOC=trim_interval=10             # trim more often: ~15-30 MB lower, ~3% of the CPU
     ZEPHON_MALLOC=trim_interval=0,arena_max=4  # no trim; at most 4 arenas (mallopt M_ARENA_MAX)
 
 `arena_max`, `mmap_threshold` and `trim_threshold` are glibc's `mallopt` settings, set once
