@@ -367,33 +367,48 @@ class TextLane:
         (`piece`: tokens of the document at the cursor already handed out, see `operators.feed.cut`).
 
         A tokenizer call takes what `send.room` allows (the read-ahead grows with what the lane
-        takes, see `operators.feed`), so the lane's first documents come after a short call."""
+        takes, see `operators.feed`), so the lane's first documents come after a short call. While
+        the read-ahead would take more documents than the blocks decoded so far hold, the next
+        block of the split is decoded first: a call takes up to a whole `tokenize_batch` of the
+        split, not only what one block (a zstd frame: about 35 documents) holds."""
         shared = self.shared
-        pieces = shared.config.piece_tokens
         first = (position, offset) if piece else None  # the document the cursor is inside
-        batch = shared.batch_size(source)
         empty = 0  # positions in a row that gave no document
         async with send:
             while (reader := shared.reader(source, self.lane, position)) is not None:
                 found = False
+                pending: list[Doc] = []  # decoded, not tokenized yet
                 try:
                     async for pos, block in reader.blocks(offset):
-                        docs = await shared.run_cpu(shared.decode, source, position, reader, pos, block)
-                        i = 0
-                        while i < len(docs):
-                            size = await send.room(min(batch, len(docs) - i))
-                            tokens = await shared.run_cpu(shared.tokenize, source, docs[i:i + size], reader.key,
-                                                          reader.bad)
-                            i += size
-                            found = found or bool(tokens)  # a bad image or conversation skipped is no document
-                            if first is not None and (not tokens or tuple(tokens[0][0][1:3]) != first):
-                                refuse("piece", piece, "no document starts at the cursor to take pieces from")
-                            if pieces:
-                                tokens, first = cut(tokens, pieces, piece if first else 0), None
-                            await send.send(tokens)
+                        pending += await shared.run_cpu(shared.decode, source, position, reader, pos, block)
+                        more, first = await self._hand_out(source, reader, pending, send, False, first, piece)
+                        found = found or more
+                    more, first = await self._hand_out(source, reader, pending, send, True, first, piece)
+                    found = found or more
                 except IncompatibleState as exc:  # the cursor is not a record start, or not a piece start
                     raise self._refused(f"sources[{source}] = {(position, offset, piece)}: {exc}") from None
                 empty = 0 if found else empty + 1
                 if empty >= min(_EMPTY_RUN, len(shared.plan.sources[source].splits)):
                     await shared.check_source(source)
                 position, offset = position + 1, 0
+
+    async def _hand_out(self, source: int, reader: SplitReader, pending: list[Doc], send: FeedSender, final: bool,
+                        first: tuple[int, int] | None, piece: int) -> tuple[bool, tuple[int, int] | None]:
+        """Tokenize `pending` (taking the documents out) and send them, in calls of what the feed's
+        room allows, while a call is worth making now: always when `final` (the split's last
+        block), else while the room would not take more than `pending` holds. Returns whether any
+        document came out, and `first` (None once the document at the cursor has been cut)."""
+        shared, found = self.shared, False
+        pieces, batch = shared.config.piece_tokens, shared.batch_size(source)
+        while pending and (final or len(pending) >= batch or send.room_now(batch) <= len(pending)):
+            size = await send.room(min(batch, len(pending)))
+            docs = pending[:size]
+            del pending[:size]
+            tokens = await shared.run_cpu(shared.tokenize, source, docs, reader.key, reader.bad)
+            found = found or bool(tokens)  # a bad image or conversation skipped is no document
+            if first is not None and (not tokens or tuple(tokens[0][0][1:3]) != first):
+                refuse("piece", piece, "no document starts at the cursor to take pieces from")
+            if pieces:
+                tokens, first = cut(tokens, pieces, piece if first else 0), None
+            await send.send(tokens)
+        return found, first

@@ -63,6 +63,10 @@ class FeedSender:
         """Wait until the read-ahead may grow; the documents (1..most) the next call may take."""
         return await self._feed._room(most)
 
+    def room_now(self, most: int) -> int:
+        """The documents (at most `most`) a call could take now without waiting; 0 or less: none."""
+        return min(most, self._feed._allowed(most))
+
     async def send(self, docs: list[Doc]) -> None:
         self._feed._sent += len(docs)
         await self._stream.send(docs)
@@ -90,8 +94,11 @@ class Feed:
         spawn(self.produce, *self.cursor, FeedSender(self, send))
         return self._recv
 
+    def _allowed(self, most: int) -> int:
+        return max(1, min(self.taken, self.buffer * most)) - (self._sent - self.taken)
+
     async def _room(self, most: int) -> int:
-        while (room := max(1, min(self.taken, self.buffer * most)) - (self._sent - self.taken)) < 1:
+        while (room := self._allowed(most)) < 1:
             self._took = anyio.Event()
             await self._took.wait()
         return min(most, room)
