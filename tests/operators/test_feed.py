@@ -75,3 +75,26 @@ def test_the_read_ahead_grows_with_what_the_lane_takes() -> None:
     for sent, taken, n in seen:  # never more than max(1, taken) ahead, nor past the buffer's 3 batches of 8
         assert 1 <= n <= 8 and sent + n - taken <= max(1, min(taken, 3 * 8))
     assert max(n for *_, n in seen) == 8
+
+
+def test_room_now_is_what_room_gives_without_waiting() -> None:
+    """`room_now` (the producer's look before it decodes another block) agrees with `room`, and is
+    0 or less exactly when `room` would wait for the lane to take a document."""
+    docs = [((0, 0, 10 * i, 10), np.full(2, i, dtype=np.uint32)) for i in range(120)]
+    looks: list[tuple[int, int]] = []  # (room_now, room) at each call
+
+    async def produce(position: int, offset: int, piece: int, send) -> None:
+        async with send:
+            i = 0
+            while i < len(docs):
+                now = send.room_now(8)
+                n = await send.room(8)
+                looks.append((now, n))
+                await send.send(docs[i:i + n])
+                i += n
+
+    feed = Feed(produce, buffer=2)
+    assert anyio.run(_run, feed, None) == [d[0] for d in docs]
+    for now, n in looks:
+        assert now == n if now > 0 else 1 <= n <= 8
+    assert any(now <= 0 for now, _ in looks)  # the producer did catch up with the lane and wait
