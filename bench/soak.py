@@ -89,12 +89,15 @@ def stream(args: argparse.Namespace) -> None:
     loader = Loader(config(args.settings, args.tokenizer, args.backend))
     start = end = due = 0.0
     tokens = 0
+    first = None  # a tracemalloc snapshot, two minutes in
     for batch in loader:
         tokens += int(batch["num_tokens"].sum())
         now = time.monotonic()
         if not start:  # the clock starts at the first batch: start-up is not part of the soak
             start, due, end = now, now, now + args.minutes * 60
         if now >= due:
+            if args.tracemalloc and first is None and now - start >= 120:  # past the warm-up
+                first = tracemalloc.take_snapshot()
             alloc = allocator_stats()
             line = {"t": now - start, "tokens": tokens, "alloc": alloc and {
                 f: getattr(alloc, f) for f in alloc.__struct_fields__}}
@@ -110,6 +113,9 @@ def stream(args: argparse.Namespace) -> None:
             break
     if args.free_sizes:
         print(json.dumps({"free_sizes": free_sizes(memory.malloc_info() or b"")}), flush=True)
+    if args.tracemalloc and first is not None:  # what grew in the traced (Python and numpy) allocations
+        for stat in tracemalloc.take_snapshot().compare_to(first, "lineno")[:12]:
+            print(f"traced growth since the first sample: {stat}", file=sys.stderr, flush=True)
     loader.close()
 
 
