@@ -164,8 +164,8 @@ def test_processes_backend_from_a_script(config, tmp_path, guarded) -> None:
         return
     assert proc.returncode == 1 and proc.stdout == ""
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("zephon_stream.errors.ConfigError: backend \"processes\" starts its workers with spawn, "
-                           f"and each worker imports {script} again"), proc.stderr
+    assert last.startswith("zephon_stream.errors.ConfigError: backend \"processes\" runs its lanes in worker "
+                           f"processes, and each worker imports {script} again"), proc.stderr
     assert 'Put that code under `if __name__ == "__main__":`' in last
     assert "bootstrapping phase" not in proc.stderr and proc.stderr.count("Traceback") == 1, proc.stderr
 
