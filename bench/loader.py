@@ -98,9 +98,13 @@ def tokenizer_only(texts: list[str], path: Path, batch: int) -> tuple[float, int
 
 
 def cpu_seconds() -> float:
-    """CPU seconds of this process and of its reaped children (the processes backend's workers)."""
+    """CPU seconds of this process and of all its descendants, live or reaped: the processes
+    backend's workers are children of multiprocessing's fork server, which reaps them (their time
+    is in its cutime and cstime), not of this process."""
     t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    live = sum(sum(int(f) for f in fields[11:15]) for pid, fields in descendants().items()
+               if pid != os.getpid() and fields)
+    return t.user + t.system + t.children_user + t.children_system + live / os.sysconf("SC_CLK_TCK")
 
 
 def loader_epoch(config: Config) -> tuple[float, int, float, float]:
