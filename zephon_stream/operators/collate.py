@@ -62,10 +62,11 @@ def collate(samples: list[Sample], step: int, slots: range, config: Any = None) 
     import torch  # imported here so lane worker processes never load torch
 
     lengths = np.diff(bounds)
+    # np.stack(dtype=) casts as it copies: one int64 array per field, not a stacked copy cast again
     batch = {
-        "input_ids": torch.from_numpy(np.stack([s.input_ids for s in samples]).astype(np.int64)),
-        "labels": torch.from_numpy(np.stack([s.labels for s in samples]).astype(np.int64)),
-        "position_ids": torch.from_numpy(np.stack([s.position_ids for s in samples]).astype(np.int64)),
+        "input_ids": torch.from_numpy(np.stack([s.input_ids for s in samples], dtype=np.int64)),
+        "labels": torch.from_numpy(np.stack([s.labels for s in samples], dtype=np.int64)),
+        "position_ids": torch.from_numpy(np.stack([s.position_ids for s in samples], dtype=np.int64)),
         "document_ids": torch.from_numpy(np.stack([document_ids(s.segments, seq_len) for s in samples])),
         "cu_seqlens": torch.tensor(bounds, dtype=torch.int32),
         "segment_sources": torch.tensor(sources, dtype=torch.int64),
