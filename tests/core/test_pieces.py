@@ -66,12 +66,17 @@ def _states_with_pieces(cfg: Config, steps: int) -> dict[int, dict]:
 
 
 def test_checkpoints_hold_pieces_and_resume_from_them(config):
-    cfg = config.replace(piece_tokens=SIZE, shuffle_scope="source")
-    full, _ = run_world(cfg, 1, 30, backend="inline")
-    states = _states_with_pieces(cfg, 12)
-    assert states, "no checkpoint of the first 12 steps holds a piece and a cursor inside a document"
+    _resume_from_a_piece(config.replace(piece_tokens=SIZE, shuffle_scope="source"), 30, 12, 3, "threads")
+
+
+def _resume_from_a_piece(cfg: Config, steps: int, within: int, world: int, backend: str) -> None:
+    """A checkpoint of the first `within` steps that holds a piece and a cursor inside a document,
+    resumed on `world` ranks on `backend`, gives the rest of `steps` steps of the inline run."""
+    full, _ = run_world(cfg, 1, steps, backend="inline")
+    states = _states_with_pieces(cfg, within)
+    assert states, f"no checkpoint of the first {within} steps holds a piece and a cursor inside a document"
     step = max(states)
-    rest, _ = run_world(cfg, 3, 30 - step, backend="threads", resume=[states[step]])
+    rest, _ = run_world(cfg, world, steps - step, backend=backend, resume=[states[step]])
     assert rest == [r for r in full if r[0] >= step]
 
 
@@ -193,9 +198,4 @@ def test_chat_pieces_keep_their_trained_tokens_and_resume(chat_config):
     cut, _, cut_targets = _epoch(one)
     assert cut == whole
     assert 0 < cut_targets < whole_targets
-    full, _ = run_world(chat_config, 1, 24, backend="inline")
-    states = _states_with_pieces(chat_config, 10)
-    assert states, "no checkpoint of the first 10 steps holds a piece and a cursor inside a document"
-    step = max(states)
-    rest, _ = run_world(chat_config, 2, 24 - step, backend="processes", resume=[states[step]])
-    assert rest == [r for r in full if r[0] >= step]
+    _resume_from_a_piece(chat_config, 24, 10, 2, "processes")
