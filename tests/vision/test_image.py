@@ -273,6 +273,25 @@ def test_palette_image_is_converted_to_its_colours() -> None:
     np.testing.assert_array_equal(out[55, 0], [0, 0, 255])
 
 
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "PA"])
+def test_transparency_onto_white_equals_the_reference_for_every_value_and_alpha(mode: str) -> None:
+    """`_to_rgb` pastes through the alpha mask instead of the reference's `alpha_composite`: over
+    opaque white a byte depends only on (value, alpha), so all 65,536 pairs prove them equal."""
+    from transformers.image_transforms import convert_to_rgb
+
+    from zephon_stream.vision.image import _to_rgb
+
+    value, alpha = np.meshgrid(np.arange(256, dtype=np.uint8), np.arange(256, dtype=np.uint8))
+    bands = {"RGBA": [value, 255 - value, value // 2, alpha], "LA": [value, alpha], "PA": [value, alpha]}[mode]
+    im = Image.fromarray(np.stack(bands, -1), "RGBA" if mode == "RGBA" else "LA")
+    if mode == "PA":
+        im = Image.merge("PA", [Image.fromarray(value, "L").convert("P"), Image.fromarray(alpha, "L")])
+        im.putpalette([x for i in range(256) for x in (i, 255 - i, i // 3)])
+    ours = _to_rgb(im)
+    assert ours.mode == "RGB"
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(convert_to_rgb(im)))
+
+
 def test_a_transparent_palette_index_becomes_white() -> None:
     palette = Image.new("P", (28, 28))
     palette.putpalette([10, 20, 30, 200, 100, 50] + [0] * (256 * 3 - 6))
