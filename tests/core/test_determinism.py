@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 
 from zephon_stream import ConfigError
@@ -61,6 +62,9 @@ def test_world_sizes_and_backends(config, baseline, dp_size, backend):
 def test_buffer_capacities(config, baseline):
     tiny = config.replace(sample_buffer=1, doc_buffer=1, sample_batch=1, tokenize_batch=3, cpu_threads=1)
     large = config.replace(sample_buffer=16, doc_buffer=16, sample_batch=8, tokenize_batch=512, cpu_threads=4)
+    if config.vision is not None:  # images: the decode calls' size and threads too
+        tiny = tiny.replace(vision=msgspec.structs.replace(config.vision, decode_batch=1, decode_threads=1))
+        large = large.replace(vision=msgspec.structs.replace(config.vision, decode_batch=16, decode_threads=6))
     assert run_world(tiny, 2, STEPS, backend="threads")[0] == baseline
     assert run_world(large, 3, STEPS, backend="threads")[0] == baseline
 

@@ -66,6 +66,13 @@ def cpu_policy(config: Config) -> CpuPolicy:
     return CpuPolicy(config.cpu_threads, inline=config.backend == "inline")
 
 
+def decode_policy(config: Config) -> CpuPolicy | None:
+    """The image sources' decode threads (`vision.decode_threads`), or None without images."""
+    if config.vision is None:
+        return None
+    return CpuPolicy(config.vision.decode_threads, inline=config.backend == "inline")
+
+
 @asynccontextmanager
 async def run_lanes(config: Config, tokenizer: Tokenize, plan: DataPlan, stores: list[Store],
                     states: dict[int, LaneState], wrap_store: Callable[[Store], Store] | None = None,
@@ -125,7 +132,7 @@ def _no_main_guard_error() -> ConfigError:
 async def _run_local(config: Config, plan: DataPlan, stores: list[Store], tokenizer: Tokenize,
                      states: dict[int, LaneState], first_step_waits: bool = True
                      ) -> AsyncIterator[tuple[Streams, Lanes]]:
-    shared = Lanes(config, plan, stores, tokenizer, cpu_policy(config), first_step_waits)
+    shared = Lanes(config, plan, stores, tokenizer, cpu_policy(config), first_step_waits, decode_policy(config))
     streams: Streams = {}
     async with anyio.create_task_group() as tg:
         shared.spawn = tg.start_soon

@@ -48,7 +48,10 @@ class VisionConfig(ImageSpec, frozen=True, forbid_unknown_fields=True):
     `pixel_dtype = "uint8"` (default) hands the batch raw pixels, a quarter of the bytes of
     float32; normalise them on the device with `zephon_stream.vision.normalize`. `"float32"`
     normalises on the host, bit-identical to Hugging Face's processor output.
-    `decode_batch` (images per decode call) is an execution setting.
+    `decode_batch` (images per decode call) and `decode_threads` are execution settings. Images
+    decode on threads of their own, more than the cores by default: Pillow holds the GIL for part
+    of every image (its Python, the header, copies out), and a thread waiting for the GIL leaves
+    its core idle unless another has decoding to do.
     """
 
     image_token: str = "<|image_pad|>"
@@ -56,10 +59,12 @@ class VisionConfig(ImageSpec, frozen=True, forbid_unknown_fields=True):
     vision_end_token: str | None = None
     pixel_dtype: Literal["uint8", "float32"] = "uint8"
     decode_batch: int = 8
+    decode_threads: int = 4  # decode calls at once per process (a pool beside cpu_threads)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check(self.decode_batch >= 1, "vision.decode_batch", self.decode_batch, "must be >= 1")
+        _check(self.decode_threads >= 1, "vision.decode_threads", self.decode_threads, "must be >= 1")
         _check(bool(self.image_token), "vision.image_token", self.image_token, "must name a token")
 
     def max_image_tokens(self) -> int:
@@ -72,8 +77,8 @@ class VisionConfig(ImageSpec, frozen=True, forbid_unknown_fields=True):
         return ImageSpec(**{f: getattr(self, f) for f in ImageSpec.__struct_fields__})
 
     def order_settings(self) -> list[Any]:
-        """Every vision setting that shapes the samples (all but `decode_batch`)."""
-        return [getattr(self, f) for f in self.__struct_fields__ if f != "decode_batch"]
+        """Every vision setting that shapes the samples (all but `decode_batch` and `decode_threads`)."""
+        return [getattr(self, f) for f in self.__struct_fields__ if f not in ("decode_batch", "decode_threads")]
 
 
 class TransformStep(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

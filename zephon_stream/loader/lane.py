@@ -100,8 +100,9 @@ class Lanes:
     """What every lane of a process shares: config, plan, stores, tokenizer, CPU policy."""
 
     def __init__(self, config: Config, plan: DataPlan, stores: list[Store], tokenizer: Tokenize,
-                 run_cpu: RunCpu, first_step_waits: bool = True) -> None:
+                 run_cpu: RunCpu, first_step_waits: bool = True, decode_cpu: RunCpu | None = None) -> None:
         self.config, self.plan, self.stores, self.tokenizer, self.run_cpu = config, plan, stores, tokenizer, run_cpu
+        self.decode_cpu = decode_cpu or run_cpu  # image sources' decode calls (`vision.decode_threads`)
         self.images = [s.image_field is not None for s in config.sources]
         self.parsers = [self._parser(s) for s in range(len(plan.sources))]
         self.vision = VisionTokens(config.vision, tokenizer, config.seq_len) if any(self.images) else None
@@ -161,7 +162,7 @@ class Lanes:
                 records = await self.run_cpu(parser.parse, reader, pos, block)
                 docs = [((source, 0, off, n), payload) for off, n, payload in records]
                 # tokenized too: images and conversations can be bad (and skipped) only there
-                if docs and await self.run_cpu(self.tokenize, source, docs, reader.key, parser.bad):
+                if docs and await self.run_tokenize(source, docs, reader.key, parser.bad):
                     self._has_documents[source] = True
                     return
         filtered = sum(parser.bad.filtered_by_epoch.values())
@@ -186,6 +187,11 @@ class Lanes:
         for p in self.parsers:
             out.update(p.bad.by_epoch)
         return dict(sorted(out.items()))
+
+    async def run_tokenize(self, source: int, docs: list[Doc], key: str, bad: Any = None) -> list[Doc]:
+        """`tokenize` on a CPU thread: an image source's on the decode threads."""
+        cpu = self.decode_cpu if self.images[source] else self.run_cpu
+        return await cpu(self.tokenize, source, docs, key, bad)
 
     def decode(self, source: int, position: int, reader: Any, pos: int, block: bytes) -> list[Doc]:
         records = self.parsers[source].parse(reader, pos, block)
@@ -354,8 +360,8 @@ class TextLane:
     async def _tokenize_again(self, source: int, docs: list[Doc]) -> list[Doc]:
         """Tokenize documents a checkpoint refers to (their bad records were counted by the first run);
         a piece's reference gives that piece of its document."""
-        whole = await self.shared.run_cpu(self.shared.tokenize, source, docs, "a checkpoint's documents",
-                                          BadRecords(self.shared.config.on_bad_record))
+        whole = await self.shared.run_tokenize(source, docs, "a checkpoint's documents",
+                                               BadRecords(self.shared.config.on_bad_record))
         try:
             return [(ref, piece_of(ref, tokens, self.shared.config.piece_tokens) if len(ref) == 5 else tokens)
                     for ref, tokens in whole]
@@ -404,7 +410,7 @@ class TextLane:
             size = await send.room(min(batch, len(pending)))
             docs = pending[:size]
             del pending[:size]
-            tokens = await shared.run_cpu(shared.tokenize, source, docs, reader.key, reader.bad)
+            tokens = await shared.run_tokenize(source, docs, reader.key, reader.bad)
             found = found or bool(tokens)  # a bad image or conversation skipped is no document
             if first is not None and (not tokens or tuple(tokens[0][0][1:3]) != first):
                 refuse("piece", piece, "no document starts at the cursor to take pieces from")
