@@ -13,8 +13,9 @@ The two alternate, `--runs` times each; each prints the median and the spread (m
 wall time, and of the CPU-seconds this process used meanwhile (every thread of it: the lanes,
 the tokenizer's): on a shared machine the wall time is noisy, the CPU time much less so. It
 also counts the documents and tokens tokenized before the first batch (every lane together),
-which no other load on the machine changes. torch is imported before any clock starts: the
-Loader imports it, and a trainer has it already.
+which no other load on the machine changes, and the bytes and requests read from the store
+(every read: planning, the restore's documents, the lanes' read-ahead). torch is imported
+before any clock starts: the Loader imports it, and a trainer has it already.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ import torch  # noqa: F401  (before the clocks: see above)
 
 from bench.loader import prepare
 from zephon_stream import Config, Loader, SourceConfig
+from zephon_stream.connectors.base import Store
 from zephon_stream.loader.lane import Lanes
+from zephon_stream.testing.stores import WrappedStore
 
 
 class TokenizeCount:
@@ -63,21 +66,42 @@ class TokenizeCount:
         Lanes.tokenize = self._original  # type: ignore[method-assign]
 
 
-def first_batch(config: Config, state: dict[str, bytes] | None) -> tuple[float, float, int, int, int]:
+class ReadCount(WrappedStore):
+    """Bytes and requests read through the store (a `wrap_store`: every store of the loader)."""
+
+    totals = [0, 0]  # bytes, requests: of every store wrapped since the last reset
+
+    async def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        data = await self.inner.read(key, start, end)
+        ReadCount.totals[0] += len(data)
+        ReadCount.totals[1] += 1
+        return data
+
+
+def counting(store: Store) -> Store:
+    return ReadCount(store)
+
+
+Run = tuple[float, float, int, int, int, int, int]
+
+
+def first_batch(config: Config, state: dict[str, bytes] | None) -> Run:
     """(wall seconds, CPU-seconds, documents tokenized, tokens tokenized, documents of those re-read for the
-    restore) from `Loader(config)` to its first batch."""
+    restore, bytes read, read requests) from `Loader(config)` to its first batch."""
     gc.collect()
+    ReadCount.totals[:] = [0, 0]
     with TokenizeCount() as count:
         t, c = time.perf_counter(), time.process_time()
-        loader = Loader(config)
+        loader = Loader(config, wrap_store=counting)
         if state is not None:
             loader.load_state_dict(state)
         it = iter(loader)
         next(it)
         wall, cpu = time.perf_counter() - t, time.process_time() - c
         docs, tokens, reread = count.docs, count.tokens, count.reread
+        read, requests = ReadCount.totals
     loader.close()
-    return wall, cpu, docs, tokens, reread
+    return wall, cpu, docs, tokens, reread, read, requests
 
 
 def state_at(config: Config, step: int) -> dict[str, bytes]:
@@ -109,17 +133,20 @@ def main() -> None:
     t = time.perf_counter()
     state = state_at(config, args.step)
     print(f"state at step {args.step} taken in {time.perf_counter() - t:.1f} s")
-    runs: dict[str, list[tuple[float, float, int, int, int]]] = {"fresh": [], f"restore at step {args.step}": []}
+    runs: dict[str, list[Run]] = {"fresh": [], f"restore at step {args.step}": []}
     for r in range(args.runs):
         for name, st in zip(runs, (None, state)):
             run = first_batch(config, st)
             runs[name].append(run)
             print(f"  run {r} {name}: first batch after {run[0]:.2f} s, {run[1]:.2f} CPU-s; {run[2]} documents, "
-                  f"{run[3]:,} tokens tokenized ({run[4]} documents re-read)")
+                  f"{run[3]:,} tokens tokenized ({run[4]} documents re-read); {run[5] / 1e6:.2f} MB read in "
+                  f"{run[6]} requests")
     for name, rs in runs.items():
         print(f"{name}: wall {spread([r[0] for r in rs])}; CPU {spread([r[1] for r in rs], 'CPU-s')}; tokenized "
               f"before it: median {statistics.median(r[2] for r in rs):.0f} documents, "
-              f"{statistics.median(r[3] for r in rs):,.0f} tokens")
+              f"{statistics.median(r[3] for r in rs):,.0f} tokens; read: median "
+              f"{statistics.median(r[5] for r in rs) / 1e6:.2f} MB in "
+              f"{statistics.median(r[6] for r in rs):.0f} requests")
 
 
 if __name__ == "__main__":

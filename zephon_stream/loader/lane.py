@@ -41,7 +41,7 @@ from zephon_stream.engine.rng import mix64, permutation
 from zephon_stream.errors import DataError, IncompatibleState
 from zephon_stream.loader.config import Config
 from zephon_stream.loader.plan import DataPlan
-from zephon_stream.loader.reread import Reread, interleave
+from zephon_stream.loader.reread import Documents, Reread, interleave
 from zephon_stream.loader.state import LaneState, split_at
 from zephon_stream.operators.best_fit import BestFitPack
 from zephon_stream.operators.feed import Feed, FeedSender, cut, piece_of
@@ -53,7 +53,7 @@ from zephon_stream.operators.shuffle import Shuffle, ShuffleState
 from zephon_stream.operators.single import SinglePack
 from zephon_stream.operators.sources import make_parser, make_reader
 from zephon_stream.operators.tokenize import Tokenize
-from zephon_stream.operators.types import Doc, DocRef, Sample
+from zephon_stream.operators.types import Doc, Sample
 
 __all__ = ["Lanes", "TextLane"]
 
@@ -301,16 +301,16 @@ class TextLane:
                          self.shuffle.state(), self.pack.state(), [op.state() for op in self.source_shuffles])
 
     async def _restore(self, st: LaneState) -> None:
-        """Set every operator back to `st`. The documents it refers to are read again first; the
-        packer's are tokenized now, the shuffle windows' when a pull takes them (`loader.reread`),
+        """Set every operator back to `st`. The documents it refers to are read again and
+        tokenized: the packer's now, the shuffle windows' when a pull takes them (`loader.reread`),
         so the first sample waits only for the documents its pulls take."""
         ops = self._operators(st)
         windows = [self.shuffle, *self.source_shuffles]
         whole = [tuple(r) for _, op, state in ops if op not in windows for r in op.refs(state)]
         drawn = interleave([[tuple(r) for r in op.refs(state)] for _, op, state in ops if op in windows])
         refs = list(dict.fromkeys(whole + drawn))
-        docs = Reread(await self._reread(refs) if refs else {}, self._tokenize_again, self.shared.batch_size,
-                      self._refused)
+        docs = Reread({}, self._tokenize_again, self.shared.batch_size, self._refused, unread=refs,
+                      read=Documents(self.shared, self.lane, refs, self._refused).read)
         await docs.load(whole)
         for field, op, state in ops:
             try:
@@ -323,39 +323,6 @@ class TextLane:
         return IncompatibleState(f"lane {self.lane} state field {detail}; this state was not written by a run of "
                                  "this config over this data (edited or damaged?): resume from the checkpoint as "
                                  "saved, or start fresh")
-
-    async def _reread(self, refs: list[DocRef]) -> dict[DocRef, Any]:
-        """Read the documents a checkpoint refers to: one pass over each split involved; their
-        records by reference, in the order of `refs`."""
-        by_split: dict[tuple[int, int], set[int]] = {}
-        for source, position, offset, *_ in refs:
-            by_split.setdefault((source, position), set()).add(offset)
-        found: dict[tuple[int, int, int], tuple[int, Any]] = {}  # (source, position, offset) -> (length, record)
-
-        async def one(source: int, position: int, offsets: set[int]) -> None:
-            reader = self.shared.reader(source, self.lane, position, counting=False)  # counted by the first run
-            if reader is None:
-                raise self._refused(f"sources[{source}] split position {position}: past the end of the data")
-            last = max(offsets)
-            try:
-                async for pos, block in reader.blocks(min(offsets)):
-                    for (_, _, off, n), text in await self.shared.run_cpu(self.shared.decode, source, position,
-                                                                           reader, pos, block):
-                        if off in offsets:
-                            found[source, position, off] = (n, text)
-                    if pos + len(block) > last:
-                        return
-            except IncompatibleState as exc:  # a reference in mid-record
-                raise self._refused(f"of a document of source {source}: {exc}") from None
-
-        async with anyio.create_task_group() as tg:
-            for (source, position), offsets in by_split.items():
-                tg.start_soon(one, source, position, offsets)
-        missing = [r for r in refs if found.get((r[0], r[1], r[2]), (None,))[0] != r[3]]
-        if missing:
-            raise self._refused(f"window or carry = {missing[:3]}: no such documents in the data "
-                                "(a reference's offset or length does not match a record)")
-        return {r: found[r[0], r[1], r[2]][1] for r in refs}
 
     async def _tokenize_again(self, source: int, docs: list[Doc]) -> list[Doc]:
         """Tokenize documents a checkpoint refers to (their bad records were counted by the first run);

@@ -26,15 +26,20 @@ Memory: the records of the documents not tokenized yet, bounded by the window si
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
+
+import anyio
 
 from zephon_stream.errors import IncompatibleState
+from zephon_stream.operators.read import SplitReader
 from zephon_stream.operators.shuffle import Deferred
 from zephon_stream.operators.types import Doc, DocRef
 
-__all__ = ["Reread", "interleave"]
+__all__ = ["Documents", "Reread", "interleave"]
 
 Tokenize = Callable[[int, list[Doc]], Awaitable[list[Doc]]]  # (source, [(ref, record)]) -> [(ref, tokens)]
+Read = Callable[[list[DocRef]], Awaitable[dict[DocRef, Any]]]  # refs -> their records (and maybe others')
+_UNREAD = object()  # the record of a document not read yet
 
 
 class Reread:
@@ -46,8 +51,11 @@ class Reread:
     """
 
     def __init__(self, records: dict[DocRef, Any], tokenize: Tokenize, batch: Callable[[int], int],
-                 refused: Callable[[str], IncompatibleState], first_chunk: int = 1) -> None:
+                 refused: Callable[[str], IncompatibleState], first_chunk: int = 1, *,
+                 unread: Iterable[DocRef] = (), read: Read | None = None) -> None:
         self._todo = dict(records)  # not tokenized yet, in need order
+        self._todo.update((ref, _UNREAD) for ref in unread if ref not in self._todo)
+        self._read = read
         self._ready: dict[DocRef, Any] = {}  # tokenized, not handed out yet
         self._tokenize, self._batch, self._refused = tokenize, batch, refused
         self._chunk = max(1, first_chunk)
@@ -62,6 +70,7 @@ class Reread:
         for ref in refs:
             if ref in self._todo:
                 by_source.setdefault(ref[0], []).append(ref)
+        await self._read_now([r for mine in by_source.values() for r in mine])
         for source, mine in by_source.items():
             step = self._batch(source)
             for i in range(0, len(mine), step):
@@ -90,8 +99,21 @@ class Reread:
             size = min(self._chunk, self._batch(ref[0]))
             self._chunk *= 2
             following = (r for r in self._todo if r[0] == ref[0] and r != ref)
-            await self._run(ref[0], [ref, *(r for _, r in zip(range(size - 1), following))])
+            chunk = [ref, *(r for _, r in zip(range(size - 1), following))]
+            await self._read_now(chunk)
+            await self._run(ref[0], chunk)
         return self._ready.pop(ref)
+
+    async def _read_now(self, refs: list[DocRef]) -> None:
+        """Read the records of `refs` not read yet (keeping any other unread one the reads gave)."""
+        unread = [ref for ref in refs if self._todo[ref] is _UNREAD]
+        if not unread:
+            return
+        if self._read is None:
+            raise self._refused(f"of a checkpoint's document {unread[0]}: nothing reads it (a bug: report it)")
+        for ref, record in (await self._read(unread)).items():
+            if self._todo.get(ref, None) is _UNREAD:
+                self._todo[ref] = record
 
     async def _run(self, source: int, refs: list[DocRef]) -> None:
         docs = [(ref, self._todo.pop(ref)) for ref in refs]
@@ -110,3 +132,109 @@ def interleave(orders: list[list[DocRef]]) -> list[DocRef]:
     for i in range(max(map(len, orders), default=0)):
         out += [order[i] for order in orders if i < len(order)]
     return out
+
+
+class _Lanes(Protocol):
+    """What `Documents` needs of the lanes' shared parts (`loader.lane.Lanes`)."""
+
+    run_cpu: Callable[..., Awaitable[Any]]
+
+    def reader(self, source: int, lane: int, position: int, counting: bool = True) -> Any: ...
+
+    def decode(self, source: int, position: int, reader: Any, pos: int, block: bytes) -> list[Doc]: ...
+
+
+Found = dict[int, tuple[int, Any]]  # decoded offset -> (length, record)
+
+
+class Documents:
+    """The documents a lane's checkpoint refers to, read when a `Reread` asks for them (`read`).
+
+    Where the split's reader can (`SplitReader.lines_at`: JSON lines, and zstd frames with a
+    seek table), a read takes only the bytes of the documents asked for: their frames, not the
+    split from its start. Elsewhere the first ask of a split scans it once for every document of
+    it the checkpoint refers to. A read also gives the other documents of the checkpoint that it
+    passed over, for later asks. So a restore reads what the first draws need before the first
+    sample, and the rest as the draws come to it (`Reread.fetch`'s growing chunks).
+
+    `refused(detail)` makes the lane's IncompatibleState. Its methods are called from the
+    lane's one task, never concurrently.
+    """
+
+    def __init__(self, lanes: _Lanes, lane: int, refs: Iterable[DocRef],
+                 refused: Callable[[str], IncompatibleState]) -> None:
+        self._lanes, self._lane, self._refused = lanes, lane, refused
+        self._left: dict[tuple[int, int], dict[int, list[DocRef]]] = {}  # split -> offset -> refs not read yet
+        for ref in refs:
+            self._left.setdefault((ref[0], ref[1]), {}).setdefault(ref[2], []).append(tuple(ref))
+        self._readers: dict[tuple[int, int], Any] = {}
+        self.scans = 0  # splits read by a scan from their start (for tests)
+
+    def __repr__(self) -> str:
+        return f"Documents(lane {self._lane}, {sum(map(len, self._left.values()))} offsets not read yet)"
+
+    async def read(self, refs: list[DocRef]) -> dict[DocRef, Any]:
+        """The records of `refs` (refused if one is not in the data), and of others passed over."""
+        by_split: dict[tuple[int, int], dict[int, int]] = {}
+        for ref in refs:
+            by_split.setdefault((ref[0], ref[1]), {})[ref[2]] = ref[3]
+        out: dict[DocRef, Any] = {}
+        async with anyio.create_task_group() as tg:
+            for split, want in by_split.items():
+                tg.start_soon(self._split, split, want, out)
+        missing = [ref for ref in refs if ref not in out]
+        if missing:
+            raise self._refused(f"window or carry = {missing[:3]}: no such documents in the data "
+                                "(a reference's offset or length does not match a record)")
+        return out
+
+    async def _split(self, split: tuple[int, int], want: dict[int, int], out: dict[DocRef, Any]) -> None:
+        source, position = split
+        left = self._left.setdefault(split, {})
+        reader = self._reader(source, position)
+        found: Found | None = None
+        if isinstance(reader, SplitReader):
+            lines = await reader.lines_at(want, [offset for offset in left if offset not in want])
+            if lines is not None:
+                found = await self._lanes.run_cpu(self._parse, source, position, reader, lines)
+        if found is None:
+            found = await self._scan(source, position, reader, set(left) | set(want))
+        for offset, (length, record) in found.items():
+            refs = left.get(offset, [])
+            for ref in [r for r in refs if r[3] == length]:
+                out[ref] = record
+                refs.remove(ref)
+            if not refs:
+                left.pop(offset, None)
+
+    def _reader(self, source: int, position: int) -> Any:
+        if (source, position) not in self._readers:
+            reader = self._lanes.reader(source, self._lane, position, counting=False)  # counted by the first run
+            if reader is None:
+                raise self._refused(f"sources[{source}] split position {position}: past the end of the data")
+            self._readers[source, position] = reader
+        return self._readers[source, position]
+
+    def _parse(self, source: int, position: int, reader: Any, lines: dict[int, bytes]) -> Found:
+        found: Found = {}
+        for offset, line in lines.items():
+            for (_, _, at, length), record in self._lanes.decode(source, position, reader, offset, line):
+                found[at] = (length, record)
+        return found
+
+    async def _scan(self, source: int, position: int, reader: Any, offsets: set[int]) -> Found:
+        """One pass over the split from its first document in `offsets` to its last."""
+        self.scans += 1
+        found: Found = {}
+        last = max(offsets)
+        try:
+            async for pos, block in reader.blocks(min(offsets)):
+                for (_, _, at, length), record in await self._lanes.run_cpu(self._lanes.decode, source, position,
+                                                                             reader, pos, block):
+                    if at in offsets:
+                        found[at] = (length, record)
+                if pos + len(block) > last:
+                    break
+        except IncompatibleState as exc:  # a reference in mid-record
+            raise self._refused(f"of a document of source {source}: {exc}") from None
+        return found

@@ -36,9 +36,10 @@ import itertools
 import logging
 import math
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
+import anyio
 import msgspec
 import numpy as np
 
@@ -63,6 +64,9 @@ _SPLITS_PER_LANE, _MIN_SPLIT = 4, 256 << 10  # see plan_splits
 _READ_PART = 1 << 20  # the largest ranged read of a split
 _MIN_PART = 1 << 10  # the smallest, when a small split is cut into `read_ahead` parts
 _TAIL_PART = 1 << 16  # reads past a split's end, only to finish its last record
+_LOCATE_MAX = 8 << 20  # the most decoded bytes of frames `SplitReader.lines_at` decodes for one record
+_HEADER_MAX = 18  # the longest zstd frame header (magic, descriptor, window, dictionary id, content size)
+_ZSTD_MAGIC, _SKIPPABLE = 0xFD2FB528, range(0x184D2A50, 0x184D2A60)
 
 
 class ShardPlan(msgspec.Struct, frozen=True, array_like=True):
@@ -380,6 +384,139 @@ class SplitReader:
     def __repr__(self) -> str:
         return f"SplitReader({self.key!r}, {self.split})"
 
+    # -- by position: the records a checkpoint refers to, without a scan from the split's start
+
+    async def lines_at(self, want: Mapping[int, int], others: Iterable[int] = ()) -> dict[int, bytes] | None:
+        """The lines of the records at decoded offsets `want` (offset -> length, newline included),
+        read by their position instead of by a scan from the split's start, and the lines of
+        `others` (offsets) that lie in the bytes decoded for those. An offset is in the result
+        only where a record the split owns starts there: a line end (or the data's start) right
+        before it; its line runs to the next line end (or the data's end).
+
+        JSONL: one ranged read per record. zstd: the frames that hold each record (and the frame
+        with the byte before it), found by the seek table's decompressed sizes, which are checked
+        first: a decoded frame by what it decodes to, every frame between the split's start and
+        the record by the size its header declares (which zstd checks whenever the frame is
+        decoded, as the run that wrote the checkpoint did). So an offset means here what it
+        meant to that run's scan.
+
+        None where that cannot be known without the scan: gzip members; frames without a seek
+        table's sizes, or a header that declares none, or sizes that disagree; a record whose
+        frames decode to more than `_LOCATE_MAX`; and zstd with `on_bad_record = "skip"`, where a
+        corrupt frame skipped before a record moved it. The caller scans then (`blocks`).
+        """
+        if self.key.endswith(GZIP_SUFFIXES) or not self.key.endswith(SUFFIXES):
+            return None
+        if not self.shard.frames:
+            return await self._jsonl_lines(want)
+        if self.bad.skipping or len(self.shard.content) != len(self.shard.frames):
+            return None
+        return await self._frame_lines(want, others)
+
+    async def _jsonl_lines(self, want: Mapping[int, int]) -> dict[int, bytes]:
+        """JSONL: each record's bytes and the byte before it, in one ranged read each."""
+        start, owned, size = self.split.start, self.split.end - self.split.start, self.shard.size
+        out: dict[int, bytes] = {}
+
+        async def one(offset: int, length: int) -> None:
+            at = start + offset
+            if not 0 <= offset < owned or length < 1 or at + length - 1 > size:
+                return
+            data = await self.store.read(self.key, max(at - 1, 0), min(at + length, size))
+            line = data[1:] if at else data
+            if (not at or data[:1] == b"\n") and _one_line(line, length, at + len(line) == size):
+                out[offset] = line
+
+        async with anyio.create_task_group() as tg:
+            for offset, length in want.items():
+                tg.start_soon(one, offset, length)
+        return out
+
+    async def _frame_lines(self, want: Mapping[int, int], others: Iterable[int]) -> dict[int, bytes] | None:
+        """zstd: decode only the frames that hold the records (see `lines_at`)."""
+        frames, content, split = self.shard.frames, self.shard.content, self.split
+        base, owned = content[split.start], content[split.end] - content[split.start]
+        decode: set[int] = set()
+        for offset, length in want.items():
+            if 0 <= offset < owned and length > 0:
+                span = self._frames_of(base + offset, length)
+                if content[span[-1] + 1] - content[span[0]] > _LOCATE_MAX:
+                    return None
+                decode.update(span)
+        if not decode:
+            return {}
+        runs = _runs(sorted(decode))
+        check = [f for f in range(split.start, max(decode)) if f not in decode]
+        data: dict[int, bytes] = {}
+        declared: dict[int, int | None] = {}
+
+        async def run(a: int, b: int) -> None:
+            data[a] = await self.store.read(self.key, frames[a], frames[b + 1])
+
+        async def header(f: int) -> None:
+            declared[f] = _declared_size(await self.store.read(self.key, frames[f],
+                                                               min(frames[f + 1], frames[f] + _HEADER_MAX)))
+
+        async with anyio.create_task_group() as tg:  # the headers' reads and the frames' at once
+            for a, b in runs:
+                tg.start_soon(run, a, b)
+            for f in check:
+                tg.start_soon(header, f)
+        if any(declared[f] != content[f + 1] - content[f] for f in check):
+            return None
+        out: dict[int, bytes] = {}
+        wanted = set(want) | set(others)
+        for a, b in runs:
+            decoded = await self.run_cpu(self._decode_frames, a, b, data.pop(a))
+            if decoded is None:
+                return None
+            out.update(self._lines_in(decoded, content[a] - base, a == 0 or content[a] == content[0],
+                                      b == len(frames) - 2, wanted, owned))
+        return out
+
+    def _frames_of(self, at: int, length: int) -> range:
+        """The frames holding decoded bytes [at, at + length) of the shard and the byte before `at`."""
+        content, last = self.shard.content, len(self.shard.frames) - 2
+        first = _frame_at(content, last, at - 1) if at > content[0] else _frame_at(content, last, at)
+        return range(first, _frame_at(content, last, min(at + length - 1, content[-1] - 1)) + 1)
+
+    def _decode_frames(self, a: int, b: int, data: bytes) -> bytes | None:
+        """Frames `a..b` of the shard (their compressed bytes `data`), each decoded and checked
+        against its seek-table size; None where one decodes to another size."""
+        frames, content, out = self.shard.frames, self.shard.content, []
+        for f in range(a, b + 1):
+            stream = ZstdStream(self.key, frames[f], frames, f)
+            piece, expect, got = data[frames[f] - frames[a]:frames[f + 1] - frames[a]], content[f + 1] - content[f], 0
+            while True:
+                decoded, _ = stream.pull(DECODE_PIECE, piece)  # error mode: a corrupt frame raises
+                piece, got = b"", got + len(decoded)
+                if got > expect:  # bounded: never more than the table says
+                    return None
+                out.append(decoded)
+                if len(decoded) < DECODE_PIECE:
+                    break
+            stream.expect_end(frames[f + 1])
+            if got != expect:
+                return None
+        return b"".join(out)
+
+    @staticmethod
+    def _lines_in(decoded: bytes, at: int, data_start: bool, data_end: bool, offsets: set[int],
+                  owned: int) -> dict[int, bytes]:
+        """The lines of `offsets` found whole in `decoded` (which starts at split offset `at`;
+        `data_start`: nothing decodes before it, `data_end`: nothing after it)."""
+        out = {}
+        for offset in offsets:
+            i = offset - at
+            if not 0 <= offset < owned or not 0 <= i < len(decoded):
+                continue
+            if (decoded[i - 1:i] != b"\n") if i else not data_start:
+                continue
+            end = decoded.find(b"\n", i)
+            if end >= 0 or data_end:
+                out[offset] = decoded[i:end + 1] if end >= 0 else decoded[i:]
+        return out
+
     async def blocks(self, offset: int = 0) -> AsyncIterator[tuple[int, bytes]]:
         """Yield (decoded offset, bytes) blocks of whole lines owned by the split, from `offset`.
 
@@ -550,6 +687,48 @@ class SplitReader:
                 yield err
             elif len(out) < DECODE_PIECE:  # the stream needs more input
                 return
+
+
+def _one_line(line: bytes, length: int, data_end: bool) -> bool:
+    """`line` is one record of `length` (its newline counted): it ends at its only newline, or
+    without one at the data's end (a last record without a newline counts one)."""
+    if len(line) == length and line.endswith(b"\n"):
+        return b"\n" not in line[:-1]
+    return data_end and len(line) == length - 1 and b"\n" not in line
+
+
+def _frame_at(content: list[int], last: int, at: int) -> int:
+    """The frame (0..last) holding decoded byte `at` of the shard, by the running sizes `content`."""
+    return min(max(bisect.bisect_right(content, at) - 1, 0), last)
+
+
+def _runs(frames: list[int]) -> list[tuple[int, int]]:
+    """Sorted frame indexes as runs of consecutive ones, `(first, last)`."""
+    out: list[tuple[int, int]] = []
+    for f in frames:
+        if out and out[-1][1] == f - 1:
+            out[-1] = (out[-1][0], f)
+        else:
+            out.append((f, f))
+    return out
+
+
+def _declared_size(header: bytes) -> int | None:
+    """The decompressed size a zstd frame's header declares (0: a skippable frame), or None if
+    it declares none or is no frame (RFC 8878, 3.1.1.1)."""
+    if len(header) < 5:
+        return None
+    magic = int.from_bytes(header[:4], "little")
+    if magic in _SKIPPABLE:
+        return 0
+    descriptor = header[4]
+    single = descriptor >> 5 & 1
+    size = (single, 2, 4, 8)[descriptor >> 6]
+    at = 5 + (1 - single) + (0, 1, 2, 4)[descriptor & 3]
+    if magic != _ZSTD_MAGIC or not size or len(header) < at + size:
+        return None
+    value = int.from_bytes(header[at:at + size], "little")
+    return value + 256 if size == 2 else value
 
 
 # ---- records -------------------------------------------------------------------------------------
