@@ -30,14 +30,29 @@ class LocalStore:
     def __repr__(self) -> str:
         return f"LocalStore({str(self.root)!r})"
 
-    def _path(self, key: str) -> Path:
+    def _path(self, key: str, links: bool = True) -> Path:
+        """The key's path; with `links`, refused if its symlinks lead outside the root (`_read` checks
+        the file it opened instead: the same rule, without resolving the path a component at a time)."""
         if not key or key.startswith("/") or "\\" in key or ".." in key.split("/"):
             raise AccessDenied(f"key {key!r} is not a relative path inside {self.root}")
         path = self.root / key
-        real = path.resolve()
-        if real != self.root and self.root not in real.parents:
-            raise AccessDenied(f"key {key!r} resolves to {real}, outside the store root {self.root}")
+        if links:
+            self._inside(key, path.resolve())
         return path
+
+    def _inside(self, key: str, real: Path | str) -> None:
+        real = str(real)
+        if real != str(self.root) and not real.startswith(str(self.root).rstrip(os.sep) + os.sep):
+            raise AccessDenied(f"key {key!r} resolves to {real}, outside the store root {self.root}")
+
+    def _opened(self, key: str, fd: int, path: Path) -> None:
+        """Refuse the file behind `fd` if it lies outside the root: where the kernel says it is
+        (/proc/self/fd, one readlink), else the path resolved as `_path` does (no /proc)."""
+        try:
+            real: Path | str = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            real = path.resolve()
+        self._inside(key, real)
 
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
         return await threads.run_sync(self._list, prefix)
@@ -74,9 +89,10 @@ class LocalStore:
         return data
 
     def _read(self, key: str, start: int, end: int | None) -> bytes:
-        path = self._path(key)
+        path = self._path(key, links=False)
         try:
             with open(path, "rb") as f:
+                self._opened(key, f.fileno(), path)
                 f.seek(start)
                 return f.read() if end is None else f.read(max(0, end - start))
         except FileNotFoundError as exc:

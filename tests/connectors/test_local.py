@@ -1,0 +1,52 @@
+"""LocalStore keeps every key inside its root, symlinks included, on reads and on the other calls."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from zephon_stream import AccessDenied
+from zephon_stream.connectors.local import LocalStore
+
+
+@pytest.fixture
+def tree(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "d").mkdir(parents=True)
+    outside.mkdir()
+    (root / "d" / "a.txt").write_bytes(b"inside")
+    (outside / "secret.txt").write_bytes(b"secret")
+    (root / "in-link").symlink_to(root / "d" / "a.txt")
+    (root / "out-link").symlink_to(outside / "secret.txt")
+    (root / "out-dir").symlink_to(outside)
+    return root
+
+
+def test_reads_inside_the_root_and_through_links_that_stay_inside(tree):
+    store = LocalStore(tree)
+    assert anyio.run(store.read, "d/a.txt") == b"inside"
+    assert anyio.run(store.read, "in-link", 1, 4) == b"nsi"
+
+
+@pytest.mark.parametrize("key", ["out-link", "out-dir/secret.txt"])
+def test_a_symlink_out_of_the_root_is_refused_on_read_and_head(tree, key):
+    store = LocalStore(tree)
+    with pytest.raises(AccessDenied, match=f"key '{key}' resolves to .*outside.*, outside the store root"):
+        anyio.run(store.read, key)
+    with pytest.raises(AccessDenied, match="outside the store root"):
+        anyio.run(store.head, key)
+
+
+@pytest.mark.parametrize("key", ["../outside/secret.txt", "/etc/passwd", "d\\a.txt", ""])
+def test_keys_that_leave_the_root_by_name_are_refused(tree, key):
+    with pytest.raises(AccessDenied, match="is not a relative path inside"):
+        anyio.run(LocalStore(tree).read, key)
+
+
+def test_a_root_that_is_a_prefix_of_a_sibling_does_not_admit_the_sibling(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data2").mkdir()
+    (tmp_path / "data2" / "x").write_bytes(b"x")
+    (tmp_path / "data" / "link").symlink_to(tmp_path / "data2" / "x")
+    with pytest.raises(AccessDenied, match="outside the store root"):
+        anyio.run(LocalStore(tmp_path / "data").read, "link")
