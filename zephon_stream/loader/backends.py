@@ -151,7 +151,9 @@ async def _run_local(config: Config, plan: DataPlan, stores: list[Store], tokeni
 # ---- processes ----------------------------------------------------------------------------------
 
 class _Image(msgspec.Struct, array_like=True):
-    pixels: bytes  # uint8 [height, width, -1]: an ImageDoc.image (a patch frame: patches, 3, patch_size^2)
+    # uint8 [height, width, -1]: an ImageDoc.image (a patch frame: patches, 3, patch_size^2). Encoded from the
+    # array's own buffer, decoded as a view into the received message: the pixels are not copied on either side.
+    pixels: memoryview
     height: int
     width: int
     grid: tuple[int, int, int]
@@ -174,7 +176,8 @@ def _pack(lane: int, batch: list[Sample], counts: RecordCounts | None = None) ->
     a batch: each costs a thread hand-off on both sides)."""
     return _enc.encode(_Msg("batch", lane, [
         (s.index, s.input_ids.tobytes(), s.labels.tobytes(), s.position_ids.tobytes(), s.segments, s.num_tokens,
-         s.state, [_Image(im.tobytes(), im.shape[0], im.shape[1], g) for im, g in zip(s.images, s.grids)],
+         s.state, [_Image(np.ascontiguousarray(im).data.cast("B"), im.shape[0], im.shape[1], g)
+                   for im, g in zip(s.images, s.grids)],
          s.token_types.tobytes() if s.token_types is not None else b"", s.sources)
         for s in batch], counts=counts or RecordCounts()))
 
@@ -247,6 +250,7 @@ class _Workers:
     @asynccontextmanager
     async def _started(self, w: int) -> AsyncIterator[tuple[Any, Any]]:
         data_r, data_w = self.ctx.Pipe(duplex=False)
+        _widen(data_r)
         ctrl_r, ctrl_w = self.ctx.Pipe(duplex=False)
         # credits are read and the credit pipe swapped in one step: a credit given meanwhile is not lost
         credits = [self.sup.credits(lane) for lane in self.sup.live(w)]
@@ -266,7 +270,7 @@ class _Workers:
         """Hand the worker's batches to the lanes' streams: True once its lanes ended, False if it died."""
         while self.sup.live(w):
             try:
-                raw = await threads.run_sync(conn.recv_bytes, abandon_on_cancel=True)
+                raw = await threads.run_sync(_recv_message, conn, abandon_on_cancel=True)
             except (EOFError, OSError):
                 await threads.run_sync(proc.join, 5)
                 if proc.exitcode == NO_MAIN_GUARD:
@@ -285,6 +289,41 @@ class _Workers:
             else:
                 raise _worker_error(*msg.error)
         return True
+
+
+_PIPE_BYTES = 1 << 20  # a batch of images is megabytes: 64 KiB pipes hand it over in a hundred wake-ups
+
+
+def _widen(conn: Any) -> None:
+    """Give the data pipe `_PIPE_BYTES` of buffer where the platform allows it (Linux's F_SETPIPE_SZ, up to
+    /proc/sys/fs/pipe-max-size); elsewhere, or when refused, it keeps its size, which only costs speed."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+    except (ImportError, AttributeError, OSError):
+        pass
+
+
+def _recv_message(conn: Any) -> bytearray:
+    """`conn.recv_bytes()` into one buffer, read in place: multiprocessing's own reader gathers a message's
+    chunks in a BytesIO and copies them out, twice the memory traffic for the pixels. The framing is
+    `Connection.send_bytes`': a 4-byte big-endian length (-1, then 8 bytes, for 2 GiB and more), then the bytes."""
+    fd = conn.fileno()
+    size = int.from_bytes(_read_exactly(fd, bytearray(4)), "big", signed=True)
+    if size == -1:
+        size = int.from_bytes(_read_exactly(fd, bytearray(8)), "big")
+    return _read_exactly(fd, bytearray(size))
+
+
+def _read_exactly(fd: int, buf: bytearray) -> bytearray:
+    view, got = memoryview(buf), 0
+    while got < len(buf):
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            raise EOFError("the worker's pipe closed mid-message")
+        got += n
+    return buf
 
 
 def _worker_error(name: str, text: str) -> Exception:
