@@ -11,6 +11,8 @@ import anyio
 import msgspec
 import pytest
 import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.core.conftest import Config, SourceConfig, make_docs
 from zephon_stream.connectors.local import LocalStore
@@ -194,3 +196,32 @@ def test_a_restore_of_zstd_without_a_seek_table_scans_and_resumes_the_same(confi
     rest, _ = run_world(config, 1, 12, resume=states)
     assert first + rest == full
     assert asked.scans > 0, "source b has no seek table: its splits are scanned"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 1 << 30), cuts=st.integers(2, 14), newline_at_end=st.booleans())
+def test_lines_at_agrees_with_the_scan_where_frames_cut_records_anywhere(tmp_path, seed, cuts, newline_at_end):
+    """Frames cut at any byte (as fixed-size writers cut them), records across frames and splits,
+    a last record without a newline: every record a split's scan finds, `lines_at` finds alike."""
+    rng = random.Random(seed)
+    lines = [msgspec.json.encode({"text": "w" * rng.randint(0, 300)}) + b"\n" for _ in range(rng.randint(1, 30))]
+    data = b"".join(lines)[:None if newline_at_end else -1]
+    bounds = sorted({0, len(data), *(rng.randint(1, max(1, len(data) - 1)) for _ in range(cuts))})
+    parts = [data[a:b] for a, b in zip(bounds, bounds[1:])]
+    cctx = zstandard.ZstdCompressor(write_content_size=True)
+    frames = [cctx.compress(p) for p in parts]
+    path = tmp_path / f"cut-{seed}-{cuts}.jsonl.zst"
+    path.write_bytes(b"".join(frames) + seek_table([(len(f), len(p)) for f, p in zip(frames, parts)]))
+    store = LocalStore(tmp_path)
+    shard = anyio.run(plan_shard, store, anyio.run(store.head, path.name))
+    last = len(shard.frames) - 1
+    edges = sorted({0, last, *(rng.randint(0, last) for _ in range(2))})
+    for a, b in zip(edges, edges[1:]):
+        if a == b:
+            continue
+        records = _scan(SplitReader(store, shard, Split(0, a, b), 1 << 20))
+        for offset, line in records.items():
+            got = anyio.run(SplitReader(store, shard, Split(0, a, b), 1 << 20).lines_at, {offset: len(line)})
+            assert got == {offset: line}, (a, b, offset)
+        inside = [o + 1 for o in records if len(records[o]) > 2]
+        assert anyio.run(SplitReader(store, shard, Split(0, a, b), 1 << 20).lines_at, {o: 2 for o in inside}) == {}
