@@ -67,23 +67,30 @@ def _shard(root: Path, key: str, store=None) -> tuple[Recording, ShardPlan]:
     return store, anyio.run(plan_shard, store, info)
 
 
-def test_lines_at_gives_each_record_as_the_scan_does_reading_only_its_frames(seekable) -> None:
+def test_lines_at_gives_each_record_as_the_scan_does_decoding_only_its_frames(seekable, monkeypatch) -> None:
     store, shard = _shard(seekable / "c", "c-00001.jsonl.zst")
     assert len(shard.content) == len(shard.frames) > 8, "a seek table with decompressed sizes"
+    decoded: list[tuple[int, int]] = []
+    decode = SplitReader._decode_frames
+    monkeypatch.setattr(SplitReader, "_decode_frames", lambda r, a, b, data: decoded.append((a, b)) or decode(
+        r, a, b, data))
     last = len(shard.frames) - 1
     for split in (Split(0, 0, last // 3), Split(0, last // 3, last)):
         records = _scan(SplitReader(store, shard, split, 1 << 20))
         assert len(records) > 20
         for offset, line in records.items():
             store.reads.clear()
+            decoded.clear()
             got = anyio.run(SplitReader(store, shard, split, 1 << 20).lines_at, {offset: len(line)})
             assert got == {offset: line}
-            decoded = [r for r in store.reads if r[2] - r[1] > 18]
-            assert len(decoded) == 1, store.reads  # one read: the frames that hold the record
-            a, b = shard.frames.index(decoded[0][1]), shard.frames.index(decoded[0][2])
-            assert b - a <= 3, "the record's frames and the one before it, not the split from its start"
-            headers = [r for r in store.reads if r[2] - r[1] <= 18]
-            assert {r[1] for r in headers} == {shard.frames[f] for f in range(split.start, a)}
+            [(a, b)] = decoded  # the frames that hold the record, and the one with the byte before it
+            assert b - a <= 2 and shard.content[a] <= shard.content[split.start] + offset < shard.content[b + 1]
+            frames = [r for r in store.reads if r[1:] == (shard.frames[a], shard.frames[b + 1])]
+            headers = [r for r in store.reads if r not in frames]
+            assert len(frames) == 1 and all(r[2] <= shard.frames[a] for r in headers)
+            assert len(headers) == (a > split.start), "small frames: their headers in one read"
+            assert {f for f in range(split.start, a)} <= {f for r in headers for f in range(last)
+                                                          if r[1] <= shard.frames[f] and shard.frames[f] + 4 <= r[2]}
 
 
 def test_lines_at_gives_the_records_it_passed_over_and_nothing_that_is_not_a_record(seekable) -> None:
@@ -225,3 +232,11 @@ def test_lines_at_agrees_with_the_scan_where_frames_cut_records_anywhere(tmp_pat
             assert got == {offset: line}, (a, b, offset)
         inside = [o + 1 for o in records if len(records[o]) > 2]
         assert anyio.run(SplitReader(store, shard, Split(0, a, b), 1 << 20).lines_at, {o: 2 for o in inside}) == {}
+
+
+def test_header_reads_group_close_frames_and_stay_small() -> None:
+    frames = [0, 100, 200, 300, 100_000, 100_050, 2_000_000, 2_000_010, 3_000_000]
+    shard = ShardPlan("k.jsonl.zst", frames[-1], "e", frames, content=list(range(0, 9 * 10, 10)))
+    reader = SplitReader(None, shard, Split(0, 0, 8), 1 << 20)
+    assert reader._header_groups([0, 1, 2, 3, 4, 5, 6, 7]) == [[0, 1, 2, 3], [4, 5], [6, 7]]
+    assert reader._header_groups([0, 2, 5]) == [[0, 2], [5]]

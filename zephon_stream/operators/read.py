@@ -66,6 +66,7 @@ _MIN_PART = 1 << 10  # the smallest, when a small split is cut into `read_ahead`
 _TAIL_PART = 1 << 16  # reads past a split's end, only to finish its last record
 _LOCATE_MAX = 8 << 20  # the most decoded bytes of frames `SplitReader.lines_at` decodes for one record
 _HEADER_MAX = 18  # the longest zstd frame header (magic, descriptor, window, dictionary id, content size)
+_HEADER_GAP = 64 << 10  # frame headers this close are read together (see SplitReader._header_groups)
 _ZSTD_MAGIC, _SKIPPABLE = 0xFD2FB528, range(0x184D2A50, 0x184D2A60)
 
 
@@ -453,15 +454,17 @@ class SplitReader:
         async def run(a: int, b: int) -> None:
             data[a] = await self.store.read(self.key, frames[a], frames[b + 1])
 
-        async def header(f: int) -> None:
-            declared[f] = _declared_size(await self.store.read(self.key, frames[f],
-                                                               min(frames[f + 1], frames[f] + _HEADER_MAX)))
+        async def headers(group: list[int]) -> None:
+            lo = frames[group[0]]
+            got = await self.store.read(self.key, lo, min(frames[group[-1] + 1], frames[group[-1]] + _HEADER_MAX))
+            for f in group:
+                declared[f] = _declared_size(got[frames[f] - lo:min(frames[f + 1], frames[f] + _HEADER_MAX) - lo])
 
         async with anyio.create_task_group() as tg:  # the headers' reads and the frames' at once
             for a, b in runs:
                 tg.start_soon(run, a, b)
-            for f in check:
-                tg.start_soon(header, f)
+            for group in self._header_groups(check):
+                tg.start_soon(headers, group)
         if any(declared[f] != content[f + 1] - content[f] for f in check):
             return None
         out: dict[int, bytes] = {}
@@ -473,6 +476,18 @@ class SplitReader:
             out.update(self._lines_in(decoded, content[a] - base, a == 0 or content[a] == content[0],
                                       b == len(frames) - 2, wanted, owned))
         return out
+
+    def _header_groups(self, check: list[int]) -> list[list[int]]:
+        """`check` (ascending frames) in groups whose headers one read takes: small frames' headers
+        lie close together, and a request costs more than the bytes between them (an S3 GET)."""
+        frames, groups = self.shard.frames, []
+        for f in check:
+            if groups and frames[f] - frames[groups[-1][-1]] <= _HEADER_GAP and frames[f] - frames[groups[-1][0]] \
+                    + _HEADER_MAX <= _READ_PART:
+                groups[-1].append(f)
+            else:
+                groups.append([f])
+        return groups
 
     def _frames_of(self, at: int, length: int) -> range:
         """The frames holding decoded bytes [at, at + length) of the shard and the byte before `at`."""
