@@ -28,6 +28,7 @@ import botocore.session
 import pytest
 from botocore.config import Config
 
+from tests._offload import Offload
 from zephon_stream.testing.proxy import FaultProxy, Faults, Link
 from zephon_stream.testing.seaweed import SeaweedServer, empty_bucket
 
@@ -141,3 +142,13 @@ def s3_proxy(seaweed: SeaweedServer) -> Iterator[Callable[..., tuple[FaultProxy,
             return proxy, seaweed.store_options(endpoint_url=proxy.url)
 
         yield make
+
+
+@pytest.fixture(scope="session")
+def offload() -> Iterator[Offload]:
+    """The session's second process for a test's independent runs (tests/_offload.py), started on first use."""
+    pool = Offload()
+    try:
+        yield pool
+    finally:
+        pool.close()

@@ -59,14 +59,20 @@ def test_world_sizes_and_backends(config, baseline, dp_size, backend):
     assert records == baseline
 
 
-def test_buffer_capacities(config, baseline):
+def _records(cfg, dp, steps, backend, resume=None):
+    """run_world's records alone: a job for the session's second process (tests/_offload.py)."""
+    return run_world(cfg, dp, steps, backend=backend, resume=resume)[0]
+
+
+def test_buffer_capacities(config, baseline, offload):
     tiny = config.replace(sample_buffer=1, doc_buffer=1, sample_batch=1, tokenize_batch=3, cpu_threads=1)
     large = config.replace(sample_buffer=16, doc_buffer=16, sample_batch=8, tokenize_batch=512, cpu_threads=4)
     if config.vision is not None:  # images: the decode calls' size and threads too
         tiny = tiny.replace(vision=msgspec.structs.replace(config.vision, decode_batch=1, decode_threads=1))
         large = large.replace(vision=msgspec.structs.replace(config.vision, decode_batch=16, decode_threads=6))
+    large_records = offload.submit(_records, large, 3, STEPS, "threads")  # meanwhile, in the second process
     assert run_world(tiny, 2, STEPS, backend="threads")[0] == baseline
-    assert run_world(large, 3, STEPS, backend="threads")[0] == baseline
+    assert offload.result(large_records) == baseline
 
 
 @pytest.mark.parametrize("backend", ["threads", "processes"])
@@ -94,17 +100,26 @@ def test_resume_twice(config, baseline):
     assert a + b + c == baseline
 
 
-def test_epochs_to_the_end_and_resume_at_epoch_boundary(config):
+def _cut_and_resume(cfg, cut):
+    """Steps [0, cut) on 4 ranks (threads), then the rest on 2 (inline) from their states."""
+    first, states = run_world(cfg, 4, cut, backend="threads")
+    rest, _ = run_world(cfg, 2, None, backend="inline", resume=states)
+    return first + rest
+
+
+def test_epochs_to_the_end_and_resume_at_epoch_boundary(config, offload):
+    """Seven runs to the end of two epochs; the session's second process makes three of them
+    meanwhile (tests/_offload.py): the same runs and comparisons, on both cores."""
     cfg = config.replace(max_epochs=2)
-    full, _ = run_world(cfg, 1, None, backend="threads")
+    dp3 = offload.submit(_records, cfg, 3, None, "threads")
+    full = _records(cfg, 1, None, "threads")
     steps = full[-1][0] + 1
     assert steps > 40
-    for dp in (2, 3):
-        assert real(run_world(cfg, dp, None, backend="threads")[0]) == real(full)
-    for cut in (steps // 2, steps - 1):  # about one epoch in; and the last step, lanes ending
-        first, states = run_world(cfg, 4, cut, backend="threads")
-        rest, _ = run_world(cfg, 2, None, backend="inline", resume=states)
-        assert real(first + rest) == real(full)
+    last = offload.submit(_cut_and_resume, cfg, steps - 1)  # the last step, lanes ending
+    assert real(_records(cfg, 2, None, "threads")) == real(full)
+    assert real(offload.result(dp3)) == real(full)
+    assert real(_cut_and_resume(cfg, steps // 2)) == real(full)  # about one epoch in
+    assert real(offload.result(last)) == real(full)
 
 
 def _epoch_crossing(loader, lanes):
@@ -117,7 +132,7 @@ def _epoch_crossing(loader, lanes):
     return False
 
 
-def test_resume_on_both_sides_of_the_first_epoch_crossing(config):
+def test_resume_on_both_sides_of_the_first_epoch_crossing(config, offload):
     """Cut at the last step before any lane reads its second epoch, and at the first step after."""
     cfg = config.replace(max_epochs=2)
     loader = Loader(cfg, backend="inline")
@@ -130,8 +145,9 @@ def test_resume_on_both_sides_of_the_first_epoch_crossing(config):
         if crossing is not None and loader.step == crossing + 8:
             break
     assert crossing is not None and crossing > 1, "no lane reached its second epoch"
-    for cut in (crossing - 1, crossing):
-        rest, _ = run_world(cfg, 3, crossing + 8 - cut, backend="threads", resume=[states[cut]])
+    after = offload.submit(_records, cfg, 3, 8, "threads", [states[crossing]])  # meanwhile, in the second process
+    for cut, rest in ((crossing - 1, _records(cfg, 3, 9, "threads", [states[crossing - 1]])),
+                      (crossing, offload.result(after))):
         assert rest == [r for r in records if r[0] >= cut], f"continuation after step {cut} differs"
 
 
