@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -62,13 +63,15 @@ def assert_continues(got: Steps, want: Steps, first: int, last: int) -> None:
 
 def test_train_4_then_2_killed_then_3_processes(torchrun, stream_config, baseline, tmp_path):
     toml = stream_config[1]
-    ref = steps(torchrun(1, EXAMPLE, "--config", toml, "--steps", STEPS, "--ckpt-dir", tmp_path / "ref",
-                         *MODEL))
+    run = tmp_path / "run"
+    with ThreadPoolExecutor(1) as pool:  # the reference run beside the first cut: each launch has its own namespace
+        reference = pool.submit(torchrun, 1, EXAMPLE, "--config", toml, "--steps", STEPS, "--ckpt-dir",
+                                tmp_path / "ref", *MODEL)
+        first = torchrun(4, EXAMPLE, "--config", toml, "--steps", CUT, "--ckpt-dir", run, *MODEL)  # a clean cut
+        ref = steps(reference.result())
     assert [ref[s][1] for s in range(STEPS)] == baseline
     assert ref[STEPS - 1][0] < ref[0][0] - 0.3, "the loss should go down"
-    run = tmp_path / "run"
 
-    first = torchrun(4, EXAMPLE, "--config", toml, "--steps", CUT, "--ckpt-dir", run, *MODEL)  # a clean cut
     assert resumed(first) is None
     assert_continues(steps(first), ref, 0, CUT - 1)
 
