@@ -305,10 +305,13 @@ def _widen(conn: Any) -> None:
         pass
 
 
-def _recv_message(conn: Any) -> bytearray:
+def _recv_message(conn: Any) -> bytes | bytearray:
     """`conn.recv_bytes()` into one buffer, read in place: multiprocessing's own reader gathers a message's
     chunks in a BytesIO and copies them out, twice the memory traffic for the pixels. The framing is
-    `Connection.send_bytes`': a 4-byte big-endian length (-1, then 8 bytes, for 2 GiB and more), then the bytes."""
+    `Connection.send_bytes`': a 4-byte big-endian length (-1, then 8 bytes, for 2 GiB and more), then the bytes.
+    Where a pipe is not a file descriptor (Windows), it is multiprocessing's reader after all."""
+    if not hasattr(os, "readv"):
+        return conn.recv_bytes()
     fd = conn.fileno()
     size = int.from_bytes(_read_exactly(fd, bytearray(4)), "big", signed=True)
     if size == -1:
