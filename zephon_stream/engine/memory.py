@@ -18,8 +18,9 @@ for the rest of the run.
 What a trim can and cannot do (bench/soak.py, which splits RSS by kind of mapping; 30 min at
 the defaults on a shared 2-core machine): pymalloc's blocks and gc's objects are flat, the bytes
 in use rise slowly (+15 MB over the last 25 min, in every variant: tracemalloc shows the live
-token arrays from Tokenize growing in number, +1061 in 5 min, a holder to find in the
-pipeline, not the allocator's doing), and the rest of the growth
+token arrays from Tokenize growing in number, +1061 in 5 min; sampled over an endless stream
+they are the lanes' read-ahead, 900-1,500 documents under its bound of `doc_buffer` x
+`tokenize_batch` a lane, and the shuffle windows: bounded, not the allocator's doing), and the rest of the growth
 is in the thread arenas: at the end 46-60 MB of their ~110 MB free sits in chunks under 4 KiB,
 between live ones, which `malloc_trim` cannot return. So no trim schedule makes RSS flat: the
 slope was 2.0 MB/min with no trim, 2.2 trimming every 60 s and 3.4 every 10 s (peak 474, 472
