@@ -24,6 +24,7 @@ import anyio.from_thread
 from tests.core.test_worker_restarts import sigkill_and_wait
 from tests.distributed._launch import loopback_up
 from zephon_stream import Config, ConfigError, Loader, ZephonError
+from zephon_stream.engine import threads
 from zephon_stream.loader.ray_backend import ACTOR_NAME, ray_session
 from zephon_stream.testing.determinism import batch_records, rank_records, run_world
 from zephon_stream.testing.stores import WithLatency
@@ -31,6 +32,11 @@ from zephon_stream.testing.stores import WithLatency
 
 def lane_actors() -> list[int]:
     """Pids of the lane actors of this process's Ray (its descendants named `ray::_LaneActor...`)."""
+    return sorted(pid for pid, title in descendants().items() if title.startswith(f"ray::{ACTOR_NAME}"))
+
+
+def descendants() -> dict[int, str]:
+    """This process's descendants: pid -> the first word of its command line."""
     children: dict[int, list[int]] = {}
     titles = {}
     for entry in Path("/proc").iterdir():
@@ -46,7 +52,14 @@ def lane_actors() -> list[int]:
         pid = todo.pop()
         mine.append(pid)
         todo += children.get(pid, [])
-    return sorted(pid for pid in mine if titles.get(pid, "").startswith(f"ray::{ACTOR_NAME}"))
+    return {pid: titles.get(pid, "") for pid in mine if pid != os.getpid()}
+
+
+def ray_outlives_idle_threads() -> bool:
+    """Whether Ray's GCS still runs after every worker thread idle at the start has ended (IDLE_SECONDS
+    is lowered for the start): Linux kills it when the thread that started it ends."""
+    time.sleep(3 * threads.IDLE_SECONDS)
+    return any(Path(title).name == "gcs_server" for title in descendants().values())
 
 
 def killed_run(config: Config, steps: int, cuts: set[int], seed: int) -> dict[str, Any]:
@@ -143,6 +156,7 @@ def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     text, vision, transforms = (Config.from_toml(spec[name]) for name in ("text", "vision", "transforms"))
     result = Out(Path(out_path))
+    idle, threads.IDLE_SECONDS = threads.IDLE_SECONDS, 0.5  # the thread that starts Ray would end at once
     with anyio.from_thread.start_blocking_portal() as portal:
         try:
             session = portal.wrap_async_context_manager(ray_session(text, 3))
@@ -154,9 +168,12 @@ def main(spec_path: str, out_path: str) -> None:
                 import ray
 
                 temp = ray._private.worker._global_node.get_temp_dir_path()  # the session's files
+                result["temp"] = temp  # now: if Ray ends this process, the parent shows Ray's logs from it
+                result.save()
+                result["outlives_idle_threads"] = ray_outlives_idle_threads()
+                threads.IDLE_SECONDS = idle
                 cases(text, vision, transforms, spec["steps"], result)
                 result["node_ip"] = ray.util.get_node_ip_address()
-                result["temp"] = temp
             finally:
                 session.__exit__(None, None, None)
             result["temp_left"] = Path(temp).exists()

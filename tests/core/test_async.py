@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import resource
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,6 +13,7 @@ import anyio
 import pytest
 import torch  # noqa: F401  (a trainer has torch loaded before it streams)
 
+from zephon_stream.loader.config import Config
 from zephon_stream.loader.loader import Loader
 
 
@@ -42,18 +45,48 @@ def gc_pauses() -> Iterator[list[tuple[int, float]]]:
         gc.unfreeze()
 
 
+def loop_thread_clock() -> tuple[float, float, int]:
+    """Seconds this thread has run on a core, seconds it has waited runnable for one, and its major
+    page faults. Linux's schedstat; where it is missing the waits read as 0, so every gap counts."""
+    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_majflt if hasattr(resource, "RUSAGE_THREAD") else 0
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            ran, waited, _ = f.read().split()
+    except OSError:
+        return time.thread_time(), 0.0, faults
+    return int(ran) / 1e9, int(waited) / 1e9, faults
+
+
+@pytest.mark.alone
 @pytest.mark.parametrize("backend", ["threads", "processes"])
 def test_event_loop_never_blocked_over_50ms(config, backend):
+    """40 steps; a heartbeat every 2 ms on the loop is never held up 50 ms by the loader.
+
+    It runs alone (`make test` runs it after the parallel part): on two workers on two cores the
+    other worker's processes took the cores from the loop (gaps of 75 ms in CI). The time the
+    loop's thread still waited runnable for a core is the machine's, not the loader's, and is not
+    counted. What is left of a gap is time the loop ran or slept outside its selector (a callback
+    that computes, a blocking call, the GIL held elsewhere), and that must stay under 50 ms. A
+    run over the bound is run once more; a block of the loader's shows in every run."""
     cfg = config.replace(seq_len=256, tokenize_batch=16)
-    gaps: list[float] = []
+    worst, why = longest_block(cfg, backend)
+    if worst >= 0.050:
+        worst, why = longest_block(cfg, backend)
+    assert worst < 0.050, why
+
+
+def longest_block(cfg: Config, backend: str) -> tuple[float, str]:
+    """The longest hold-up of a heartbeat on the loop while 40 steps stream, less the time the
+    loop's thread waited for a core, and what that gap was made of."""
+    gaps: list[tuple[float, float, float, int]] = []  # wall, ran, waited for a core, major faults
 
     async def heartbeat(stop: anyio.Event) -> None:
-        last = time.perf_counter()
+        last, (ran0, waited0, faults0) = time.perf_counter(), loop_thread_clock()
         while not stop.is_set():
             await anyio.sleep(0.002)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
+            now, (ran, waited, faults) = time.perf_counter(), loop_thread_clock()
+            gaps.append((now - last, ran - ran0, waited - waited0, faults - faults0))
+            last, ran0, waited0, faults0 = now, ran, waited, faults
 
     async def main() -> int:
         stop = anyio.Event()
@@ -73,11 +106,16 @@ def test_event_loop_never_blocked_over_50ms(config, backend):
     with gc_pauses() as pauses:
         assert anyio.run(main) == 40
     assert len(gaps) > 20
-    worst = max(gaps)
+    blocks = [wall - waited for wall, _, waited, _ in gaps]
+    worst = max(blocks)
+    i = blocks.index(worst)
+    wall, ran, waited, faults = gaps[i]
     slowest_gc = max(pauses, key=lambda p: p[1], default=(None, 0.0))
-    assert worst < 0.050, (f"event loop blocked for {worst * 1000:.1f} ms (heartbeat {gaps.index(worst)} of "
-                           f"{len(gaps)}); {len(pauses)} GC passes while streaming, the slowest generation "
-                           f"{slowest_gc[0]} for {slowest_gc[1] * 1000:.1f} ms")
+    return worst, (f"event loop held up {worst * 1000:.1f} ms (heartbeat {i} of {len(gaps)}: a gap of "
+                   f"{wall * 1000:.1f} ms, of which the loop's thread ran {ran * 1000:.1f} ms, waited for a "
+                   f"core {waited * 1000:.1f} ms and slept {(wall - ran - waited) * 1000:.1f} ms, with "
+                   f"{faults} major page faults); {len(pauses)} GC passes while streaming, the slowest "
+                   f"generation {slowest_gc[0]} for {slowest_gc[1] * 1000:.1f} ms")
 
 
 def test_async_for_directly_on_loader(config):

@@ -178,6 +178,18 @@ def _batches(cfg: Config, steps: int, backend: str, state: Any = None,
     return out, loader.state_dict()
 
 
+_WHOLE: dict[str, list[dict[str, Any]]] = {}  # config TOML -> its first STEPS batches on threads
+
+
+def _whole(cfg: Config) -> list[dict[str, Any]]:
+    """The first STEPS batches of an uninterrupted threads run: the reference of the resume and the
+    processes cases, made once per config (a run is a pure function of its config)."""
+    key = cfg.to_toml()
+    if key not in _WHOLE:
+        _WHOLE[key] = _batches(cfg, STEPS, "threads")[0]
+    return _WHOLE[key]
+
+
 def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
     assert len(a) == len(b)
     for x, y in zip(a, b):
@@ -188,7 +200,7 @@ def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
 @pytest.mark.parametrize("packing", ["concat", "best_fit"])
 def test_resume_gives_the_same_batches(chat_config, packing):
     cfg = chat_config.replace(packing=packing)
-    whole, _ = _batches(cfg, STEPS, "threads")
+    whole = _whole(cfg)
     first, state = _batches(cfg, 4, "threads")
     rest, _ = _batches(cfg, STEPS - 4, "threads", state)
     _same(whole, first + rest)
@@ -197,7 +209,7 @@ def test_resume_gives_the_same_batches(chat_config, packing):
 @pytest.mark.parametrize("packing", ["concat", "best_fit"])
 def test_processes_backend_gives_the_batches_of_threads(chat_config, packing):
     cfg = chat_config.replace(packing=packing)
-    threads, _ = _batches(cfg, STEPS, "threads")
+    threads = _whole(cfg)
     records: list[tuple] = []  # from the same processes run: one start of its workers, not two
     processes, _ = _batches(cfg.replace(workers=2), STEPS, "processes", records=records)
     _same(threads, processes)

@@ -17,6 +17,7 @@ from zephon_stream import Loader
 from zephon_stream.engine import memory
 from zephon_stream.engine.memory import AllocatorPolicy, allocator_stats, policy_from_env
 from zephon_stream.errors import ConfigError
+from zephon_stream.loader.backends import worker_environ
 
 GLIBC = memory._glibc() is not None
 needs_glibc = pytest.mark.skipif(not GLIBC, reason="the C library is not glibc: the policy does nothing here")
@@ -163,6 +164,39 @@ def test_buffered_bytes_while_streaming(config) -> None:
     assert after == 0  # the stream closed: nothing is held
 
 
+@pytest.mark.parametrize("backend", ["inline", "threads", "processes"])
+def test_buffered_bytes_are_exact_and_count_the_pixels(vision_config, backend) -> None:
+    """Image samples: buffered_bytes is the bytes of the samples in the lane buffers (or waiting
+    for room in them) and in the sequencer's hands, their pixels included. What the buffers hold
+    is taken out of them here, so the count is checked against the samples themselves."""
+    cfg = vision_config.replace(backend=backend)
+
+    async def main() -> tuple[int, int, int]:
+        loader = Loader(cfg)
+        with anyio.fail_after(60):
+            async with loader.open() as stream:
+                await stream.__anext__()
+                while loader.statistics().buffered_batches < cfg.lanes:  # worker lanes fill their buffers
+                    await anyio.sleep(0.01)
+                await anyio.wait_all_tasks_blocked()
+                # no await from here on: nothing moves between the count and the samples counted
+                counted = loader.statistics().buffered_bytes
+                held = [s for st in loader._batch_streams for q in st.pending.values() for s in q]
+                buffered = []
+                for recv in loader._streams.values():  # what each lane buffer holds (or waits to), taken out
+                    while True:
+                        try:
+                            buffered += recv.receive_nowait()
+                        except anyio.WouldBlock:
+                            break
+                samples = held + buffered
+                return counted, sum(s.nbytes for s in samples), sum(im.nbytes for s in samples for im in s.images)
+
+    counted, want, pixels = anyio.run(main)
+    assert pixels > 0
+    assert counted == want, (counted, want)
+
+
 @needs_glibc
 def test_malloc_info_shows_every_arena_and_a_freed_chunk() -> None:
     libc = memory._glibc()
@@ -183,3 +217,22 @@ def test_malloc_info_shows_every_arena_and_a_freed_chunk() -> None:
     finally:
         for block in blocks:
             libc.free(ctypes.c_void_p(block))
+
+
+def test_worker_processes_share_the_cores_in_the_tokenizer_pool(monkeypatch) -> None:
+    """Each worker's `tokenizers` pool gets its share of the cores, shared with the other ranks on
+    the machine, not one thread per core each (and an arena per thread); a RAYON_NUM_THREADS the
+    user set is passed on as it is."""
+    monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert worker_environ(4)["RAYON_NUM_THREADS"] == "4"
+    assert worker_environ(3)["RAYON_NUM_THREADS"] == "5"
+    assert worker_environ(32)["RAYON_NUM_THREADS"] == "1"
+    assert "RAYON_NUM_THREADS" not in os.environ  # only the workers' environment has it
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # 4 ranks on this machine (torchrun), each with its workers
+    assert worker_environ(2)["RAYON_NUM_THREADS"] == "2"
+    assert worker_environ(8)["RAYON_NUM_THREADS"] == "1"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "")
+    assert worker_environ(4)["RAYON_NUM_THREADS"] == "4"
+    monkeypatch.setenv("RAYON_NUM_THREADS", "7")
+    assert worker_environ(4)["RAYON_NUM_THREADS"] == "7"

@@ -27,7 +27,7 @@ from zephon_stream.operators.read import RecordCounts
 from zephon_stream.operators.sources import make_parser, make_reader
 from zephon_stream.operators.tokenize import Tokenize
 from zephon_stream.operators.transforms import Filter, Map, record_seed
-from zephon_stream.testing.determinism import lane_documents, lane_token_streams, rank_records, real, run_world
+from zephon_stream.testing.determinism import lane_documents, lane_token_streams, rank_records, run_world
 
 STEPS = 24
 FNS = "tests.core.transform_fns"
@@ -339,18 +339,7 @@ def test_transforms_round_trip_through_toml(config, tmp_path: Path):
 # ---- ray ----------------------------------------------------------------------------------------
 
 def ray_transforms_config(config: Config) -> Config:
-    """The config of the ray case: source a alone, filtered and mapped, to the end of its data."""
+    """The config of the ray case (tests/core/test_ray.py's `test_transforms_on_ray`, in the one Ray
+    child): source a alone, filtered and mapped, to the end of its data."""
     return with_steps(config.replace(max_epochs=1, sources=config.sources[:1]),
                       a=[step("filter", "drop_bang"), step("map", "seeded_word")])
-
-
-@pytest.mark.slow
-def test_transforms_on_ray(ray_child, config, vision_config, dataset):
-    """Ray actors import the transforms by name: the batches of the inline run (dp 2 on one actor,
-    every step to the end of the data), and the filtered records counted from the actor's reports.
-    The case runs in the session's one Ray child (tests/core/test_ray.py), which starts Ray once."""
-    _, docs = dataset
-    result = ray_child(config, vision_config)["transforms"]
-    want, _ = run_world(ray_transforms_config(config), 1, None, backend="inline")
-    assert real(tuple(r) for r in result["records"]) == real(want)
-    assert result["filtered"] == {"a": bangs(docs["a"])}

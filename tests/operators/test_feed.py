@@ -98,3 +98,34 @@ def test_room_now_is_what_room_gives_without_waiting() -> None:
     for now, n in looks:
         assert now == n if now > 0 else 1 <= n <= 8
     assert any(now <= 0 for now, _ in looks)  # the producer did catch up with the lane and wait
+
+
+def test_grown_read_ahead_calls_take_whole_batches_not_top_ups() -> None:
+    """Once the read-ahead has grown, a call waits until `most` documents fit: a lane that takes
+    one document at a time does not get a call per document (a CPU hand-off each)."""
+    docs = [((0, 0, 10 * i, 10), np.full(2, i, dtype=np.uint32)) for i in range(300)]
+    sizes: list[tuple[int, int]] = []  # (taken, the room given) at each call
+
+    async def produce(position: int, offset: int, piece: int, send) -> None:
+        async with send:
+            i = 0
+            while i < len(docs):
+                n = await send.room(min(8, len(docs) - i))
+                sizes.append((feed.taken, n))
+                await send.send(docs[i:i + n])
+                i += n
+
+    async def slow(feed: Feed) -> list:
+        out = []
+        async with anyio.create_task_group() as tg:
+            with feed.start(tg.start_soon):
+                while (doc := await feed.next()) is not None:
+                    out.append(doc[0])
+                    await anyio.sleep(0)  # the producer runs between two takes
+        return out
+
+    feed = Feed(produce, buffer=3)
+    assert anyio.run(slow, feed) == [d[0] for d in docs]
+    grown = [n for taken, n in sizes if taken >= 16][:-1]  # past the growth (read-ahead 16+), the last call aside
+    assert grown and set(grown) == {8}, sizes
+    assert [n for _, n in sizes[:2]] == [1, 1]  # the first calls stay small: the first documents come soon

@@ -12,10 +12,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from zephon_stream.errors import ZephonError
-from zephon_stream.loader.config import Config
-from zephon_stream.loader.state import state_from_bytes, state_to_bytes
-from zephon_stream.operators.collate import sample_digests
-from zephon_stream.operators.images import mark_images
 
 __all__ = ["main"]
 
@@ -104,10 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("config", help="print a config in full, defaults included")
     p.add_argument("config", type=Path, help="the config's TOML file")
-    p.set_defaults(func=lambda a: print(Config.from_toml(a.config).to_toml(), end="") or 0)
+    p.set_defaults(func=_config)
 
     _add_optional(sub)
     return parser
+
+
+def _config(args: argparse.Namespace) -> int:
+    from zephon_stream.loader.config import Config  # imported here: `zephon relay` needs no loader
+
+    print(Config.from_toml(args.config).to_toml(), end="")
+    return 0
 
 
 _STREAM_DOC = """Stream the batches of a config on one data-parallel rank.
@@ -176,6 +179,8 @@ def _check_output(option: str, path: Path) -> None:
 
 
 def _save_state(loader: Any, path: Path) -> None:
+    from zephon_stream.loader.state import state_to_bytes
+
     with _user_path("--save-state", path):
         path.write_bytes(state_to_bytes(loader.state_dict()))
 
@@ -226,7 +231,9 @@ def _maybe_save(loader: Any, args: argparse.Namespace) -> bool:
 
 def _loader(args: argparse.Namespace, dp_rank: int, dp_size: int) -> Any:
     """The config's loader for this rank, with the `--resume` files loaded."""
+    from zephon_stream.loader.config import Config
     from zephon_stream.loader.loader import Loader
+    from zephon_stream.loader.state import state_from_bytes
 
     loader = Loader(Config.from_toml(args.config), dp_rank=dp_rank, dp_size=dp_size, backend=args.backend)
     if args.resume:
@@ -241,6 +248,8 @@ def _loader(args: argparse.Namespace, dp_rank: int, dp_size: int) -> Any:
 
 
 def _write_digests(batch: dict[str, Any], out: Any, source_names: list[str]) -> None:
+    from zephon_stream.operators.collate import sample_digests
+
     for record in sample_digests(batch, source_names):
         out.write(json.dumps(record) + "\n")
 
@@ -268,6 +277,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _print_batch(loader: Any, batch: dict[str, Any]) -> None:
+    from zephon_stream.operators.images import mark_images
+
     bounds = batch["cu_seqlens"].tolist()
     sources = batch["segment_sources"].tolist()
     names = {i: s.name for i, s in enumerate(loader.config.sources)} | {-1: "?"}

@@ -130,9 +130,8 @@ def _no_main_guard_error() -> ConfigError:
 
 @asynccontextmanager
 async def _run_local(config: Config, plan: DataPlan, stores: list[Store], tokenizer: Tokenize,
-                     states: dict[int, LaneState], first_step_waits: bool = True
-                     ) -> AsyncIterator[tuple[Streams, Lanes]]:
-    shared = Lanes(config, plan, stores, tokenizer, cpu_policy(config), first_step_waits, decode_policy(config))
+                     states: dict[int, LaneState]) -> AsyncIterator[tuple[Streams, Lanes]]:
+    shared = Lanes(config, plan, stores, tokenizer, cpu_policy(config), decode_policy(config))
     streams: Streams = {}
     async with anyio.create_task_group() as tg:
         shared.spawn = tg.start_soon
@@ -203,6 +202,26 @@ async def _run_processes(cfg: Config, plan: DataPlan, states: dict[int, LaneStat
         yield out
 
 
+def worker_environ(workers: int) -> dict[str, str]:
+    """This process's environment for one of `workers` worker processes, with the tokenizer's
+    thread pool sized to the worker's share of the cores unless `RAYON_NUM_THREADS` is set.
+
+    `tokenizers` runs `encode_batch` on a Rayon pool of one thread per core in every process, so
+    `workers` workers would run `workers` x cores threads, and each thread that allocates gets a
+    glibc arena of its own: memory grows with the thread count (see engine/memory.py). The ranks
+    on this machine (`LOCAL_WORLD_SIZE`, which torchrun sets) each start their own workers, so
+    the cores are shared among all of them."""
+    environ = dict(os.environ)
+    if "RAYON_NUM_THREADS" not in environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        try:
+            ranks = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1")))
+        except ValueError:
+            ranks = 1
+        environ["RAYON_NUM_THREADS"] = str(max(1, cores // (workers * ranks)))
+    return environ
+
+
 class _Workers:
     """The worker processes of one run: each runs a group of lanes and is started again where its
     lanes stood if it dies (see `restarts`), up to `max_restarts` times."""
@@ -255,7 +274,8 @@ class _Workers:
         # credits are read and the credit pipe swapped in one step: a credit given meanwhile is not lost
         credits = [self.sup.credits(lane) for lane in self.sup.live(w)]
         self.ctrl[w] = ctrl_w
-        payload = msgspec.msgpack.encode((self.cfg, self.plan, self.sup.states(w), credits, dict(os.environ)))
+        environ = worker_environ(len(self.sup.groups))
+        payload = msgspec.msgpack.encode((self.cfg, self.plan, self.sup.states(w), credits, environ))
         proc = self.ctx.Process(target=_worker_main, args=(payload, data_w, ctrl_r, self.wrap_store, self.counters[w]),
                                 name=f"zephon-lanes-{w}", daemon=True)
         try:

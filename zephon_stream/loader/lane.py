@@ -59,6 +59,7 @@ __all__ = ["Lanes", "TextLane"]
 
 RunCpu = Callable[..., Awaitable[Any]]
 _EMPTY_RUN = 8  # split positions in a row without a document before a lane checks the whole source
+HANDOFF_BYTES = 1 << 20  # a lane hands off its samples once they hold this much (or sample_batch of them)
 _SOURCE_SHUFFLE = 0x53485546  # keys the RNG of a source's own shuffle window (shuffle_scope = "source")
 
 
@@ -69,13 +70,11 @@ class FirstStep:
     batch leave the CPU threads to the lanes the sequencer still waits for, instead of running
     ahead on later steps (after a restore they did three times the needed tokenizing). It only
     schedules: what a lane yields does not change. A lane started alone later (a worker
-    restart) finds nobody pending and goes on. Off (`waits=False`) in Ray actors: there, with it,
-    a test that SIGKILLs actors mid-run took the whole local Ray down (GCS and raylet stopped
-    logging at the same moment; 3 runs of 3, none of 2 without it), which is not understood.
+    restart) finds nobody pending and goes on. (It was off in Ray actors while its waits, which
+    let a pool thread idle out, took a local Ray down: see `ray_backend._Owner`.)
     """
 
-    def __init__(self, waits: bool = True) -> None:
-        self.waits = waits
+    def __init__(self) -> None:
         self._pending: set[int] = set()
         self._clear: anyio.Event | None = None  # made in the event loop, at the first `enter`
 
@@ -89,10 +88,16 @@ class FirstStep:
         if not self._pending and self._clear is not None:
             self._clear.set()
 
+    def pending(self) -> bool:
+        """Whether a lane of the process has not handed off its first step yet: while it has not,
+        the lanes' feeds and restores read nothing ahead of their pulls (`Feed.lean`), so the CPU
+        threads make only what the first batch takes."""
+        return bool(self._pending)
+
     async def passed(self, lane: int) -> None:
         """`lane` has handed off its first step: wait for the others."""
         self.leave(lane)
-        if self.waits and self._clear is not None:
+        if self._clear is not None:
             await self._clear.wait()
 
 
@@ -100,7 +105,7 @@ class Lanes:
     """What every lane of a process shares: config, plan, stores, tokenizer, CPU policy."""
 
     def __init__(self, config: Config, plan: DataPlan, stores: list[Store], tokenizer: Tokenize,
-                 run_cpu: RunCpu, first_step_waits: bool = True, decode_cpu: RunCpu | None = None) -> None:
+                 run_cpu: RunCpu, decode_cpu: RunCpu | None = None) -> None:
         self.config, self.plan, self.stores, self.tokenizer, self.run_cpu = config, plan, stores, tokenizer, run_cpu
         self.decode_cpu = decode_cpu or run_cpu  # image sources' decode calls (`vision.decode_threads`)
         self.images = [s.image_field is not None for s in config.sources]
@@ -112,7 +117,7 @@ class Lanes:
         self.spawn: Callable[..., Any] | None = None  # the lanes' task group, for read-ahead requests
         self._has_documents = [False] * len(plan.sources)  # checked once per process, see `check_source`
         self._checking = [anyio.Lock() for _ in plan.sources]  # one check at a time; the others wait for it
-        self.first_step = FirstStep(first_step_waits)
+        self.first_step = FirstStep()
 
     def _parser(self, source: int) -> Any:
         return make_parser(self.config, source, self.plan.sources[source])
@@ -250,7 +255,10 @@ class TextLane:
         return f"TextLane({self.lane})"
 
     async def run(self, out: anyio.abc.ObjectSendStream[list[Sample]]) -> None:
-        """Produce samples into `out` (in batches of `sample_batch`) until the data ends."""
+        """Produce samples into `out` until the data ends, in batches of `sample_batch` samples or
+        of `HANDOFF_BYTES`, whichever is reached first: a batch amortizes a hand-off's fixed cost
+        over small (text) samples, while a sample with images (megabytes) goes at once, instead of
+        waiting, complete, for the lane's next ones (seconds each) while the sequencer waits for it."""
         cfg, st, gate = self.shared.config, self.state_in, self.shared.first_step
         gate.enter(self.lane)
         stack = AsyncExitStack()
@@ -259,7 +267,7 @@ class TextLane:
             await self._restore(st)  # before read-ahead starts, so the two do not compete for CPU
             for feed in self.sources:
                 stack.enter_context(feed.start(tg.start_soon))
-            index, batch, first = st.samples, [], self._first_handoff(st.samples)
+            index, batch, held, first = st.samples, [], 0, self._first_handoff(st.samples)
             while not st.done:
                 self.mix.enter((index * cfg.lanes + self.lane) // cfg.global_batch_size)  # the sample's step
                 sample = await self.pack.next()
@@ -269,9 +277,10 @@ class TextLane:
                 index += 1
                 sample.state = self._snapshot(index)
                 batch.append(sample)
-                if len(batch) == cfg.sample_batch or index == first:
+                held += sample.nbytes
+                if len(batch) == cfg.sample_batch or held >= HANDOFF_BYTES or index == first:
                     await out.send(batch)
-                    batch = []
+                    batch, held = [], 0
                     if index == first:
                         await gate.passed(self.lane)
             if batch:
@@ -309,8 +318,12 @@ class TextLane:
         whole = [tuple(r) for _, op, state in ops if op not in windows for r in op.refs(state)]
         drawn = interleave([[tuple(r) for r in op.refs(state)] for _, op, state in ops if op in windows])
         refs = list(dict.fromkeys(whole + drawn))
+        lean = self.shared.first_step.pending
         docs = Reread({}, self._tokenize_again, self.shared.batch_size, self._refused, unread=refs,
-                      read=Documents(self.shared, self.lane, refs, self._refused).read)
+                      read=Documents(self.shared, self.lane, refs, self._refused).read, lean=lean)
+        for source, feed in enumerate(self.sources):  # started after this: see `FirstStep.pending`
+            if not self.shared.images[source]:  # an image a decode call cost the image bench 8-12% of its images/s
+                feed.lean(lean)
         await docs.load(whole)
         for field, op, state in ops:
             try:

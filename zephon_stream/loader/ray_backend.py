@@ -24,11 +24,13 @@ process is used as it is.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 import os
 import shutil
 import tempfile
+import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -115,8 +117,7 @@ class _LaneActor:
             async with AsyncExitStack() as stack:
                 self.stores = await open_stores(cfg, stack, self.wrap_store)
                 tokenizer = Tokenize.for_config(cfg)
-                # lanes never wait for each other's first step here: see lane.FirstStep
-                async with self.run_local(cfg, plan, self.stores, tokenizer, states, first_step_waits=False) as (
+                async with self.run_local(cfg, plan, self.stores, tokenizer, states) as (
                         streams, shared):
                     self.streams, self.skipped = streams, shared.record_counts
                     self.ready.set()
@@ -330,16 +331,59 @@ async def ray_session(cfg: Config, actors: int) -> AsyncIterator[None]:
         yield
         return
     temp = None if cfg.ray_address else tempfile.mkdtemp(prefix="zephon-ray-")  # short: Ray's socket paths
+    owner = _Owner(functools.partial(_init, ray, cfg, actors, temp), ray.shutdown)
     try:
-        await threads.run_sync(functools.partial(_init, ray, cfg, actors, temp))
+        await threads.run_sync(owner.start)
         try:
             yield
         finally:
             with anyio.CancelScope(shield=True):
-                await threads.run_sync(ray.shutdown)
+                await threads.run_sync(owner.stop)
     finally:
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)
+
+
+class _Owner:
+    """A thread of its own that starts Ray (`start`), lives while it runs, and shuts it down (`stop`).
+
+    A local Ray's GCS and raylet are started with `PR_SET_PDEATHSIG = SIGKILL`, which Linux sends
+    when the *thread* that started them ends, not the process. Started from a worker thread of
+    the pool, they were killed silently as soon as that worker had been idle for
+    `threads.IDLE_SECONDS`, and every actor call then failed once Ray gave up on its GCS.
+    """
+
+    def __init__(self, start: Callable[[], None], stop: Callable[[], None]) -> None:
+        self._start, self._stop = start, stop
+        self._started: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._stop_error: BaseException | None = None
+        self._go = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="zephon-ray-owner", daemon=True)
+
+    def start(self) -> None:
+        """Start Ray on the owner thread (blocking); raise what starting it raised."""
+        self._thread.start()
+        self._started.result()
+
+    def stop(self) -> None:
+        """Shut Ray down on the owner thread, which then ends (blocking); raise what that raised."""
+        self._go.set()
+        self._thread.join()
+        if self._stop_error is not None:
+            raise self._stop_error
+
+    def _run(self) -> None:
+        try:
+            self._start()
+        except BaseException as exc:
+            self._started.set_exception(exc)
+            return
+        self._started.set_result(None)
+        self._go.wait()
+        try:
+            self._stop()
+        except BaseException as exc:
+            self._stop_error = exc
 
 
 def _init(ray: Any, cfg: Config, actors: int, temp: str | None) -> None:

@@ -65,7 +65,8 @@ MEANINGS: dict[tuple[str, str], str] = {
     ("", "tokenize_batch"): "Documents per tokenizer call. ",
     ("", "doc_buffer"): "Tokenized document batches buffered per source per lane. ",
     ("", "sample_buffer"): "Sample batches buffered per lane. ",
-    ("", "sample_batch"): "Samples per lane-to-sequencer hand-off. ",
+    ("", "sample_batch"): "Samples per lane-to-sequencer hand-off (fewer once they hold 1 MiB: samples with "
+                          "images go one by one). ",
     ("", "read_ahead"): "Ranged reads (up to 1 MiB) of a split in flight per lane; 1 = one at a time. ",
     ("", "vision"): "The `[vision]` table (below); needed by sources with `image_field`.",
     ("", "schedule"): "The `[[schedule]]` tables (below).",

@@ -7,7 +7,9 @@ re-reads them. A `Reread` holds them in need order and reads (`Documents`) and t
 - when first asked (`fetch`), a shuffle window's documents: the window holds them as
   `Deferred` payloads and fetches one when a pull takes it. A fetch reads and tokenizes that
   document and the next ones of its source in need order (`Shuffle.refs` lists a window that
-  way), in chunks that double from `first_chunk` up to the source's batch size.
+  way), in chunks that double from `first_chunk` up to the source's batch size; while `lean()`
+  says so (the loader's first step: `loader.lane.FirstStep`), one document a fetch, since a
+  document fetched for a later pull is CPU the other lanes' first pulls wait behind.
 
 ```
 need order  w17 w3 w40 w8 w22 w5 w61 ...   (the window's documents, as the next pulls take them)
@@ -52,18 +54,21 @@ class Reread:
 
     `tokenize(source, docs)` tokenizes documents of one source; `batch(source)` is the most
     documents a call takes; `refused(detail)` makes the lane's IncompatibleState. Its methods
-    are called from the lane's one task, never concurrently.
+    are never called concurrently: from the lane's task, or a window's fetch from a task of its
+    own while the window fills from the feeds (`Shuffle`), which call none of them.
     """
 
     def __init__(self, records: dict[DocRef, Any], tokenize: Tokenize, batch: Callable[[int], int],
                  refused: Callable[[str], IncompatibleState], first_chunk: int = 1, *,
-                 unread: Iterable[DocRef] = (), read: Read | None = None) -> None:
+                 unread: Iterable[DocRef] = (), read: Read | None = None,
+                 lean: Callable[[], bool] = lambda: False) -> None:
         self._todo = dict(records)  # not tokenized yet, in need order
         self._todo.update((ref, _UNREAD) for ref in unread if ref not in self._todo)
         self._read = read
         self._ready: dict[DocRef, Any] = {}  # tokenized, not handed out yet
         self._tokenize, self._batch, self._refused = tokenize, batch, refused
         self._chunk = max(1, first_chunk)
+        self._lean = lean
         self.calls = 0  # tokenizer calls made (for tests and statistics)
 
     def __repr__(self) -> str:
@@ -101,8 +106,9 @@ class Reread:
         if ref not in self._ready:
             if ref not in self._todo:
                 raise self._refused(f"of a checkpoint's document {ref}: fetched twice (a bug: report it)")
-            size = min(self._chunk, self._batch(ref[0]))
-            self._chunk *= 2
+            lean = self._lean()
+            size = 1 if lean else min(self._chunk, self._batch(ref[0]))
+            self._chunk *= 1 if lean else 2
             following = (r for r in self._todo if r[0] == ref[0] and r != ref)
             chunk = [ref, *(r for _, r in zip(range(size - 1), following))]
             await self._read_now(chunk)

@@ -16,12 +16,24 @@ The read-ahead grows with what the lane takes: before each tokenizer call the pr
 yet (`taken`: documents handed out since `start`), and says how many the call may take. So a
 lane that has just started (or restored) reads one document ahead, then two, four, ... up to
 `buffer` batches of `most`: its first documents do not wait behind every lane's full
-read-ahead on the shared CPU threads. What the feed hands out does not depend on it.
+read-ahead on the shared CPU threads. A call waits until half the read-ahead's current size
+(at most `most`) is free, so that once it has grown the calls are whole batches of `most`, not
+top-ups of the few documents the lane took since the last one (per image: 2.3 documents a
+decode call, and a CPU hand-off each, with a faster hand-off). What the feed hands out does not
+depend on any of it.
 
 ```
 taken    0  1  2  4  8 ...   the lane's pulls
 room     1  1  2  4  8 ...   documents the next tokenizer call may take (at most `most`)
+least    1  1  1  2  4 ...   the fewest it waits for: half the read-ahead, at most `most`
 ```
+
+While `lean()` says so (`Feed.lean`: the loader's first step, see `loader.lane.FirstStep`), the
+feed reads nothing ahead: the producer makes one document at a time, and only while the lane
+waits in `next` for it. A lane's first batch then costs the CPU threads only the documents it
+takes, and the documents other lanes still wait for are not queued behind read-ahead (after a
+restore at step 10 on the bench data read-ahead had been half the tokens tokenized before the
+first batch). Again, what the feed hands out does not change.
 """
 
 from __future__ import annotations
@@ -65,7 +77,8 @@ class FeedSender:
 
     def room_now(self, most: int) -> int:
         """The documents (at most `most`) a call could take now without waiting; 0 or less: none."""
-        return min(most, self._feed._allowed(most))
+        room = self._feed._allowed(most)
+        return min(most, room) if room >= self._feed._least(most) else min(0, room)
 
     async def send(self, docs: list[Doc]) -> None:
         self._feed._sent += len(docs)
@@ -81,7 +94,10 @@ class Feed:
         self._i = 0
         self.taken = 0  # documents handed out since `start`
         self._sent = 0  # documents the producer sent since `start`
-        self._took: anyio.Event | None = None  # set at the next take, while the producer waits for room
+        self._took: anyio.Event | None = None  # set once a take makes room, while the producer waits for it
+        self._most = 1  # what the waiting producer's call may take
+        self._lean: Callable[[], bool] | None = None  # while it says so: no read-ahead (see the module docstring)
+        self._wanted = False  # the lane waits in `next` for a document not sent yet
 
     def __repr__(self) -> str:
         return f"Feed(cursor={self.cursor}, buffer={self.buffer})"
@@ -94,27 +110,51 @@ class Feed:
         spawn(self.produce, *self.cursor, FeedSender(self, send))
         return self._recv
 
+    def lean(self, until: Callable[[], bool]) -> None:
+        """Read nothing ahead while `until()` is true: make a document only when the lane waits for one."""
+        self._lean = until
+
+    def _target(self, most: int) -> int:
+        """How many documents the read-ahead may hold now: grown with what the lane took (up to
+        `buffer` calls of `most`), or, lean, the one the lane waits for (none while it does not)."""
+        if self._lean is not None and self._lean():
+            return int(self._wanted)
+        return max(1, min(self.taken, self.buffer * most))
+
     def _allowed(self, most: int) -> int:
-        return max(1, min(self.taken, self.buffer * most)) - (self._sent - self.taken)
+        return self._target(most) - (self._sent - self.taken)
+
+    def _wake(self) -> None:
+        # only once the waiting call may go: a producer woken at every take to wait again cost a
+        # task switch a document (text: 10% of the loader's tokens per CPU-second)
+        if self._took is not None and self._allowed(self._most) >= self._least(self._most):
+            self._took.set()
+            self._took = None
+
+    def _least(self, most: int) -> int:
+        """The fewest documents a call waits for: half the read-ahead's current size, at most `most`."""
+        return max(1, min(most, self._target(most) // 2))
 
     async def _room(self, most: int) -> int:
-        while (room := self._allowed(most)) < 1:
-            self._took = anyio.Event()
+        while (room := self._allowed(most)) < self._least(most):
+            self._took, self._most = anyio.Event(), most
             await self._took.wait()
         return min(most, room)
 
     async def next(self) -> Doc | None:
         while self._i >= len(self._batch):
+            self._wanted = True
+            self._wake()  # a lean producer makes a document now
             try:
                 self._batch, self._i = await self._recv.receive(), 0
             except anyio.EndOfStream:
                 return None
+            finally:
+                self._wanted = False
         doc = self._batch[self._i]
         self._i += 1
         self.taken += 1
-        if self._took is not None:
-            self._took.set()
-            self._took = None
+        self._wake()
         ref = doc[0]
         if len(ref) == 5 and len(doc[1]) == self.piece_tokens:  # a whole piece: the document may go on
             self.cursor = (ref[1], ref[2], ref[4] + len(doc[1]))

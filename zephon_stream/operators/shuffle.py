@@ -27,7 +27,10 @@ its window has had `size` pulls; earlier such states are refused.
 Restore re-reads the window's documents. `refs(state)` lists them in the order the next pulls
 take them (while the upstream goes on), and `resolve(ref)` may give a document whose payload
 is `Deferred`: the window then awaits that payload when a pull takes the document, so whoever
-restores re-reads what the first pulls need first, and the rest when it is needed.
+restores re-reads what the first pulls need first, and the rest when it is needed. The index a
+pull takes is known before the window is filled for it (the counter and `target`), so when that
+is a `Deferred` document its fetch runs while the upstream fills the window: the pull waits for
+the longer of the two, not for both one after the other.
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import anyio
 import msgspec
 
 from zephon_stream.engine.operator import Operator, Resolve, refuse
 from zephon_stream.engine.rng import mix64
+from zephon_stream.errors import unwrap_groups
 from zephon_stream.operators.types import Doc, DocRef
 
 __all__ = ["Deferred", "Shuffle", "ShuffleState", "draw_order", "window_bound", "window_target"]
@@ -107,23 +112,43 @@ class Shuffle:
         if self.size == 0:
             return await self.upstream.next()
         target = window_target(self.size, self.pulls)
+        draw = mix64(self.seed, self.lane, self.pulls)
+        if not self._upstream_done and len(self.window) < target:
+            await self._fill(target, draw % target)
+        if not self.window:
+            return None
+        i = draw % len(self.window)
+        await self._resolve(i)  # before any change: a failed fetch leaves the window as it was
+        doc = self.window[i]
+        self.pulls += 1
+        self.window[i] = self.window[-1]
+        self.window.pop()
+        return doc
+
+    async def _fill(self, target: int, drawn: int) -> None:
+        """Fill the window to `target` documents. Unless the upstream ends meanwhile, the pull then
+        takes index `drawn`: a document there not read again yet is fetched while the window fills."""
+        if drawn < len(self.window) and isinstance(self.window[drawn][1], Deferred):
+            with unwrap_groups():
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._resolve, drawn)
+                    await self._take(target)
+        else:
+            await self._take(target)
+
+    async def _take(self, target: int) -> None:
         while not self._upstream_done and len(self.window) < target:
             doc = await self.upstream.next()
             if doc is None:
                 self._upstream_done = True
             else:
                 self.window.append(doc)
-        if not self.window:
-            return None
-        i = mix64(self.seed, self.lane, self.pulls) % len(self.window)
+
+    async def _resolve(self, i: int) -> None:
+        """The payload of document `i` of the window, fetched if it is `Deferred` (appends leave `i` in place)."""
         ref, payload = self.window[i]
-        if isinstance(payload, Deferred):  # before any change: a failed fetch leaves the window as it was
+        if isinstance(payload, Deferred):
             self.window[i] = (ref, await payload.fetch(ref))
-        doc = self.window[i]
-        self.pulls += 1
-        self.window[i] = self.window[-1]
-        self.window.pop()
-        return doc
 
     def state(self) -> ShuffleState:
         return ShuffleState([ref for ref, _ in self.window], self.pulls)

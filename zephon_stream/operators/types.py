@@ -93,3 +93,9 @@ class Sample:
             segments, num_tokens, lane, index, state)
         self.images, self.grids, self.token_types = images or [], grids or [], token_types
         self.sources = sources or []
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its arrays: ids, labels, positions, token types and images."""
+        arrays = [self.input_ids, self.labels, self.position_ids, *self.images]
+        return sum(a.nbytes for a in arrays) + (0 if self.token_types is None else self.token_types.nbytes)

@@ -37,6 +37,14 @@ __all__ = ["SeaweedServer", "empty_bucket", "find_weed"]
 
 _COMPONENTS = ("master", "volume", "filer", "s3", "admin")
 REGION = "us-east-1"
+#: Starts tried before giving up. The ports are found free and released before weed binds them, so
+#: another process (a second server starting at the same moment) can take one in between; weed
+#: then exits at once ("Port allocation failed"), and a start on fresh ports succeeds.
+START_ATTEMPTS = 3
+
+
+class _ExitedDuringStartup(RuntimeError):
+    """weed exited before it served a request (a port taken under it, most often)."""
 
 
 def find_weed() -> str:
@@ -105,8 +113,18 @@ class SeaweedServer:
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> SeaweedServer:
+        """Start the server and wait until it serves; on fresh ports again if weed exits early."""
         if self._proc is not None:
             raise RuntimeError(f"{self!r} is already started")
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                return self._start_once()
+            except _ExitedDuringStartup as exc:
+                if attempt == START_ATTEMPTS:
+                    raise RuntimeError(f"{exc} (after {START_ATTEMPTS} starts on fresh ports)") from exc
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> SeaweedServer:
         ports = _free_ports(2 * len(_COMPONENTS))
         self._ports = dict(zip(_COMPONENTS, ports[: len(_COMPONENTS)], strict=True))
         grpc = dict(zip(_COMPONENTS, ports[len(_COMPONENTS) :], strict=True))
@@ -189,8 +207,9 @@ class SeaweedServer:
 
     # -- readiness -------------------------------------------------------------------------
 
-    def client(self, *, limited: bool = False, endpoint_url: str | None = None):
-        """A new synchronous botocore S3 client (close it) for fixtures and fault-free checks."""
+    def client(self, *, limited: bool = False, endpoint_url: str | None = None, attempts: int = 5):
+        """A new synchronous botocore S3 client (close it) for fixtures and fault-free checks; it makes
+        up to `attempts` tries of a request (botocore's standard retries, with their back-off)."""
         opts = self.store_options(limited=limited, endpoint_url=endpoint_url)
         return botocore.session.get_session().create_client(
             "s3",
@@ -198,7 +217,7 @@ class SeaweedServer:
             region_name=REGION,
             aws_access_key_id=opts["access_key_id"],
             aws_secret_access_key=opts["secret_access_key"],
-            config=Config(s3={"addressing_style": "path"}, retries={"mode": "standard", "max_attempts": 5},
+            config=Config(s3={"addressing_style": "path"}, retries={"mode": "standard", "max_attempts": attempts},
                           connect_timeout=5, read_timeout=30),
         )
 
@@ -207,10 +226,12 @@ class SeaweedServer:
         deadline = time.monotonic() + self.startup_timeout
         probe = "zephon-ready-probe"
         last: Exception | None = None
-        with closing(self.client()) as client:
+        # One try per request: the loop retries, and botocore's back-off would only delay seeing
+        # the server up, or its exit (a refused connection is retried for seconds otherwise).
+        with closing(self.client(attempts=1)) as client:
             while time.monotonic() < deadline:
                 if self._proc is None or self._proc.poll() is not None:
-                    raise RuntimeError(f"weed mini exited during startup:\n{self.log_tail()}")
+                    raise _ExitedDuringStartup(f"weed mini exited during startup:\n{self.log_tail()}")
                 try:
                     try:
                         client.create_bucket(Bucket=probe)
