@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from zephon_stream.engine import memory
 from zephon_stream.engine.memory import AllocatorPolicy, allocator_stats, policy_from_env
 from zephon_stream.errors import ConfigError
 from zephon_stream.loader.backends import worker_environ
+from zephon_stream.operators.tokenize import WORD_CACHE, Tokenize, word_cache_size
 
 GLIBC = memory._glibc() is not None
 needs_glibc = pytest.mark.skipif(not GLIBC, reason="the C library is not glibc: the policy does nothing here")
@@ -240,3 +242,56 @@ def test_worker_processes_share_the_cores_in_the_tokenizer_pool(monkeypatch) -> 
     assert worker_environ(4)["RAYON_NUM_THREADS"] == "4"
     monkeypatch.setenv("RAYON_NUM_THREADS", "7")
     assert worker_environ(4)["RAYON_NUM_THREADS"] == "7"
+
+
+_WORD_CACHE_CHILD = textwrap.dedent("""
+    import json, random, sys
+    from zephon_stream.engine.memory import allocator_stats
+    from zephon_stream.operators.tokenize import Tokenize
+
+    size = json.loads(sys.argv[2])
+    tok = Tokenize(sys.argv[1], "<|endoftext|>", word_cache=size)
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    # 160,000 distinct words: with 8 threads each meets about 20,000, more than a 10,000-word cache holds
+    words = list({"".join(rng.choices(letters, k=10)) for _ in range(170_000)})[:160_000]
+    docs = [" ".join(words[i:i + 500]) for i in range(0, len(words), 500)]
+    tok(docs[:8])  # the pool's threads and their arenas exist before the first figure
+    before = allocator_stats().in_use
+    for i in range(8, len(docs), 16):
+        tok(docs[i:i + 16])
+    print(allocator_stats().in_use - before)
+""")
+
+
+@needs_glibc
+def test_the_tokenizer_threads_word_caches_are_bounded(dataset) -> None:
+    """`tokenizers` keeps a BPE word cache per thread of its pool (one per core), 10,000 words each,
+    and never empties it: Tokenize bounds it (WORD_CACHE words a thread), so what the caches hold
+    grows a quarter as much with the cores. The ids do not depend on it."""
+    root, docs = dataset
+    env = {**os.environ, "RAYON_NUM_THREADS": "8", "ZEPHON_WORD_CACHE": ""}
+
+    def grown(size: int | None) -> int:
+        out = subprocess.run([sys.executable, "-c", _WORD_CACHE_CHILD, str(root / "tokenizer.json"), json.dumps(size)],
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout)
+
+    library, bounded, none = grown(None), grown(WORD_CACHE), grown(0)
+    per_word = (library - none) / (8 * 10_000)  # bytes a cached word holds
+    assert per_word > 100, (library, bounded, none)
+    assert bounded - none < 8 * WORD_CACHE * per_word * 1.5, (library, bounded, none)
+    assert library - none > 3 * (bounded - none), (library, bounded, none)
+
+    texts = docs["a"][:200]
+    ids = [Tokenize(str(root / "tokenizer.json"), "<|endoftext|>", word_cache=n)(texts) for n in (None, WORD_CACHE, 0)]
+    assert all(len(a) == len(b) and all((x == y).all() for x, y in zip(a, b)) for a, b in zip(ids, ids[1:]))
+
+
+def test_word_cache_from_the_environment() -> None:
+    assert word_cache_size({}) == WORD_CACHE == word_cache_size({"ZEPHON_WORD_CACHE": " "})
+    assert word_cache_size({"ZEPHON_WORD_CACHE": "0"}) == 0
+    assert word_cache_size({"ZEPHON_WORD_CACHE": "tokenizers"}) is None
+    with pytest.raises(ConfigError, match="ZEPHON_WORD_CACHE='-1'.*number of words"):
+        word_cache_size({"ZEPHON_WORD_CACHE": "-1"})

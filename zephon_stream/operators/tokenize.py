@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from array import array
 from pathlib import Path
 from typing import Any
@@ -12,9 +13,29 @@ from tokenizers import Tokenizer
 
 from zephon_stream.errors import ConfigError
 
-__all__ = ["Tokenize"]
+__all__ = ["WORD_CACHE", "WORD_CACHE_ENV", "Tokenize", "word_cache_size"]
 
 _UINT32 = next(c for c in "IL" if array(c).itemsize == 4)  # the array typecode of 4-byte unsigned ints
+
+#: Words each of the tokenizer's threads keeps in its BPE word cache (`tokenizers` keeps 10,000).
+WORD_CACHE = 2_500
+#: Environment variable that overrides `WORD_CACHE`: a number of words (0: no cache), or
+#: "tokenizers" to leave the library's own size.
+WORD_CACHE_ENV = "ZEPHON_WORD_CACHE"
+
+
+def word_cache_size(environ: dict[str, str] | os._Environ[str] = os.environ) -> int | None:
+    """The BPE word cache size that `ZEPHON_WORD_CACHE` asks for: unset: `WORD_CACHE`;
+    "tokenizers": None (the library's own); else a number of words, 0 for none."""
+    spec = environ.get(WORD_CACHE_ENV, "").strip()
+    if not spec:
+        return WORD_CACHE
+    if spec == "tokenizers":
+        return None
+    if not spec.isdigit():
+        raise ConfigError(f"{WORD_CACHE_ENV}={spec!r}: give a number of words (0 turns the cache off) or "
+                          f"'tokenizers' for the library's own size")
+    return int(spec)
 
 
 class Tokenize:
@@ -22,9 +43,20 @@ class Tokenize:
 
     Stateless: a document's tokens depend only on its text, so restore re-tokenizes the few
     documents a checkpoint refers to.
+
+    A BPE model's word cache is bounded to `word_cache` words per thread (`WORD_CACHE`, or
+    `ZEPHON_WORD_CACHE`; None leaves the library's size). `tokenizers` (0.23) keeps one cache per
+    thread of its pool, one thread per core, of up to 10,000 words (about 350 bytes each in use),
+    filled as each thread meets new words and never emptied: memory that grows with the cores and
+    for minutes, with every thread's words pinning pages of its own malloc arena. With 32 threads
+    on the bench text, the bytes in use after 20 s were 138 MB at 10,000 words, 53 MB at 2,500 and
+    25 MB without a cache. One thread's tokens per CPU-second at 2,500 words were the same as at
+    10,000 (within the 3% noise, both bench BPEs); 1,000 words cost up to 5%, none 8-10%. The
+    cache only saves work: the ids are the same at any size.
     """
 
-    def __init__(self, path: str, eos_token: str, bos_token: str | None = None) -> None:
+    def __init__(self, path: str, eos_token: str, bos_token: str | None = None,
+                 word_cache: int | None | bool = True) -> None:
         try:
             raw = Path(path).read_bytes()
         except OSError as exc:
@@ -37,6 +69,10 @@ class Tokenize:
         except Exception as exc:  # the `tokenizers` library raises bare Exceptions for a malformed file
             raise ConfigError(f"tokenizer {path!r} is not a tokenizer.json file ({exc}): give the path of a "
                               "Hugging Face `tokenizers` JSON file") from exc
+        size = word_cache_size() if word_cache is True else word_cache
+        resize = getattr(self._tok.model, "_resize_cache", None)  # BPE models (tokenizers >= 0.15)
+        if size is not None and resize is not None:
+            resize(size)
         self.path, self.sha256 = path, hashlib.sha256(raw).hexdigest()
         self.eos_id = self.token_id(eos_token, "eos_token")
         self.bos_id = None if bos_token is None else self.token_id(bos_token, "bos_token")
