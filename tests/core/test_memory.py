@@ -19,7 +19,7 @@ from zephon_stream.engine import memory
 from zephon_stream.engine.memory import AllocatorPolicy, allocator_stats, policy_from_env
 from zephon_stream.errors import ConfigError
 from zephon_stream.loader.backends import worker_environ
-from zephon_stream.operators.tokenize import WORD_CACHE, Tokenize, word_cache_size
+from zephon_stream.operators.tokenize import Tokenize, word_cache_size
 
 GLIBC = memory._glibc() is not None
 needs_glibc = pytest.mark.skipif(not GLIBC, reason="the C library is not glibc: the policy does nothing here")
@@ -267,8 +267,8 @@ _WORD_CACHE_CHILD = textwrap.dedent("""
 @needs_glibc
 def test_the_tokenizer_threads_word_caches_are_bounded(dataset) -> None:
     """`tokenizers` keeps a BPE word cache per thread of its pool (one per core), 10,000 words each,
-    and never empties it: Tokenize bounds it (WORD_CACHE words a thread), so what the caches hold
-    grows a quarter as much with the cores. The ids do not depend on it."""
+    and never empties it: Tokenize bounds what all the threads keep (2,500 words each on 8 threads),
+    so what the caches hold grows a quarter as much with the cores. The ids do not depend on it."""
     root, docs = dataset
     env = {**os.environ, "RAYON_NUM_THREADS": "8", "ZEPHON_WORD_CACHE": ""}
 
@@ -278,20 +278,27 @@ def test_the_tokenizer_threads_word_caches_are_bounded(dataset) -> None:
         assert out.returncode == 0, out.stderr
         return int(out.stdout)
 
-    library, bounded, none = grown(None), grown(WORD_CACHE), grown(0)
+    words = word_cache_size(env)
+    assert words == 2_500
+    library, bounded, none = grown(None), grown(words), grown(0)
     per_word = (library - none) / (8 * 10_000)  # bytes a cached word holds
     assert per_word > 100, (library, bounded, none)
-    assert bounded - none < 8 * WORD_CACHE * per_word * 1.5, (library, bounded, none)
+    assert bounded - none < 8 * words * per_word * 1.5, (library, bounded, none)
     assert library - none > 3 * (bounded - none), (library, bounded, none)
 
     texts = docs["a"][:200]
-    ids = [Tokenize(str(root / "tokenizer.json"), "<|endoftext|>", word_cache=n)(texts) for n in (None, WORD_CACHE, 0)]
+    ids = [Tokenize(str(root / "tokenizer.json"), "<|endoftext|>", word_cache=n)(texts) for n in (None, words, 0)]
     assert all(len(a) == len(b) and all((x == y).all() for x, y in zip(a, b)) for a, b in zip(ids, ids[1:]))
 
 
-def test_word_cache_from_the_environment() -> None:
-    assert word_cache_size({}) == WORD_CACHE == word_cache_size({"ZEPHON_WORD_CACHE": " "})
-    assert word_cache_size({"ZEPHON_WORD_CACHE": "0"}) == 0
+def test_word_cache_from_the_environment(monkeypatch) -> None:
+    """The threads share 20,000 words (10,000 each on 2 cores, the library's size; at least 2,500
+    each), unless ZEPHON_WORD_CACHE says otherwise."""
+    for threads, words in (("1", 10_000), ("2", 10_000), ("4", 5_000), ("8", 2_500), ("64", 2_500)):
+        assert word_cache_size({"RAYON_NUM_THREADS": threads}) == words
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert word_cache_size({}) == 2_500 == word_cache_size({"ZEPHON_WORD_CACHE": " "})
+    assert word_cache_size({"RAYON_NUM_THREADS": "8", "ZEPHON_WORD_CACHE": "0"}) == 0
     assert word_cache_size({"ZEPHON_WORD_CACHE": "tokenizers"}) is None
     with pytest.raises(ConfigError, match="ZEPHON_WORD_CACHE='-1'.*number of words"):
         word_cache_size({"ZEPHON_WORD_CACHE": "-1"})

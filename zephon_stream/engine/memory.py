@@ -12,7 +12,7 @@ The tokenizer's pool has one thread per core, so the arenas, and the free space 
 with the machine (emulated on 2 cores with 32 tokenizer threads and glibc's limit of a 32-core
 machine: 950 MB in the first 1.5 minutes against 538 MB; see the README). Part of that was
 `tokenizers`' word cache, one per pool thread, which `operators.tokenize.Tokenize` now bounds
-(`WORD_CACHE` words a thread, `ZEPHON_WORD_CACHE`).
+(20,000 words among the pool's threads, at least 2,500 each; `ZEPHON_WORD_CACHE`).
 
 `managed_memory()`, entered by every loader stream and lane worker process, keeps the arenas
 and gives their free pages back instead: every `trim_interval` seconds (60) a worker thread

@@ -13,29 +13,34 @@ from tokenizers import Tokenizer
 
 from zephon_stream.errors import ConfigError
 
-__all__ = ["WORD_CACHE", "WORD_CACHE_ENV", "Tokenize", "word_cache_size"]
+__all__ = ["WORD_CACHE_ENV", "WORD_CACHE_TOTAL", "Tokenize", "word_cache_size"]
 
 _UINT32 = next(c for c in "IL" if array(c).itemsize == 4)  # the array typecode of 4-byte unsigned ints
 
-#: Words each of the tokenizer's threads keeps in its BPE word cache (`tokenizers` keeps 10,000).
-WORD_CACHE = 2_500
-#: Environment variable that overrides `WORD_CACHE`: a number of words (0: no cache), or
+#: Words that the tokenizer's threads keep in their BPE word caches, all together: each thread
+#: keeps WORD_CACHE_TOTAL // threads, at least WORD_CACHE_MIN and at most the library's 10,000.
+WORD_CACHE_TOTAL, WORD_CACHE_MIN, WORD_CACHE_MAX = 20_000, 2_500, 10_000
+#: Environment variable that sets the words a thread keeps instead: a number (0: no cache), or
 #: "tokenizers" to leave the library's own size.
 WORD_CACHE_ENV = "ZEPHON_WORD_CACHE"
 
 
 def word_cache_size(environ: dict[str, str] | os._Environ[str] = os.environ) -> int | None:
-    """The BPE word cache size that `ZEPHON_WORD_CACHE` asks for: unset: `WORD_CACHE`;
-    "tokenizers": None (the library's own); else a number of words, 0 for none."""
+    """Words a thread of the tokenizer's pool keeps in its BPE word cache: `ZEPHON_WORD_CACHE`
+    if set ("tokenizers": None, the library's own size), else the share of `WORD_CACHE_TOTAL` of
+    one of the pool's threads (`RAYON_NUM_THREADS`, else one a core this process may run on)."""
     spec = environ.get(WORD_CACHE_ENV, "").strip()
-    if not spec:
-        return WORD_CACHE
     if spec == "tokenizers":
         return None
-    if not spec.isdigit():
-        raise ConfigError(f"{WORD_CACHE_ENV}={spec!r}: give a number of words (0 turns the cache off) or "
-                          f"'tokenizers' for the library's own size")
-    return int(spec)
+    if spec:
+        if not spec.isdigit():
+            raise ConfigError(f"{WORD_CACHE_ENV}={spec!r}: give a number of words (0 turns the cache off) or "
+                              f"'tokenizers' for the library's own size")
+        return int(spec)
+    threads = environ.get("RAYON_NUM_THREADS", "").strip()
+    n = int(threads) if threads.isdigit() and int(threads) > 0 else (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    return min(WORD_CACHE_MAX, max(WORD_CACHE_MIN, WORD_CACHE_TOTAL // n))
 
 
 class Tokenize:
@@ -44,15 +49,16 @@ class Tokenize:
     Stateless: a document's tokens depend only on its text, so restore re-tokenizes the few
     documents a checkpoint refers to.
 
-    A BPE model's word cache is bounded to `word_cache` words per thread (`WORD_CACHE`, or
-    `ZEPHON_WORD_CACHE`; None leaves the library's size). `tokenizers` (0.23) keeps one cache per
-    thread of its pool, one thread per core, of up to 10,000 words (about 350 bytes each in use),
-    filled as each thread meets new words and never emptied: memory that grows with the cores and
-    for minutes, with every thread's words pinning pages of its own malloc arena. With 32 threads
-    on the bench text, the bytes in use after 20 s were 138 MB at 10,000 words, 53 MB at 2,500 and
-    25 MB without a cache. One thread's tokens per CPU-second at 2,500 words were the same as at
-    10,000 (within the 3% noise, both bench BPEs); 1,000 words cost up to 5%, none 8-10%. The
-    cache only saves work: the ids are the same at any size.
+    A BPE model's word cache is bounded (`word_cache` words a thread; by default
+    `word_cache_size()`; None leaves the library's size). `tokenizers` (0.23) keeps one cache per
+    thread of its pool, one thread per core, of up to 10,000 words (about 350-460 bytes each in
+    use), filled as each thread meets new words and never emptied: memory that grows with the
+    cores and for minutes, with every thread's words pinning pages of its own malloc arena. With
+    32 threads on the bench text, the bytes in use after 20 s were 138 MB at 10,000 words a
+    thread, 53 MB at 2,500 and 25 MB without a cache. So the threads share 20,000 words: 10,000
+    each on 2 cores, as before, and 2,500 each from 8 cores on. On one thread, 2,500 words cost
+    0-3% of the tokens per CPU-second against 10,000 (both bench BPEs; on 2 threads about 1.5%),
+    1,000 up to 5%, none 8-10%. The cache only saves work: the ids are the same at any size.
     """
 
     def __init__(self, path: str, eos_token: str, bos_token: str | None = None,
