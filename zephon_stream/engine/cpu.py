@@ -21,9 +21,14 @@ import anyio
 
 from zephon_stream.engine import threads
 
-__all__ = ["CpuPolicy", "default_threads"]
+__all__ = ["CpuPolicy", "default_threads", "usable_cores"]
 
 T = TypeVar("T")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, where the platform has one), as Rayon counts them."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def default_threads(workers: int) -> int:

@@ -38,7 +38,7 @@ import numpy as np
 from zephon_stream import errors as _exceptions
 from zephon_stream.connectors.base import Store, StoreStatistics
 from zephon_stream.engine import threads
-from zephon_stream.engine.cpu import CpuPolicy
+from zephon_stream.engine.cpu import CpuPolicy, usable_cores
 from zephon_stream.engine.memory import managed_memory
 from zephon_stream.errors import ConfigError, ZephonError
 from zephon_stream.loader.config import Config
@@ -213,7 +213,7 @@ def worker_environ(workers: int) -> dict[str, str]:
     the cores are shared among all of them."""
     environ = dict(os.environ)
     if "RAYON_NUM_THREADS" not in environ:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = usable_cores()
         try:
             ranks = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1")))
         except ValueError:

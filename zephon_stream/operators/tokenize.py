@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
+from zephon_stream.engine.cpu import usable_cores
 from zephon_stream.errors import ConfigError
 
 __all__ = ["WORD_CACHE_ENV", "WORD_CACHE_TOTAL", "Tokenize", "word_cache_size"]
@@ -38,8 +39,7 @@ def word_cache_size(environ: dict[str, str] | os._Environ[str] = os.environ) -> 
                               f"'tokenizers' for the library's own size")
         return int(spec)
     threads = environ.get("RAYON_NUM_THREADS", "").strip()
-    n = int(threads) if threads.isdigit() and int(threads) > 0 else (
-        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    n = int(threads) if threads.isdigit() and int(threads) > 0 else usable_cores()
     return min(WORD_CACHE_MAX, max(WORD_CACHE_MIN, WORD_CACHE_TOTAL // n))
 
 
