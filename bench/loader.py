@@ -87,9 +87,18 @@ def write_parquet(docs: list[tuple[str, str]], out: Path, shards: int, group_byt
                        out / f"text-{s:05d}.parquet", row_group_size=rows)
 
 
+_TOKENIZERS: dict[Path, Tokenizer] = {}  # see tokenizer_only
+
+
 def tokenizer_only(texts: list[str], path: Path, batch: int) -> tuple[float, int, float]:
-    """(tokens/s, tokens, tokens per CPU-second of this process) for encode_batch_fast alone."""
-    tok = Tokenizer.from_file(str(path))
+    """(tokens/s, tokens, tokens per CPU-second of this process) for encode_batch_fast alone.
+
+    One Tokenizer a file for the whole run, as the loader keeps one (`Tokenize.shared`): a new
+    instance each repeat would find its threads' word caches filled by the earlier ones (they
+    stay when an instance goes) and run slower, which would flatter the loader's ratio."""
+    if path not in _TOKENIZERS:
+        _TOKENIZERS[path] = Tokenizer.from_file(str(path))
+    tok = _TOKENIZERS[path]
     t, c = time.perf_counter(), time.process_time()
     n = 0
     for i in range(0, len(texts), batch):

@@ -302,3 +302,68 @@ def test_word_cache_from_the_environment(monkeypatch) -> None:
     assert word_cache_size({"ZEPHON_WORD_CACHE": "tokenizers"}) is None
     with pytest.raises(ConfigError, match="ZEPHON_WORD_CACHE='-1'.*number of words"):
         word_cache_size({"ZEPHON_WORD_CACHE": "-1"})
+
+
+_SHARED_CHILD = textwrap.dedent("""
+    import random, sys
+    from zephon_stream.engine.memory import allocator_stats
+    from zephon_stream.operators.tokenize import Tokenize
+
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = list({"".join(rng.choices(letters, k=10)) for _ in range(45_000)})[:40_000]
+    docs = [" ".join(words[i:i + 500]) for i in range(0, len(words), 500)]
+    grown = []
+    for round in range(4):  # as a new Loader each time would: a tokenizer for the config, all the words through it
+        tok = (Tokenize.shared(sys.argv[1], "<|endoftext|>") if sys.argv[2] == "shared"
+               else Tokenize(sys.argv[1], "<|endoftext|>"))
+        before = allocator_stats().in_use
+        for i in range(0, len(docs), 8):
+            tok(docs[i:i + 8])
+        del tok
+        grown.append(allocator_stats().in_use - before)
+    print(*grown)
+""")
+
+
+@needs_glibc
+def test_loaders_in_one_process_share_the_tokenizer_and_its_word_caches(dataset) -> None:
+    """`tokenizers` keeps each model instance's word caches in its threads' thread-local maps and
+    leaves them there when the instance goes: a new Tokenize for every Loader of a process would
+    add a full set of caches each time. `Tokenize.shared` (what a Loader uses) keeps one instance a
+    file, so the second and later rounds add nothing."""
+    root, _ = dataset
+    path = str(root / "tokenizer.json")
+    env = {**os.environ, "RAYON_NUM_THREADS": "4", "ZEPHON_WORD_CACHE": ""}
+
+    def rounds(mode: str) -> list[int]:
+        out = subprocess.run([sys.executable, "-c", _SHARED_CHILD, path, mode], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return [int(x) for x in out.stdout.split()]
+
+    new, shared = rounds("new"), rounds("shared")
+    leaked = min(new[1:])  # each new instance's caches: 4 threads x 5,000 words
+    assert leaked > 4 * 5_000 * 100, (new, shared)
+    assert max(shared[1:]) < leaked / 5, (new, shared)
+
+
+def test_shared_tokenizer_is_one_instance_a_file_and_setting(dataset, tmp_path, monkeypatch) -> None:
+    root, _ = dataset
+    path = str(root / "tokenizer.json")
+    a = Tokenize.shared(path, "<|endoftext|>")
+    assert Tokenize.shared(path, "<|endoftext|>") is a
+    copy = tmp_path / "tokenizer.json"
+    copy.write_bytes((root / "tokenizer.json").read_bytes())
+    assert Tokenize.shared(str(copy), "<|endoftext|>") is not a  # another file, even with the same bytes
+    assert Tokenize.shared(path, "<|endoftext|>", "<|endoftext|>") is not a  # other special tokens
+    monkeypatch.setenv("ZEPHON_WORD_CACHE", "7")
+    assert Tokenize.shared(path, "<|endoftext|>") is not a  # another word cache size
+    monkeypatch.delenv("ZEPHON_WORD_CACHE")
+    copy.write_bytes(copy.read_bytes().replace(b'"<|endoftext|>"', b'"<|endoftext|>"', 1) + b" ")
+    b = Tokenize.shared(str(copy), "<|endoftext|>")
+    assert Tokenize.shared(str(copy), "<|endoftext|>") is b
+    copy.write_bytes(copy.read_bytes() + b"\n")  # the file changed: a new tokenizer, not the old one
+    assert Tokenize.shared(str(copy), "<|endoftext|>") is not b
+    with pytest.raises(ConfigError, match="cannot be read"):
+        Tokenize.shared(str(tmp_path / "missing" / "tokenizer.json"), "<|endoftext|>")
