@@ -68,8 +68,10 @@ def test_buffer_capacities(config, baseline, offload):
     tiny = config.replace(sample_buffer=1, doc_buffer=1, sample_batch=1, tokenize_batch=3, cpu_threads=1)
     large = config.replace(sample_buffer=16, doc_buffer=16, sample_batch=8, tokenize_batch=512, cpu_threads=4)
     if config.vision is not None:  # images: the decode calls' size and threads too
-        tiny = tiny.replace(vision=msgspec.structs.replace(config.vision, decode_batch=1, decode_threads=1))
-        large = large.replace(vision=msgspec.structs.replace(config.vision, decode_batch=16, decode_threads=6))
+        tiny = tiny.replace(vision=msgspec.structs.replace(config.vision, decode_batch=1, decode_ahead=1,
+                                                                 decode_threads=1))
+        large = large.replace(vision=msgspec.structs.replace(config.vision, decode_batch=16, decode_ahead=64,
+                                                                   decode_threads=6))
     large_records = offload.submit(_records, large, 3, STEPS, "threads")  # meanwhile, in the second process
     assert run_world(tiny, 2, STEPS, backend="threads")[0] == baseline
     assert offload.result(large_records) == baseline

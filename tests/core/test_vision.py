@@ -10,6 +10,7 @@ import io
 import random
 import struct
 import tarfile
+import time
 import zlib
 from pathlib import Path
 
@@ -89,6 +90,35 @@ def test_every_image_appears_once_per_epoch(vision_config, vision_dataset, epoch
     assert images == epochs * len(data["img"])
 
 
+def test_image_read_ahead_is_bounded_by_decode_ahead(vision_config, monkeypatch):
+    """An image source reads ahead at most `vision.decode_ahead` decoded images a lane, rounded up
+    to whole decode calls, however large `doc_buffer` is: larger decode calls do not raise the
+    memory bound."""
+    from zephon_stream.operators import feed as feed_module
+
+    most = [0]
+    send = feed_module.FeedSender.send
+
+    async def counting(self, docs):
+        await send(self, docs)
+        most[0] = max(most[0], self._feed._sent - self._feed.taken)
+
+    monkeypatch.setattr(feed_module.FeedSender, "send", counting)
+
+    def read_ahead(decode_ahead: int) -> int:
+        most[0] = 0
+        vision = msgspec.structs.replace(vision_config.vision, decode_batch=3, decode_ahead=decode_ahead)
+        cfg = _images_only(vision_config).replace(doc_buffer=16, lanes=2, global_batch_size=2, vision=vision)
+        for b, _ in enumerate(Loader(cfg, backend="threads")):
+            time.sleep(0.01)  # a slow consumer: the feeds fill their read-ahead
+            if b == 40:
+                break
+        return most[0]
+
+    assert read_ahead(7) <= 9  # three calls of three
+    assert read_ahead(60) > 9  # the same run reads further ahead under a larger bound
+
+
 def test_batches_kept_alive_keep_their_pixels(vision_config):
     """The pixels' memory is pooled (collate.PixelBuffers): a consumer that holds every batch
     still sees each one as it was handed over, while later batches are made."""
@@ -159,7 +189,8 @@ def test_unknown_image_token_lists_the_special_tokens(vision_config):
 
 def test_vision_settings_change_the_order_digest(vision_config):
     other = vision_config.replace(vision=msgspec.structs.replace(vision_config.vision, max_pixels=28 * 28 * 8))
-    fast = vision_config.replace(vision=msgspec.structs.replace(vision_config.vision, decode_batch=1, decode_threads=9))
+    fast = vision_config.replace(vision=msgspec.structs.replace(vision_config.vision, decode_batch=1, decode_ahead=5,
+                                                                decode_threads=9))
     assert other.order_digest("t") != vision_config.order_digest("t")
     assert fast.order_digest("t") == vision_config.order_digest("t")
 

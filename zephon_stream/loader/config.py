@@ -48,22 +48,27 @@ class VisionConfig(ImageSpec, frozen=True, forbid_unknown_fields=True):
     `pixel_dtype = "uint8"` (default) hands the batch raw pixels, a quarter of the bytes of
     float32; normalise them on the device with `zephon_stream.vision.normalize`. `"float32"`
     normalises on the host, bit-identical to Hugging Face's processor output.
-    `decode_batch` (images per decode call) and `decode_threads` are execution settings. Images
-    decode on threads of their own, more than the cores by default: Pillow holds the GIL for part
-    of every image (its Python, the header, copies out), and a thread waiting for the GIL leaves
-    its core idle unless another has decoding to do.
+    `decode_batch` (images per decode call), `decode_ahead` and `decode_threads` are execution
+    settings. `decode_ahead` bounds the decoded images an image source reads ahead for a lane
+    (rounded up to whole decode calls); it takes the place of `doc_buffer` batches for image
+    sources, so that larger decode calls do not make the memory bound larger. Images decode on
+    threads of their own, more than the cores by default: Pillow holds the GIL for part of every
+    image (its Python, the header, copies out), and a thread waiting for the GIL leaves its core
+    idle unless another has decoding to do.
     """
 
     image_token: str = "<|image_pad|>"
     vision_start_token: str | None = None
     vision_end_token: str | None = None
     pixel_dtype: Literal["uint8", "float32"] = "uint8"
-    decode_batch: int = 8
+    decode_batch: int = 32
+    decode_ahead: int = 32  # decoded images read ahead per lane and image source (whole calls)
     decode_threads: int = 4  # decode calls at once per process (a pool beside cpu_threads)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check(self.decode_batch >= 1, "vision.decode_batch", self.decode_batch, "must be >= 1")
+        _check(self.decode_ahead >= 1, "vision.decode_ahead", self.decode_ahead, "must be >= 1")
         _check(self.decode_threads >= 1, "vision.decode_threads", self.decode_threads, "must be >= 1")
         _check(bool(self.image_token), "vision.image_token", self.image_token, "must name a token")
 
@@ -77,8 +82,12 @@ class VisionConfig(ImageSpec, frozen=True, forbid_unknown_fields=True):
         return ImageSpec(**{f: getattr(self, f) for f in ImageSpec.__struct_fields__})
 
     def order_settings(self) -> list[Any]:
-        """Every vision setting that shapes the samples (all but `decode_batch` and `decode_threads`)."""
-        return [getattr(self, f) for f in self.__struct_fields__ if f not in ("decode_batch", "decode_threads")]
+        """Every vision setting that shapes the samples (all but the execution settings `decode_*`)."""
+        return [getattr(self, f) for f in self.__struct_fields__ if not f.startswith("decode_")]
+
+    def decode_calls_ahead(self) -> int:
+        """The decode calls an image source's feed may hold for a lane: `decode_ahead` images, rounded up."""
+        return -(-self.decode_ahead // self.decode_batch)
 
 
 class TransformStep(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -9,7 +9,8 @@ The reader and parser of a source depend on its format (`operators.sources`: JSO
 text, or WebDataset tar image+text, whose "tokenize" also decodes and resizes the image); the
 rest of the lane is the same for all.
 
-Each source's feed runs ahead in its own producer task, bounded by `doc_buffer` batches. Mix,
+Each source's feed runs ahead in its own producer task, bounded by `doc_buffer` batches (an image
+source: `vision.decode_ahead` images, in whole decode calls). Mix,
 Shuffle and Pack are pulled in one task, so the lane state right after each sample is one consistent snapshot;
 it travels with the sample and becomes the checkpoint once the trainer consumes the sample.
 Lane `l` takes the splits of source `s` at positions `l, l+L, l+2L, ...` of the endless
@@ -126,6 +127,12 @@ class Lanes:
         return make_reader(self.config, source, self.plan.sources[source], self.stores[source], split, self.run_cpu,
                            bad, **window)
 
+    def buffer(self, source: int) -> int:
+        """The calls' worth of documents a feed of `source` reads ahead: `doc_buffer`, or for an image
+        source `vision.decode_ahead` images in whole decode calls (a bound that does not grow with them)."""
+        vision = self.config.vision
+        return vision.decode_calls_ahead() if self.images[source] and vision is not None else self.config.doc_buffer
+
     def batch_size(self, source: int) -> int:
         """Documents per tokenize (and image decode) call for `source`."""
         return self.config.vision.decode_batch if self.images[source] else self.config.tokenize_batch
@@ -240,7 +247,7 @@ class TextLane:
         cfg = shared.config
         n = len(shared.plan.sources)
         self.state_in = state or LaneState.initial(lane, n)
-        self.sources = [Feed(functools.partial(self._read_source, s), cfg.doc_buffer, cfg.piece_tokens)
+        self.sources = [Feed(functools.partial(self._read_source, s), shared.buffer(s), cfg.piece_tokens)
                         for s in range(n)]
         by_source = cfg.shuffle_scope == "source" and cfg.shuffle_window > 0
         self.source_shuffles = [Shuffle(cfg.shuffle_window, mix64(cfg.seed, _SOURCE_SHUFFLE, s), lane, feed)

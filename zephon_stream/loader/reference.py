@@ -21,7 +21,7 @@ EXECUTION = {("", k) for k in ("backend", "workers", "cpu_threads", "max_restart
                                "ray_num_cpus", "tokenize_batch", "doc_buffer", "sample_buffer", "sample_batch",
                                "read_ahead")} | {("sources", k) for k in ("endpoint_url", "region", "addressing_style",
                                                                          "connect_timeout", "read_timeout")} | {
-    ("vision", "decode_batch"), ("vision", "decode_threads")}
+    ("vision", "decode_batch"), ("vision", "decode_ahead"), ("vision", "decode_threads")}
 
 #: (table, key) -> meaning. `table` is "" for top-level keys.
 MEANINGS: dict[tuple[str, str], str] = {
@@ -112,6 +112,8 @@ MEANINGS: dict[tuple[str, str], str] = {
     ("vision", "pixel_dtype"): '`"uint8"`: raw pixels (normalise on the device with '
                                '`zephon_stream.vision.normalize`); `"float32"`: normalised on the host. ',
     ("vision", "decode_batch"): "Images per decode call. ",
+    ("vision", "decode_ahead"): "Decoded images an image source reads ahead per lane (rounded up to whole decode "
+                                "calls): the memory bound, in place of `doc_buffer` for image sources. ",
     ("vision", "decode_threads"): "Image decode calls at once per process, on threads beside `cpu_threads`' (more "
                                   "than the cores: Pillow holds the GIL for part of each image). ",
     ("transforms", "map"): '`"pkg.module:function"`: replaces each record with the function\'s result. ',
