@@ -550,3 +550,29 @@ def test_decoding_in_threads_gives_the_sequential_bytes() -> None:
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda n: patchify(load_image(GENERATED[n], spec), spec).tobytes(), names))
     assert got == [expected[n] for n in names]
+
+
+def test_pixels_are_a_view_of_the_image_that_outlives_it() -> None:
+    """`pixels` reads an RGB image's memory in place (Arrow's C data interface) instead of copying
+    it under the GIL: the same bytes as `np.asarray`, read-only, valid after the image is gone and
+    its memory could be reused; an image Pillow keeps in more than one block is copied."""
+    import gc
+
+    from zephon_stream.vision.image import pixels
+
+    rng = np.random.default_rng(0)
+    views, copies = [], []
+    for i in range(40):
+        im = Image.fromarray(rng.integers(0, 256, (14 * (1 + i % 5), 28 * (1 + i % 3), 3), dtype=np.uint8))
+        view = pixels(im)
+        assert isinstance(view.base, np.ndarray) and not view.flags.writeable
+        copies.append(np.asarray(im).copy())
+        del im
+        gc.collect()
+        [Image.new("RGB", (64, 64), (i, i, i)) for _ in range(4)]  # allocations that may take the freed memory
+        views.append(view)
+    assert all(v.shape == c.shape and (v == c).all() for v, c in zip(views, copies))
+    large = Image.new("RGB", (3000, 2000), (1, 2, 3))  # 24 MB in Pillow's 16 MiB blocks: not one piece
+    out = pixels(large)
+    assert out.shape == (2000, 3000, 3) and (out == (1, 2, 3)).all()
+    assert pixels(Image.new("L", (28, 28))).shape == (28, 28)  # not RGB: as np.asarray gives it

@@ -61,6 +61,7 @@ as a second line that cannot fire on an image this module accepted.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import io
 import math
@@ -91,6 +92,7 @@ __all__ = [
     "patch_frame",
     "patch_rows",
     "patchify",
+    "pixels",
 ]
 
 #: OpenAI CLIP's per-channel mean and std (transformers' OPENAI_CLIP_MEAN / OPENAI_CLIP_STD), as Qwen2-VL uses.
@@ -393,7 +395,70 @@ def load_image(data: bytes, spec: ImageSpec) -> np.ndarray:
             raise BadImage(f"cannot decode the {fmt} image ({im.mode} {im.width}x{im.height}): "
                            f"{_reason(exc)}") from exc
         size = (grid_w * spec.patch_size, grid_h * spec.patch_size)  # Pillow sizes are (width, height)
-        return np.asarray(rgb.resize(size, image.Resampling.BICUBIC, reducing_gap=None))
+        return pixels(rgb.resize(size, image.Resampling.BICUBIC, reducing_gap=None))
+
+
+def pixels(im: PILImage.Image) -> np.ndarray:
+    """An RGB image's pixels as uint8 [H, W, 3] (read-only), without copying them where Pillow allows.
+
+    `np.asarray(im)` copies the pixels twice while holding the GIL (`Image.tobytes` in chunks, then
+    their join): about 110 us for a 448 x 336 image. Pillow (>= 11.2) exports an image's memory
+    through the Arrow C data interface instead: a view of its RGBX rows (4 bytes a pixel) that
+    lives as long as the returned array, in about 3 us. `load_image` + `patchify` of 600 x 450
+    PNGs on 2 threads: +2.5-3% images/s; the stamps (about 200 x 200) gain nothing measurable.
+    An image Pillow cannot export in one piece (larger than its 16 MiB blocks, say) or an export of
+    another layout is copied with `np.asarray` as before.
+    """
+    view = _arrow_view(im) if im.mode == "RGB" else None
+    return np.asarray(im) if view is None else view
+
+
+class _ArrowSchema(ctypes.Structure):
+    pass
+
+
+class _ArrowArray(ctypes.Structure):
+    pass
+
+
+# The Arrow C data interface's two structs (https://arrow.apache.org/docs/format/CDataInterface.html): a stable ABI.
+_ArrowSchema._fields_ = [
+    ("format", ctypes.c_char_p), ("name", ctypes.c_char_p), ("metadata", ctypes.c_char_p), ("flags", ctypes.c_int64),
+    ("n_children", ctypes.c_int64), ("children", ctypes.POINTER(ctypes.POINTER(_ArrowSchema))),
+    ("dictionary", ctypes.c_void_p), ("release", ctypes.c_void_p), ("private_data", ctypes.c_void_p)]
+_ArrowArray._fields_ = [
+    ("length", ctypes.c_int64), ("null_count", ctypes.c_int64), ("offset", ctypes.c_int64),
+    ("n_buffers", ctypes.c_int64), ("n_children", ctypes.c_int64), ("buffers", ctypes.POINTER(ctypes.c_void_p)),
+    ("children", ctypes.POINTER(ctypes.POINTER(_ArrowArray))), ("dictionary", ctypes.c_void_p),
+    ("release", ctypes.c_void_p), ("private_data", ctypes.c_void_p)]
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype, _capsule_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+
+
+def _arrow_view(im: PILImage.Image) -> np.ndarray | None:
+    """`im`'s pixels [H, W, 3] as a view of its memory exported through the Arrow C data interface
+    (fixed-size lists of 4 uint8, RGBX), or None where Pillow or the layout does not allow it."""
+    export = getattr(im, "__arrow_c_array__", None)
+    if export is None or not im.width or not im.height:
+        return None
+    try:
+        schema_capsule, array_capsule = export()
+    except ValueError:  # not in one block of Pillow's memory
+        return None
+    schema = _ArrowSchema.from_address(_capsule_pointer(schema_capsule, b"arrow_schema"))
+    array = _ArrowArray.from_address(_capsule_pointer(array_capsule, b"arrow_array"))
+    n = im.width * im.height
+    if (schema.format != b"+w:4" or schema.n_children != 1 or schema.children[0].contents.format != b"C"
+            or array.length != n or array.offset or array.n_children != 1):
+        return None
+    values = array.children[0].contents
+    if values.length != 4 * n or values.offset or values.n_buffers != 2 or not values.buffers[1]:
+        return None
+    memory = (ctypes.c_uint8 * (4 * n)).from_address(values.buffers[1])
+    memory._export = array_capsule  # the view keeps the export, and through it the image's memory, alive
+    out = np.frombuffer(memory, np.uint8).reshape(im.height, im.width, 4)[:, :, :3]
+    out.flags.writeable = False
+    return out
 
 
 def _to_rgb(im: PILImage.Image) -> PILImage.Image:
