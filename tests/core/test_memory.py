@@ -367,3 +367,20 @@ def test_shared_tokenizer_is_one_instance_a_file_and_setting(dataset, tmp_path, 
     assert Tokenize.shared(str(copy), "<|endoftext|>") is not b
     with pytest.raises(ConfigError, match="cannot be read"):
         Tokenize.shared(str(tmp_path / "missing" / "tokenizer.json"), "<|endoftext|>")
+
+
+def test_a_ray_actor_sizes_its_tokenizer_pool_to_its_cpus() -> None:
+    """A lane actor reserves `ray_num_cpus`: its tokenizer pool gets that many threads (at least
+    one), not one per core of the node, unless RAYON_NUM_THREADS is already set."""
+    from zephon_stream.loader.ray_backend import size_tokenizer_pool
+
+    for cpus, threads in ((1.0, "1"), (2.5, "2"), (0.25, "1"), (8, "8")):
+        env: dict[str, str] = {}
+        size_tokenizer_pool(cpus, env)
+        assert env == {"RAYON_NUM_THREADS": threads}
+    env = {"RAYON_NUM_THREADS": "7"}
+    size_tokenizer_pool(1.0, env)
+    assert env["RAYON_NUM_THREADS"] == "7"
+    env = {"RAYON_NUM_THREADS": " "}
+    size_tokenizer_pool(3.0, env)
+    assert env["RAYON_NUM_THREADS"] == "3" and word_cache_size(env) == 6_666

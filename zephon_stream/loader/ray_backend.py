@@ -104,6 +104,7 @@ class _LaneActor:
 
         cfg_raw, plan_raw, states_raw = msgspec.msgpack.decode(payload)
         cfg = msgspec.convert(cfg_raw, Config).replace(backend="threads")
+        size_tokenizer_pool(cfg.ray_num_cpus)  # before this process first tokenizes
         states = [msgspec.convert(s, LaneState) for s in states_raw]
         self.turn = {s.lane: anyio.Condition() for s in states}
         self.next = {s.lane: 0 for s in states}
@@ -159,6 +160,16 @@ class _LaneActor:
         if kind == "error" and not error[0]:
             error = ("ZephonError", "the lane actor stopped before its lanes ended")
         return _enc.encode(_Reply(kind, batch, self.skipped(), counters, error))
+
+
+def size_tokenizer_pool(cpus: float, environ: Any = os.environ) -> None:
+    """Give this actor's tokenizer pool the CPUs the actor reserves (`ray_num_cpus`, at least one
+    thread) unless `RAYON_NUM_THREADS` is set: `tokenizers` would otherwise start a thread per core
+    of the node in every actor, each with a glibc arena and a word cache of its own (see
+    `backends.worker_environ`, which does the same for worker processes). Rayon reads it when the
+    pool starts, at the process's first tokenizer call; the word caches are sized from it too."""
+    if not environ.get("RAYON_NUM_THREADS", "").strip():
+        environ["RAYON_NUM_THREADS"] = str(max(1, int(cpus)))
 
 
 @functools.cache
