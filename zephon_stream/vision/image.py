@@ -431,8 +431,9 @@ _ArrowArray._fields_ = [
     ("n_buffers", ctypes.c_int64), ("n_children", ctypes.c_int64), ("buffers", ctypes.POINTER(ctypes.c_void_p)),
     ("children", ctypes.POINTER(ctypes.POINTER(_ArrowArray))), ("dictionary", ctypes.c_void_p),
     ("release", ctypes.c_void_p), ("private_data", ctypes.c_void_p)]
-_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-_capsule_pointer.restype, _capsule_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+# a prototype of its own: setting restype on `ctypes.pythonapi.PyCapsule_GetPointer` would change it for everyone
+_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi))
 
 
 def _arrow_view(im: PILImage.Image) -> np.ndarray | None:
