@@ -44,6 +44,7 @@ from tests.distributed._launch import loopback_up
 from tools.corpus import collect_documents, have_debian_docs, train_tokenizer
 from zephon_stream import Config, Loader, SourceConfig, state_to_bytes
 from zephon_stream.formats import write_jsonl_shards
+from zephon_stream.operators.tokenize import Tokenize
 
 
 def prepare(root: Path, mb: int) -> tuple[list[str], Path]:
@@ -93,11 +94,14 @@ _TOKENIZERS: dict[Path, Tokenizer] = {}  # see tokenizer_only
 def tokenizer_only(texts: list[str], path: Path, batch: int) -> tuple[float, int, float]:
     """(tokens/s, tokens, tokens per CPU-second of this process) for encode_batch_fast alone.
 
-    One Tokenizer a file for the whole run, as the loader keeps one (`Tokenize.shared`): a new
-    instance each repeat would find its threads' word caches filled by the earlier ones (they
-    stay when an instance goes) and run slower, which would flatter the loader's ratio."""
+    On the loader's own tokenizer (`Tokenize.shared`, the instance every Loader of this process
+    uses): `tokenizers` keeps each instance's word caches in its threads, and two instances with
+    caches in one process slowed each other by about 10% here (the baseline measured first in a
+    fresh process, then beside the loader's instance: 2.07M then 1.86M tok/s, where on the one
+    instance it stayed at 2.03-2.08M and the loader rose from 1.58M to 1.74M). A training process
+    has one tokenizer, and so does this comparison."""
     if path not in _TOKENIZERS:
-        _TOKENIZERS[path] = Tokenizer.from_file(str(path))
+        _TOKENIZERS[path] = Tokenize.for_config(bench_config(path, "threads")).tokenizer
     tok = _TOKENIZERS[path]
     t, c = time.perf_counter(), time.process_time()
     n = 0

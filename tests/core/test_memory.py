@@ -353,6 +353,8 @@ def test_shared_tokenizer_is_one_instance_a_file_and_setting(dataset, tmp_path, 
     path = str(root / "tokenizer.json")
     a = Tokenize.shared(path, "<|endoftext|>")
     assert Tokenize.shared(path, "<|endoftext|>") is a
+    ids = a(["shared words"])[0][:-1]  # without the EOS
+    assert a.tokenizer.encode("shared words", add_special_tokens=False).ids == ids.tolist()
     copy = tmp_path / "tokenizer.json"
     copy.write_bytes((root / "tokenizer.json").read_bytes())
     assert Tokenize.shared(str(copy), "<|endoftext|>") is not a  # another file, even with the same bytes

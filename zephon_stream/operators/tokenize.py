@@ -147,6 +147,12 @@ class Tokenize:
         """The `tokenizers` Encodings of `texts` (ids and character offsets), no special tokens added."""
         return self._tok.encode_batch(texts, add_special_tokens=False)
 
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The `tokenizers.Tokenizer` behind this Tokenize (shared by every Loader of the process
+        that uses the same file: read it, do not change its settings)."""
+        return self._tok
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 
