@@ -37,8 +37,6 @@ import sys
 import time
 from pathlib import Path
 
-from tokenizers import Tokenizer
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/ (not in the wheel)
 from tests.distributed._launch import loopback_up
 from tools.corpus import collect_documents, have_debian_docs, train_tokenizer
@@ -88,9 +86,6 @@ def write_parquet(docs: list[tuple[str, str]], out: Path, shards: int, group_byt
                        out / f"text-{s:05d}.parquet", row_group_size=rows)
 
 
-_TOKENIZERS: dict[Path, Tokenizer] = {}  # see tokenizer_only
-
-
 def tokenizer_only(texts: list[str], path: Path, batch: int) -> tuple[float, int, float]:
     """(tokens/s, tokens, tokens per CPU-second of this process) for encode_batch_fast alone.
 
@@ -100,9 +95,7 @@ def tokenizer_only(texts: list[str], path: Path, batch: int) -> tuple[float, int
     fresh process, then beside the loader's instance: 2.07M then 1.86M tok/s, where on the one
     instance it stayed at 2.03-2.08M and the loader rose from 1.58M to 1.74M). A training process
     has one tokenizer, and so does this comparison."""
-    if path not in _TOKENIZERS:
-        _TOKENIZERS[path] = Tokenize.for_config(bench_config(path, "threads")).tokenizer
-    tok = _TOKENIZERS[path]
+    tok = Tokenize.for_config(bench_config(path, "threads")).tokenizer  # the process's one instance, before the clock
     t, c = time.perf_counter(), time.process_time()
     n = 0
     for i in range(0, len(texts), batch):
