@@ -386,3 +386,28 @@ def test_a_ray_actor_sizes_its_tokenizer_pool_to_its_cpus() -> None:
     env = {"RAYON_NUM_THREADS": " "}
     size_tokenizer_pool(3.0, env)
     assert env["RAYON_NUM_THREADS"] == "3" and word_cache_size(env) == 6_666
+
+
+@pytest.mark.parametrize(("value", "threads"), [("4", 4), ("+4", 4), ("1", 1), ("", None), (" ", None), ("0", None),
+                                                (" 4", None), ("4 ", None), ("-2", None), ("four", None),
+                                                ("\u0664", None), ("2.5", None)])
+def test_the_places_that_read_rayon_num_threads_agree_with_rayon(monkeypatch, value: str, threads: int | None) -> None:
+    """RAYON_NUM_THREADS sizes Rayon's pool only where Rayon parses it as a positive integer
+    (`usize::from_str`: digits, a leading "+", no spaces); otherwise the pool gets a thread per
+    core. The worker processes' environment, a Ray actor's pool and the word caches all read it
+    that way: a value Rayon ignores is replaced with the share of the cores, not passed on."""
+    from zephon_stream.engine.cpu import rayon_threads
+    from zephon_stream.loader.ray_backend import size_tokenizer_pool
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert rayon_threads({"RAYON_NUM_THREADS": value}) == threads
+    monkeypatch.setenv("RAYON_NUM_THREADS", value)
+    actor = {"RAYON_NUM_THREADS": value}
+    size_tokenizer_pool(2.0, actor)
+    if threads is None:
+        assert worker_environ(4)["RAYON_NUM_THREADS"] == "4" and actor["RAYON_NUM_THREADS"] == "2"
+        assert word_cache_size({"RAYON_NUM_THREADS": value}) == 2_500  # 16 cores: 20,000 // 16, at least 2,500
+    else:
+        assert worker_environ(4)["RAYON_NUM_THREADS"] == value == actor["RAYON_NUM_THREADS"]
+        assert word_cache_size({"RAYON_NUM_THREADS": value}) == min(10_000, max(2_500, 20_000 // threads))

@@ -14,14 +14,14 @@ in other processes; it is a backend, not a CPU policy.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import anyio
 
 from zephon_stream.engine import threads
 
-__all__ = ["CpuPolicy", "default_threads", "usable_cores"]
+__all__ = ["CpuPolicy", "default_threads", "rayon_threads", "usable_cores"]
 
 T = TypeVar("T")
 
@@ -29,6 +29,18 @@ T = TypeVar("T")
 def usable_cores() -> int:
     """The cores this process may run on (its affinity, where the platform has one), as Rayon counts them."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def rayon_threads(environ: Mapping[str, str] = os.environ) -> int | None:
+    """The threads `RAYON_NUM_THREADS` gives the tokenizer's Rayon pool, parsed as Rayon parses it
+    (a positive decimal integer, a leading "+" allowed, no spaces), or None where Rayon ignores it
+    (unset, blank, 0 or not a number) and starts a thread per core. Every place that asks "did the
+    user size the pool?" asks this, so they all agree with Rayon and with each other."""
+    value = environ.get("RAYON_NUM_THREADS", "")
+    digits = value[1:] if value.startswith("+") else value
+    if digits.isascii() and digits.isdigit() and int(digits) > 0:
+        return int(digits)
+    return None
 
 
 def default_threads(workers: int) -> int:

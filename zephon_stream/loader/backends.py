@@ -38,7 +38,7 @@ import numpy as np
 from zephon_stream import errors as _exceptions
 from zephon_stream.connectors.base import Store, StoreStatistics
 from zephon_stream.engine import threads
-from zephon_stream.engine.cpu import CpuPolicy, usable_cores
+from zephon_stream.engine.cpu import CpuPolicy, rayon_threads, usable_cores
 from zephon_stream.engine.memory import managed_memory
 from zephon_stream.errors import ConfigError, ZephonError
 from zephon_stream.loader.config import Config
@@ -204,7 +204,8 @@ async def _run_processes(cfg: Config, plan: DataPlan, states: dict[int, LaneStat
 
 def worker_environ(workers: int) -> dict[str, str]:
     """This process's environment for one of `workers` worker processes, with the tokenizer's
-    thread pool sized to the worker's share of the cores unless `RAYON_NUM_THREADS` is set.
+    thread pool sized to the worker's share of the cores unless `RAYON_NUM_THREADS` sizes it
+    (as Rayon reads it: `engine.cpu.rayon_threads`).
 
     `tokenizers` runs `encode_batch` on a Rayon pool of one thread per core in every process, so
     `workers` workers would run `workers` x cores threads, and each thread that allocates gets a
@@ -212,7 +213,7 @@ def worker_environ(workers: int) -> dict[str, str]:
     on this machine (`LOCAL_WORLD_SIZE`, which torchrun sets) each start their own workers, so
     the cores are shared among all of them."""
     environ = dict(os.environ)
-    if "RAYON_NUM_THREADS" not in environ:
+    if rayon_threads(environ) is None:
         cores = usable_cores()
         try:
             ranks = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1")))

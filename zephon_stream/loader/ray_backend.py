@@ -42,6 +42,7 @@ import msgspec
 from zephon_stream import errors as _exceptions
 from zephon_stream.connectors.base import Store, StoreStatistics
 from zephon_stream.engine import threads
+from zephon_stream.engine.cpu import rayon_threads
 from zephon_stream.errors import ConfigError
 from zephon_stream.loader.config import Config
 from zephon_stream.loader.plan import DataPlan, open_stores
@@ -164,11 +165,12 @@ class _LaneActor:
 
 def size_tokenizer_pool(cpus: float, environ: Any = os.environ) -> None:
     """Give this actor's tokenizer pool the CPUs the actor reserves (`ray_num_cpus`, at least one
-    thread) unless `RAYON_NUM_THREADS` is set: `tokenizers` would otherwise start a thread per core
-    of the node in every actor, each with a glibc arena and a word cache of its own (see
-    `backends.worker_environ`, which does the same for worker processes). Rayon reads it when the
-    pool starts, at the process's first tokenizer call; the word caches are sized from it too."""
-    if not environ.get("RAYON_NUM_THREADS", "").strip():
+    thread) unless `RAYON_NUM_THREADS` sizes it (`engine.cpu.rayon_threads`): `tokenizers` would
+    otherwise start a thread per core of the node in every actor, each with a glibc arena and a
+    word cache of its own (see `backends.worker_environ`, which does the same for worker
+    processes). Rayon reads it when the pool starts, at the process's first tokenizer call; the
+    word caches are sized from it too."""
+    if rayon_threads(environ) is None:
         environ["RAYON_NUM_THREADS"] = str(max(1, int(cpus)))
 
 

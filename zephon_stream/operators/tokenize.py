@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from zephon_stream.engine.cpu import usable_cores
+from zephon_stream.engine.cpu import rayon_threads, usable_cores
 from zephon_stream.errors import ConfigError
 
 __all__ = ["WORD_CACHE_ENV", "WORD_CACHE_TOTAL", "Tokenize", "word_cache_size"]
@@ -33,7 +33,8 @@ SHARED_KEEP = 4
 def word_cache_size(environ: dict[str, str] | os._Environ[str] = os.environ) -> int | None:
     """Words a thread of the tokenizer's pool keeps in its BPE word cache: `ZEPHON_WORD_CACHE`
     if set ("tokenizers": None, the library's own size), else the share of `WORD_CACHE_TOTAL` of
-    one of the pool's threads (`RAYON_NUM_THREADS`, else one a core this process may run on)."""
+    one of the pool's threads (`RAYON_NUM_THREADS` as Rayon reads it, `engine.cpu.rayon_threads`,
+    else one a core this process may run on)."""
     spec = environ.get(WORD_CACHE_ENV, "").strip()
     if spec == "tokenizers":
         return None
@@ -42,8 +43,7 @@ def word_cache_size(environ: dict[str, str] | os._Environ[str] = os.environ) -> 
             raise ConfigError(f"{WORD_CACHE_ENV}={spec!r}: give a number of words (0 turns the cache off) or "
                               f"'tokenizers' for the library's own size")
         return int(spec)
-    threads = environ.get("RAYON_NUM_THREADS", "").strip()
-    n = int(threads) if threads.isdigit() and int(threads) > 0 else usable_cores()
+    n = rayon_threads(environ) or usable_cores()
     return min(WORD_CACHE_MAX, max(WORD_CACHE_MIN, WORD_CACHE_TOTAL // n))
 
 
