@@ -388,7 +388,7 @@ def test_a_ray_actor_sizes_its_tokenizer_pool_to_its_cpus() -> None:
     assert env["RAYON_NUM_THREADS"] == "3" and word_cache_size(env) == 6_666
 
 
-@pytest.mark.parametrize(("value", "threads"), [("4", 4), ("+4", 4), ("1", 1), ("", None), (" ", None), ("0", None),
+@pytest.mark.parametrize(("value", "threads"), [("4", 4), ("+4", 4), ("1", 1), ("", None), (" ", None), ("0", None), ("00", None),
                                                 (" 4", None), ("4 ", None), ("-2", None), ("four", None),
                                                 ("\u0664", None), ("2.5", None)])
 def test_the_places_that_read_rayon_num_threads_agree_with_rayon(monkeypatch, value: str, threads: int | None) -> None:
@@ -402,6 +402,11 @@ def test_the_places_that_read_rayon_num_threads_agree_with_rayon(monkeypatch, va
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert rayon_threads({"RAYON_NUM_THREADS": value}) == threads
+    legacy = {"RAYON_NUM_THREADS": value, "RAYON_RS_NUM_CPUS": "3"}  # Rayon's deprecated name, read after it
+    zero = value in ("0", "00")  # a number: Rayon takes the cores and does not read the old name
+    assert rayon_threads(legacy) == (threads or (None if zero else 3))
+    assert rayon_threads({"RAYON_RS_NUM_CPUS": "3"}) == 3 and rayon_threads({"RAYON_RS_NUM_CPUS": "0"}) is None
+    monkeypatch.delenv("RAYON_RS_NUM_CPUS", raising=False)
     monkeypatch.setenv("RAYON_NUM_THREADS", value)
     actor = {"RAYON_NUM_THREADS": value}
     size_tokenizer_pool(2.0, actor)

@@ -32,15 +32,21 @@ def usable_cores() -> int:
 
 
 def rayon_threads(environ: Mapping[str, str] = os.environ) -> int | None:
-    """The threads `RAYON_NUM_THREADS` gives the tokenizer's Rayon pool, parsed as Rayon parses it
-    (a positive decimal integer, a leading "+" allowed, no spaces), or None where Rayon ignores it
-    (unset, blank, 0 or not a number) and starts a thread per core. Every place that asks "did the
-    user size the pool?" asks this, so they all agree with Rayon and with each other."""
-    value = environ.get("RAYON_NUM_THREADS", "")
-    digits = value[1:] if value.startswith("+") else value
-    if digits.isascii() and digits.isdigit() and int(digits) > 0:
-        return int(digits)
-    return None
+    """The threads the environment gives the tokenizer's Rayon pool, read as Rayon reads it, or
+    None where it gives none and Rayon starts a thread per core. `RAYON_NUM_THREADS` is a number
+    when it is decimal digits (a leading "+" allowed, no spaces), and 0 means a thread per core;
+    unset or not a number, Rayon reads the deprecated `RAYON_RS_NUM_CPUS` the same way. Every place
+    that asks "did the user size the pool?" asks this, so they agree with Rayon and each other."""
+    threads = _number(environ.get("RAYON_NUM_THREADS", ""))
+    if threads is None:
+        threads = _number(environ.get("RAYON_RS_NUM_CPUS", ""))
+    return threads or None
+
+
+def _number(text: str) -> int | None:
+    """`usize::from_str`: ASCII digits after an optional "+", else None."""
+    digits = text[1:] if text.startswith("+") else text
+    return int(digits) if digits.isascii() and digits.isdigit() else None
 
 
 def default_threads(workers: int) -> int:
