@@ -388,8 +388,8 @@ def test_a_ray_actor_sizes_its_tokenizer_pool_to_its_cpus() -> None:
     assert env["RAYON_NUM_THREADS"] == "3" and word_cache_size(env) == 6_666
 
 
-@pytest.mark.parametrize(("value", "threads"), [("4", 4), ("+4", 4), ("1", 1), ("", None), (" ", None), ("0", None), ("00", None),
-                                                (" 4", None), ("4 ", None), ("-2", None), ("four", None),
+@pytest.mark.parametrize(("value", "threads"), [("4", 4), ("+4", 4), ("1", 1), ("", None), (" ", None), ("0", None),
+                                                ("00", None), (" 4", None), ("4 ", None), ("-2", None), ("four", None),
                                                 ("\u0664", None), ("2.5", None)])
 def test_the_places_that_read_rayon_num_threads_agree_with_rayon(monkeypatch, value: str, threads: int | None) -> None:
     """RAYON_NUM_THREADS sizes Rayon's pool only where Rayon parses it as a positive integer
