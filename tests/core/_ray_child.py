@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import os
 import random
+import select
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -57,9 +59,25 @@ def descendants() -> dict[int, str]:
 
 def ray_outlives_idle_threads() -> bool:
     """Whether Ray's GCS still runs after every worker thread idle at the start has ended (IDLE_SECONDS
-    is lowered for the start): Linux kills it when the thread that started it ends."""
-    time.sleep(3 * threads.IDLE_SECONDS)
-    return any(Path(title).name == "gcs_server" for title in descendants().values())
+    is lowered for the start): Linux kills it when the thread that started it ends.
+
+    Waits on what happens, not for a fixed time: until each pool thread has left /proc/self/task
+    (by then Linux has sent the death signal of any child that thread started), then on the GCS's
+    pidfd for its exit, which such a SIGKILL brings within milliseconds (2 s allowed)."""
+    pool = [Path(f"/proc/self/task/{t.native_id}") for t in threading.enumerate() if t.name == "zephon-worker"]
+    gone, deadline = threading.Event(), time.monotonic() + 10 * threads.IDLE_SECONDS + 30
+    while any(task.exists() for task in pool):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pool threads still alive {10 * threads.IDLE_SECONDS + 30:.0f} s after going idle")
+        gone.wait(threads.IDLE_SECONDS / 10)  # nothing sets it: the interval between two looks at /proc
+    gcs = [pid for pid, title in descendants().items() if Path(title).name == "gcs_server"]
+    if not gcs:
+        return False
+    fd = os.pidfd_open(gcs[0])
+    try:
+        return not select.select([fd], [], [], 2.0)[0]  # readable: it exited
+    finally:
+        os.close(fd)
 
 
 def killed_run(config: Config, steps: int, cuts: set[int], seed: int) -> dict[str, Any]:
