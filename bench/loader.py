@@ -113,6 +113,22 @@ def cpu_seconds() -> float:
     return t.user + t.system + t.children_user + t.children_system + live / os.sysconf("SC_CLK_TCK")
 
 
+def steal_seconds() -> float | None:
+    """CPU-seconds the hypervisor gave to others while this machine's CPUs had work (all CPUs,
+    `steal` in /proc/stat), or None where the kernel does not count it. A share of it against
+    the run's CPU-seconds says how far the host's other guests moved a wall-clock figure."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK") if fields[0] == "cpu" and len(fields) > 8 else None
+
+
+def steal_note(steal: float | None, cpu: float) -> str:
+    """`steal` seconds against `cpu` seconds of work, as a line's tail (empty where unknown)."""
+    return "" if steal is None else f"; hypervisor steal {steal:.1f} s ({steal / max(cpu, 1e-9):.1%} of the CPU-s)"
+
+
 def loader_epoch(config: Config) -> tuple[float, int, float, float]:
     """(tokens/s, tokens, seconds to the first batch, tokens per CPU-second) for one loader epoch,
     worker processes included."""
@@ -273,6 +289,7 @@ def matrix(texts: list[str], data: Path, tokenizers: list[str], backends: list[s
     on each backend and shuffle window; the ratio of each run to the tokenizer-only run before it."""
     base: dict[str, list[tuple[float, float]]] = {t: [] for t in tokenizers}
     runs: dict[tuple[str, str, int], list[tuple[float, float, float, float]]] = {}
+    steal, cpu_total = steal_seconds(), cpu_seconds()
     for r in range(repeats):
         for name in tokenizers:
             path = tokenizer_file(data, name)
@@ -289,7 +306,9 @@ def matrix(texts: list[str], data: Path, tokenizers: list[str], backends: list[s
                     line.append(f"{backend}/shuffle {window}: {lrate:,.0f} tok/s ({lrate / rate:.3f}), "
                                 f"{lcpu:,.0f} tok/CPU-s ({lcpu / cpu:.3f}), first batch {first:.2f} s")
             print("; ".join(line), flush=True)
-    print(f"\n{len(texts)} documents, {n:,} tokens an epoch with the last tokenizer; median (min - max) of {repeats}")
+    stolen = None if steal is None or (after := steal_seconds()) is None else after - steal
+    print(f"\n{len(texts)} documents, {n:,} tokens an epoch with the last tokenizer; median (min - max) of {repeats}"
+          f"{steal_note(stolen, cpu_seconds() - cpu_total)}")
     print("| tokenizer | backend | shuffle_window | loader tok/s | / tokenizer-only, wall (per run) "
           "| loader tok/CPU-s | / tokenizer-only, per CPU-second (per run) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

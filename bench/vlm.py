@@ -11,7 +11,8 @@ defaults (12 lanes, shuffle_window 64, Qwen2-VL's pixel bounds) with `seq_len` 2
 fresh process (so peak RSS is its own) that imports torch before its clock starts; limit and
 loader runs alternate; the loader's time includes planning (the tar index) and its first batch. Packing efficiency is
 the share of batch positions that hold a token, not padding, over the whole run. Where the
-machine's noise hides the wall-clock ratio, images per CPU-second of the process is the second figure.
+machine's noise hides the wall-clock ratio, images per CPU-second of the process is the second figure;
+the hypervisor's steal during the runs (/proc/stat) says how busy the host's other guests kept it.
 Page faults are the process's minor faults (imports included): the loader's excess over the limit
 is memory the pipeline touches anew (collate's batch buffers are pooled, `collate.PixelBuffers`).
 """
@@ -79,9 +80,13 @@ def run_loader(cfg: Config) -> dict[str, float]:
 
 def child(mode: str, args: argparse.Namespace) -> None:
     import torch  # noqa: F401  (both modes pay the import before the clock starts: the loader's batches are torch)
+    from loader import steal_seconds
 
     cfg = config(args.shards, args.tokenizer, args.epochs, args.backend)
+    steal = steal_seconds()
     out = run_limit(cfg) if mode == "limit" else run_loader(cfg)
+    if steal is not None and (after := steal_seconds()) is not None:
+        out["steal"] = after - steal
     usage = resource.getrusage(resource.RUSAGE_SELF)
     out["peak_rss_mb"], out["page_faults"] = usage.ru_maxrss / 1024, usage.ru_minflt  # the process's, imports included
     print(json.dumps(out))
@@ -138,6 +143,10 @@ def main() -> None:
     print(f"loader / limit: {fmt(ratios, digits=3)}  (goal >= 0.85)")
     print(f"images per CPU-second: limit {fmt([a['images'] / a['cpu'] for a in limit])}, loader "
           f"{fmt([b['images'] / b['cpu'] for b in loader])}; loader / limit: {fmt(cpu_ratios, digits=3)}")
+    if all("steal" in run for run in limit + loader):
+        print("hypervisor steal (CPU-s the host gave its other guests during a run, all CPUs): limit "
+              f"{fmt([a['steal'] for a in limit], ' s', 2)}, loader {fmt([b['steal'] for b in loader], ' s', 2)}; "
+              f"share of the run's CPU-s {fmt([x['steal'] / x['cpu'] for x in limit + loader], '', 3)}")
     print(f"packing efficiency (non-padding share): {loader[0]['tokens'] / loader[0]['positions']:.3f}; "
           f"images per run {loader[0]['images']} (limit {limit[0]['images']})")
 
