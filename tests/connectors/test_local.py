@@ -50,3 +50,17 @@ def test_a_root_that_is_a_prefix_of_a_sibling_does_not_admit_the_sibling(tmp_pat
     (tmp_path / "data" / "link").symlink_to(tmp_path / "data2" / "x")
     with pytest.raises(AccessDenied, match="outside the store root"):
         anyio.run(LocalStore(tmp_path / "data").read, "link")
+
+
+def test_which_stores_overlap_the_ranged_reads_of_a_split(tmp_path):
+    """Local files and memory are read one part at a time; S3, latency wrappers and stores that
+    do not say keep `read_ahead` reads in flight; a plain wrapper says what its inner store says."""
+    from zephon_stream.connectors.base import overlaps_reads
+    from zephon_stream.connectors.memory import MemoryStore
+    from zephon_stream.connectors.s3 import S3Store
+    from zephon_stream.testing.stores import LatencyStore, WrappedStore
+
+    local = LocalStore(tmp_path)
+    assert not overlaps_reads(local) and not overlaps_reads(MemoryStore())
+    assert not overlaps_reads(WrappedStore(local)) and overlaps_reads(WrappedStore(LatencyStore(local)))
+    assert overlaps_reads(LatencyStore(local)) and overlaps_reads(S3Store) and overlaps_reads(object())

@@ -155,7 +155,8 @@ def test_resume_on_both_sides_of_the_first_epoch_crossing(config, offload):
 
 @pytest.mark.parametrize("backend", ["inline", "threads"])
 def test_read_ahead_window_does_not_change_order(config, baseline, backend, monkeypatch):
-    """Splits read through a window of ranged requests (the default) or one request at a time."""
+    """Splits read through a window of ranged requests (a store with latency, as S3) or one request
+    at a time (read_ahead = 1, or local files at any read_ahead: they say `overlap_reads = False`)."""
     windows = []
     real_init = ReadWindow.__init__
 
@@ -169,7 +170,8 @@ def test_read_ahead_window_does_not_change_order(config, baseline, backend, monk
     assert windows and max(len(r) for r in windows) >= 3
     windows.clear()
     one, _ = run_world(config.replace(read_ahead=1), 3, STEPS, backend=backend)
-    assert ahead == one == baseline and not windows
+    local, _ = run_world(config.replace(read_ahead=3), 2, STEPS, backend=backend)  # file://: no window either
+    assert ahead == one == local == baseline and not windows
 
 
 def test_refuses_world_that_cannot_keep_order(config):

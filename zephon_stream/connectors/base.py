@@ -5,6 +5,12 @@ Keys are '/'-separated and relative to the store's root (a directory, or a bucke
 `[start, end)` (`end=None` means to the end). `put(..., if_none_match=True)` is a conditional
 create that raises `AlreadyExists` when the key exists. A store that can also copy from another
 store without the bytes passing through this process implements `ServerSideCopy`.
+
+A store may say, with a class attribute `overlap_reads`, whether ranged reads of one object gain
+from being in flight together: true for a store with a round trip per request (S3), false for
+local files and memory, whose reads take microseconds and which the OS reads ahead itself; there
+the loader's split readers read one part at a time (`read_ahead` is for the former). A store that
+does not say is taken to gain (`overlaps_reads`).
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
-__all__ = ["ObjectInfo", "ServerSideCopy", "Store", "StoreStatistics"]
+__all__ = ["ObjectInfo", "ServerSideCopy", "Store", "StoreStatistics", "overlaps_reads"]
 
 
 class ObjectInfo(msgspec.Struct, frozen=True):
@@ -54,6 +60,12 @@ class Store(Protocol):
     def statistics(self) -> StoreStatistics: ...
 
     async def aclose(self) -> None: ...
+
+
+def overlaps_reads(store: object) -> bool:
+    """Whether ranged reads of one object from `store` should overlap (its `overlap_reads`; True
+    when it does not say): the split readers then keep `read_ahead` of them in flight."""
+    return bool(getattr(store, "overlap_reads", True))
 
 
 @runtime_checkable

@@ -13,6 +13,8 @@ __all__ = ["MemoryStore"]
 class MemoryStore:
     """Objects in a dict. Each named instance is shared through `memory://NAME/` URIs."""
 
+    overlap_reads = False  # a read is a slice: nothing to hide behind another one
+
     def __init__(self) -> None:
         self.objects: dict[str, bytes] = {}
         self._requests = 0

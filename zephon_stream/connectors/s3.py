@@ -457,6 +457,8 @@ class S3Store:
     `S3ClientPool` to share), `settings` (an `S3Settings`), and any `S3Settings` field by name.
     """
 
+    overlap_reads = True  # a round trip a request: the split readers keep `read_ahead` in flight
+
     def __init__(
         self,
         bucket: str,

@@ -227,7 +227,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     doc_buffer: int = 4  # tokenized document batches buffered per source per lane
     sample_buffer: int = 4  # sample batches buffered per lane
     sample_batch: int = 4  # samples per lane-to-sequencer hand-off
-    read_ahead: int = 4  # ranged reads (1 MiB) of a split in flight per lane; 1 = one at a time
+    read_ahead: int = 4  # ranged reads (1 MiB) of a split in flight per lane on S3; 1 = one at a time (local: always)
     vision: VisionConfig | None = None  # the [vision] table; needed by sources with image_field
     schedule: list[ScheduleEntry] = []  # [[schedule]] tables: weights from given global steps on (an order setting)
     packing: Literal["concat", "best_fit", "none"] = "concat"  # how documents become samples

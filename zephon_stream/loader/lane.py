@@ -36,7 +36,7 @@ from typing import Any
 import anyio
 
 from zephon_stream.chat import ChatTokens
-from zephon_stream.connectors.base import Store
+from zephon_stream.connectors.base import Store, overlaps_reads
 from zephon_stream.engine.operator import Operator, refuse
 from zephon_stream.engine.rng import mix64, permutation
 from zephon_stream.errors import DataError, IncompatibleState
@@ -153,7 +153,8 @@ class Lanes:
         split = src.splits[self._perm(source, at[0])[at[1]]]
         # uncounted: a policy of its own, still bound to the epoch (transforms' per-record seeds depend on it)
         bad = (self.parsers[source].bad if counting else BadRecords(cfg.on_bad_record)).at(at[0])
-        return self._reader(source, split, bad, spawn=self.spawn, read_ahead=self.config.read_ahead)
+        ahead = self.config.read_ahead if overlaps_reads(self.stores[source]) else 1  # local: one part at a time
+        return self._reader(source, split, bad, spawn=self.spawn, read_ahead=ahead)
 
     async def check_source(self, source: int) -> None:
         """Raise DataError if no split of `source` yields a document: every epoch would be empty.

@@ -6,7 +6,7 @@ import random
 
 import anyio
 
-from zephon_stream.connectors.base import ObjectInfo, Store, StoreStatistics
+from zephon_stream.connectors.base import ObjectInfo, Store, StoreStatistics, overlaps_reads
 
 __all__ = ["LatencyStore", "WithLatency", "WrappedStore"]
 
@@ -16,6 +16,10 @@ class WrappedStore:
 
     def __init__(self, inner: Store) -> None:
         self.inner = inner
+
+    @property
+    def overlap_reads(self) -> bool:
+        return overlaps_reads(self.inner)
 
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
         return await self.inner.list(prefix)
@@ -45,7 +49,10 @@ class WrappedStore:
 class LatencyStore(WrappedStore):
     """Wraps a store; every list, head and read first sleeps a seeded random time in `[0, max_ms]`
     milliseconds. Use it to prove that the sample order does not depend on I/O timing.
+    Its reads have a latency to hide, so the split readers overlap them (`overlap_reads`).
     """
+
+    overlap_reads = True
 
     def __init__(self, inner: Store, seed: int = 0, max_ms: float = 5.0) -> None:
         super().__init__(inner)
