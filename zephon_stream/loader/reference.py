@@ -67,7 +67,9 @@ MEANINGS: dict[tuple[str, str], str] = {
     ("", "sample_buffer"): "Sample batches buffered per lane. ",
     ("", "sample_batch"): "Samples per lane-to-sequencer hand-off (fewer once they hold 1 MiB: samples with "
                           "images go one by one). ",
-    ("", "read_ahead"): "Ranged reads (up to 1 MiB) of a split in flight per lane; 1 = one at a time. ",
+    ("", "read_ahead"): "Ranged reads (up to 1 MiB) of a split in flight per lane, on a store with a round trip a "
+                        "request (S3); 1 = one at a time. Local files and `memory://` are always read one part at a "
+                        "time (the kernel reads ahead; a window there cost the image bench 5-10%). ",
     ("", "vision"): "The `[vision]` table (below); needed by sources with `image_field`.",
     ("", "schedule"): "The `[[schedule]]` tables (below).",
     ("", "packing"): '`"concat"`: concatenate documents and cut every seq_len tokens; `"best_fit"`: whole '
