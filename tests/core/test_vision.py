@@ -13,6 +13,7 @@ import tarfile
 import zlib
 from pathlib import Path
 
+import anyio
 import msgspec
 import numpy as np
 import pytest
@@ -257,6 +258,29 @@ def test_bad_sample_is_an_error_naming_shard_and_member_or_a_counted_skip(vision
     assert "bad-00000.tar" in str(info.value) and info.value.key.endswith("bad-00000.tar")
     assert info.value.offset >= 0
     assert _run(_one_source(vision_config, root, on_bad_record="skip")) == (7, 1)
+
+
+def _tiny_splits(config: Config, root: Path, **changes: object) -> Config:
+    """One lane over splits of a sample or two, decode calls of up to 8 images."""
+    vision = msgspec.structs.replace(config.vision, decode_batch=8, decode_ahead=8)
+    return _one_source(config, root, vision=vision, split_bytes=1024).replace(**changes)
+
+
+def test_an_image_source_whose_images_are_all_bad_is_an_error_not_a_spin(vision_config, tmp_path):
+    """Every image is bad and skipped (in the decode calls, after parsing): the lane counts each
+    split as empty all the same and checks the source, as for text, instead of reading forever."""
+    samples = [(f"{i:06d}", {"png": b"this is text, not a PNG" * 10, "txt": b"text"}) for i in range(24)]
+    write_tar_shards(samples, tmp_path / "allbad", prefix="allbad")
+    cfg = _tiny_splits(vision_config, tmp_path / "allbad", on_bad_record="skip", max_epochs=0)
+
+    async def first_batch():
+        with anyio.fail_after(60):  # a producer that never counted a split as empty: no batch, no error
+            async with Loader(cfg, backend="threads").open() as stream:
+                return await stream.__anext__()
+
+    with pytest.raises(DataError, match=r"source 'img' .* yields no document in a whole epoch .*: all 24 of its "
+                                        r"records are bad and skipped"):
+        anyio.run(first_batch)
 
 
 @pytest.mark.parametrize(("mode", "fmt"), [("CMYK", "JPEG"), ("P", "PNG"), ("LA", "PNG"), ("L", "JPEG")])
