@@ -1,20 +1,28 @@
 """Image+text loader throughput against the Pillow work alone, peak RSS, and packing efficiency.
 
-    .venv/bin/python bench/vlm.py [--repeats 5] [--epochs 3] [--backend threads]
+    .venv/bin/python bench/vlm.py [--repeats 5] [--epochs 3] [--backend threads] [--no-fresh]
 
 Data: Tux Paint's stamps (about 785 PNGs with human-written captions, `make vlm-data` or
 `tools/vlm.py` fetch them into the cache) as tar shards, and a BPE with the Qwen2-VL vision tokens.
 The *limit* is the loader's essential work done alone: every image of the same epochs decoded,
-resized and cut into patches (`load_image` + `patchify`) in a pool of `cpu_threads` threads, in a
-process of its own, on the same cores. The *loader* streams the same epochs (`max_epochs`) at the
-defaults (12 lanes, shuffle_window 64, Qwen2-VL's pixel bounds) with `seq_len` 2048. Each run is a
-fresh process (so peak RSS is its own) that imports torch before its clock starts; limit and
-loader runs alternate; the loader's time includes planning (the tar index) and its first batch. Packing efficiency is
-the share of batch positions that hold a token, not padding, over the whole run. Where the
-machine's noise hides the wall-clock ratio, images per CPU-second of the process is the second figure;
+resized and cut into patches (`load_image` + `patchify`) in a pool of `cpu_threads` threads, on
+the same cores. The *loader* streams the same epochs (`max_epochs`) at the defaults (12 lanes,
+shuffle_window 64, Qwen2-VL's pixel bounds) with `seq_len` 2048; its time includes planning (the
+tar index) and its first batch.
+
+Two protocols, both printed:
+- *Same process* (the issue's): one process that imports torch, then `--repeats` rounds of limit
+  and loader, the order swapped every round (limit first in rounds 0, 2, ...), each loader
+  divided by the limit of its round. The first round's loader is the process's first: it pays
+  the cold start (threads, the allocator's first touch of its pages) as a training job does once.
+- *Fresh processes* (stricter, `--no-fresh` skips it): every run a new process, limit and loader
+  alternating, so every loader run pays that cold start. Peak RSS and page faults come from these
+  runs (the process's own, imports included): the loader's excess over the limit is memory the
+  pipeline touches anew (collate's batch buffers are pooled, `collate.PixelBuffers`).
+
+Where the machine's noise hides the wall-clock ratio, images per CPU-second is the second figure;
 the hypervisor's steal during the runs (/proc/stat) says how busy the host's other guests kept it.
-Page faults are the process's minor faults (imports included): the loader's excess over the limit
-is memory the pipeline touches anew (collate's batch buffers are pooled, `collate.PixelBuffers`).
+Packing efficiency is the share of batch positions that hold a token, not padding, over a run.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/ (not in the wheel)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/loader.py's CPU count
@@ -78,28 +87,65 @@ def run_loader(cfg: Config) -> dict[str, float]:
             "first_batch": first or 0.0, "cpu": cpu_seconds() - cpu}
 
 
-def child(mode: str, args: argparse.Namespace) -> None:
-    import torch  # noqa: F401  (both modes pay the import before the clock starts: the loader's batches are torch)
+def measured(mode: str, cfg: Config) -> dict[str, float]:
+    """One run of `mode` in this process, with the hypervisor's steal during it."""
     from loader import steal_seconds
 
-    cfg = config(args.shards, args.tokenizer, args.epochs, args.backend)
     steal = steal_seconds()
     out = run_limit(cfg) if mode == "limit" else run_loader(cfg)
     if steal is not None and (after := steal_seconds()) is not None:
         out["steal"] = after - steal
+    return out
+
+
+def child(mode: str, args: argparse.Namespace) -> None:
+    import torch  # noqa: F401  (paid before any clock starts: the loader's batches are torch)
+
+    cfg = config(args.shards, args.tokenizer, args.epochs, args.backend)
+    if mode == "rounds":  # the same-process protocol: the order swapped every round
+        rounds = []
+        for r in range(args.repeats):
+            order = ("limit", "loader") if r % 2 == 0 else ("loader", "limit")
+            rounds.append({m: measured(m, cfg) for m in order})
+            print(f"same process, round {r}: " + ", ".join(
+                f"{m} {rounds[-1][m]['images'] / rounds[-1][m]['seconds']:.1f} images/s" for m in order),
+                file=sys.stderr, flush=True)
+        print(json.dumps(rounds))
+        return
+    out = measured(mode, cfg)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     out["peak_rss_mb"], out["page_faults"] = usage.ru_maxrss / 1024, usage.ru_minflt  # the process's, imports included
     print(json.dumps(out))
 
 
-def spawn(mode: str, args: argparse.Namespace) -> dict[str, float]:
+def spawn(mode: str, args: argparse.Namespace) -> Any:
     cmd = [sys.executable, __file__, "--child", mode, "--epochs", str(args.epochs), "--backend", args.backend,
-           "--shards", args.shards, "--tokenizer", args.tokenizer]
-    return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+           "--shards", args.shards, "--tokenizer", args.tokenizer, "--repeats", str(args.repeats)]
+    run = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, stderr=None if mode == "rounds" else subprocess.PIPE,
+                         text=True)
+    return json.loads(run.stdout.splitlines()[-1])
 
 
 def fmt(xs: list[float], unit: str = "", digits: int = 1) -> str:
     return f"{statistics.median(xs):,.{digits}f}{unit} (min {min(xs):,.{digits}f}, max {max(xs):,.{digits}f})"
+
+
+def report(limit: list[dict[str, float]], loader: list[dict[str, float]]) -> None:
+    """The throughput lines of paired runs (`limit[i]` against `loader[i]`)."""
+    ratios = [b["images"] / b["seconds"] / (a["images"] / a["seconds"]) for a, b in zip(limit, loader)]
+    cpu_ratios = [b["images"] / b["cpu"] / (a["images"] / a["cpu"]) for a, b in zip(limit, loader)]
+    print(f"  limit: {fmt([a['images'] / a['seconds'] for a in limit], ' images/s')}")
+    print(f"  loader: {fmt([b['images'] / b['seconds'] for b in loader], ' images/s')}, "
+          f"{fmt([b['tokens'] / b['seconds'] for b in loader], ' tokens/s')}; "
+          f"first batch {fmt([b['first_batch'] for b in loader], ' s')}")
+    print(f"  loader / limit: {fmt(ratios, digits=3)}  (goal >= 0.85); per run: "
+          + ", ".join(f"{r:.3f}" for r in ratios))
+    print(f"  images per CPU-second: limit {fmt([a['images'] / a['cpu'] for a in limit])}, loader "
+          f"{fmt([b['images'] / b['cpu'] for b in loader])}; loader / limit: {fmt(cpu_ratios, digits=3)}")
+    if all("steal" in run for run in limit + loader):
+        print("  hypervisor steal (CPU-s the host gave its other guests during a run, all CPUs): limit "
+              f"{fmt([a['steal'] for a in limit], ' s', 2)}, loader {fmt([b['steal'] for b in loader], ' s', 2)}; "
+              f"share of the run's CPU-s {fmt([x['steal'] / x['cpu'] for x in limit + loader], '', 3)}")
 
 
 def main() -> None:
@@ -108,7 +154,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--backend", default="threads")
     ap.add_argument("--data", default="data/vlm")
-    ap.add_argument("--child", choices=["limit", "loader"])
+    ap.add_argument("--no-fresh", action="store_true", help="only the same-process rounds")
+    ap.add_argument("--child", choices=["limit", "loader", "rounds"])
     ap.add_argument("--shards")
     ap.add_argument("--tokenizer")
     args = ap.parse_args()
@@ -120,35 +167,29 @@ def main() -> None:
     if paths is None:
         raise SystemExit("the stamps could not be fetched: run `make vlm-data` (apt-get download) first")
     args.shards, args.tokenizer = paths.shards, paths.tokenizer
+    rounds = spawn("rounds", args)
     limit, loader = [], []
-    for r in range(args.repeats):
-        limit.append(spawn("limit", args))
-        loader.append(spawn("loader", args))
-        print(f"run {r}: limit {limit[-1]['images'] / limit[-1]['seconds']:.1f} images/s, loader "
-              f"{loader[-1]['images'] / loader[-1]['seconds']:.1f} images/s", file=sys.stderr)
-    ratios = [b["images"] / b["seconds"] / (a["images"] / a["seconds"]) for a, b in zip(limit, loader)]
-    cpu_ratios = [b["images"] / b["cpu"] / (a["images"] / a["cpu"]) for a, b in zip(limit, loader)]
+    if not args.no_fresh:
+        for r in range(args.repeats):
+            limit.append(spawn("limit", args))
+            loader.append(spawn("loader", args))
+            print(f"fresh processes, run {r}: limit {limit[-1]['images'] / limit[-1]['seconds']:.1f} images/s, "
+                  f"loader {loader[-1]['images'] / loader[-1]['seconds']:.1f} images/s", file=sys.stderr)
     threads = config(paths.shards, paths.tokenizer, 1, "threads").cpu_threads
-    print(f"data: {paths.images} stamps x {args.epochs} epochs; backend {args.backend}; "
-          f"{args.repeats} alternating runs")
-    print(f"limit  (load_image + patchify, {threads} threads): "
-          f"{fmt([a['images'] / a['seconds'] for a in limit], ' images/s')}; "
-          f"peak RSS {fmt([a['peak_rss_mb'] for a in limit], ' MB')}")
-    print(f"loader: {fmt([b['images'] / b['seconds'] for b in loader], ' images/s')}, "
-          f"{fmt([b['tokens'] / b['seconds'] for b in loader], ' tokens/s')}")
-    print(f"        peak RSS {fmt([b['peak_rss_mb'] for b in loader], ' MB')}; "
-          f"first batch {fmt([b['first_batch'] for b in loader], ' s')}")
-    print(f"page faults (whole process): limit {fmt([a['page_faults'] for a in limit], digits=0)}, "
-          f"loader {fmt([b['page_faults'] for b in loader], digits=0)}")
-    print(f"loader / limit: {fmt(ratios, digits=3)}  (goal >= 0.85)")
-    print(f"images per CPU-second: limit {fmt([a['images'] / a['cpu'] for a in limit])}, loader "
-          f"{fmt([b['images'] / b['cpu'] for b in loader])}; loader / limit: {fmt(cpu_ratios, digits=3)}")
-    if all("steal" in run for run in limit + loader):
-        print("hypervisor steal (CPU-s the host gave its other guests during a run, all CPUs): limit "
-              f"{fmt([a['steal'] for a in limit], ' s', 2)}, loader {fmt([b['steal'] for b in loader], ' s', 2)}; "
-              f"share of the run's CPU-s {fmt([x['steal'] / x['cpu'] for x in limit + loader], '', 3)}")
-    print(f"packing efficiency (non-padding share): {loader[0]['tokens'] / loader[0]['positions']:.3f}; "
-          f"images per run {loader[0]['images']} (limit {limit[0]['images']})")
+    print(f"data: {paths.images} stamps x {args.epochs} epochs; backend {args.backend}; limit: load_image + "
+          f"patchify on {threads} threads; {args.repeats} rounds of each protocol")
+    print("same process (limit and loader in one process, the order swapped every round):")
+    report([r["limit"] for r in rounds], [r["loader"] for r in rounds])
+    if loader:
+        print("fresh processes (every run a new process, each loader paying the cold start):")
+        report(limit, loader)
+        print(f"  peak RSS: limit {fmt([a['peak_rss_mb'] for a in limit], ' MB')}, loader "
+              f"{fmt([b['peak_rss_mb'] for b in loader], ' MB')}")
+        print(f"  page faults (whole process): limit {fmt([a['page_faults'] for a in limit], digits=0)}, "
+              f"loader {fmt([b['page_faults'] for b in loader], digits=0)}")
+    last = rounds[-1]["loader"]
+    print(f"packing efficiency (non-padding share): {last['tokens'] / last['positions']:.3f}; "
+          f"images per run {last['images']} (limit {rounds[-1]['limit']['images']})")
 
 
 if __name__ == "__main__":
