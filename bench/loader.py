@@ -30,10 +30,13 @@ here; run it under `unshare --net` (loopback is brought up) where nothing else m
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import re
 import socket
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -122,6 +125,57 @@ def steal_seconds() -> float | None:
     except OSError:
         return None
     return int(fields[8]) / os.sysconf("SC_CLK_TCK") if fields[0] == "cpu" and len(fields) > 8 else None
+
+
+class ThreadCpu:
+    """CPU seconds of this process's threads during a `with` block, summed by kind: the Python
+    thread's name without its numbers (`zephon-worker`, `asyncio-portal`, `ThreadPoolExecutor`,
+    `MainThread`), or for a thread Python did not start (the tokenizer's Rayon pool) its kernel
+    name. A sampler thread of its own reads /proc/self/task every `every` seconds, so a thread that
+    exits inside the block keeps its last reading (up to `every` seconds old: the process's CPU
+    minus the sum says what they took after it); its own CPU is left out. `.seconds` after the block."""
+
+    def __init__(self, every: float = 0.25) -> None:
+        self.every, self.seconds = every, {}
+        self._names: dict[int, str] = {}
+        self._last: dict[int, float] = {}
+        self._stop = threading.Event()
+
+    def _sample(self) -> None:
+        tids = os.listdir("/proc/self/task")  # before the names: a thread started between the two is named
+        for t in threading.enumerate():
+            if t.native_id is not None:
+                self._names[t.native_id] = re.sub(r"[-_]?[0-9a-f]{6,}|[-_]?\d+", "", t.name)
+        tick = os.sysconf("SC_CLK_TCK")
+        for tid in tids:
+            try:
+                stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+            except OSError:  # it exited meanwhile
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            self._last[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+            self._names.setdefault(int(tid), f"{stat[stat.index('(') + 1:stat.rindex(')')]} (native)")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self._sample()
+
+    def __enter__(self) -> ThreadCpu:
+        self._sample()
+        self._base = dict(self._last)
+        self._thread = threading.Thread(target=self._run, name="bench-thread-cpu", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        out: collections.Counter[str] = collections.Counter()
+        for tid, cpu in self._last.items():
+            if tid != self._thread.native_id:
+                out[self._names[tid]] += cpu - self._base.get(tid, 0.0)
+        self.seconds = {k: round(v, 2) for k, v in out.most_common() if v > 0}
 
 
 def steal_note(steal: float | None, cpu: float) -> str:

@@ -18,7 +18,10 @@ Two protocols, both printed:
 - *Fresh processes* (stricter, `--no-fresh` skips it): every run a new process, limit and loader
   alternating, so every loader run pays that cold start. Peak RSS and page faults come from these
   runs (the process's own, imports included): the loader's excess over the limit is memory the
-  pipeline touches anew (collate's batch buffers are pooled, `collate.PixelBuffers`).
+  pipeline touches anew (collate's batch buffers are pooled, `collate.PixelBuffers`). So does
+  each run's CPU by thread (`bench/loader.py`'s `ThreadCpu`): the loader's pool workers (decode,
+  captions, reads, tar parse, collate), its event loop and the tokenizer's threads against the
+  limit's pool.
 
 Where the machine's noise hides the wall-clock ratio, images per CPU-second is the second figure;
 the hypervisor's steal during the runs (/proc/stat) says how busy the host's other guests kept it.
@@ -112,7 +115,11 @@ def child(mode: str, args: argparse.Namespace) -> None:
                 file=sys.stderr, flush=True)
         print(json.dumps(rounds))
         return
-    out = measured(mode, cfg)
+    from loader import ThreadCpu
+
+    with ThreadCpu() as threads:
+        out = measured(mode, cfg)
+    out["threads"] = threads.seconds
     usage = resource.getrusage(resource.RUSAGE_SELF)
     out["peak_rss_mb"], out["page_faults"] = usage.ru_maxrss / 1024, usage.ru_minflt  # the process's, imports included
     print(json.dumps(out))
@@ -187,6 +194,11 @@ def main() -> None:
               f"{fmt([b['peak_rss_mb'] for b in loader], ' MB')}")
         print(f"  page faults (whole process): limit {fmt([a['page_faults'] for a in limit], digits=0)}, "
               f"loader {fmt([b['page_faults'] for b in loader], digits=0)}")
+        for name, runs in (("limit", limit), ("loader", loader)):
+            kinds = sorted({k for run in runs for k in run["threads"]}, key=lambda k: -runs[0]["threads"].get(k, 0))
+            print(f"  {name} CPU-s by thread: " + ", ".join(
+                f"{k} {statistics.median(run['threads'].get(k, 0.0) for run in runs):.2f}" for k in kinds)
+                + f"; the process {statistics.median(run['cpu'] for run in runs):.2f}")
     last = rounds[-1]["loader"]
     print(f"packing efficiency (non-padding share): {last['tokens'] / last['positions']:.3f}; "
           f"images per run {last['images']} (limit {rounds[-1]['limit']['images']})")
