@@ -198,7 +198,7 @@ def main() -> None:
             kinds = sorted({k for run in runs for k in run["threads"]}, key=lambda k: -runs[0]["threads"].get(k, 0))
             print(f"  {name} CPU-s by thread: " + ", ".join(
                 f"{k} {statistics.median(run['threads'].get(k, 0.0) for run in runs):.2f}" for k in kinds)
-                + f"; the process {statistics.median(run['cpu'] for run in runs):.2f}")
+                + f"; the whole run, worker processes included, {statistics.median(run['cpu'] for run in runs):.2f}")
     last = rounds[-1]["loader"]
     print(f"packing efficiency (non-padding share): {last['tokens'] / last['positions']:.3f}; "
           f"images per run {last['images']} (limit {rounds[-1]['limit']['images']})")
