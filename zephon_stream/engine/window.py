@@ -19,7 +19,7 @@ import anyio.lowlevel
 
 from zephon_stream.errors import ConnectorError
 
-__all__ = ["Fetch", "ReadWindow", "Spawn"]
+__all__ = ["Fetch", "ReadWindow", "Spawn", "read_ranges"]
 
 Spawn = Callable[..., Any]  # a task group's start_soon
 Fetch = Callable[[int, int], Awaitable[bytes]]  # the bytes [start, end) of the object
@@ -83,3 +83,32 @@ class ReadWindow:
             raise ConnectorError(f"the read of bytes [{self.ranges[self._taken - 1][0]}, "
                                  f"{self.ranges[self._taken - 1][1]}) was cancelled")
         return part.data
+
+
+class _OneByOne:
+    """`fetch` of each of `ranges` in turn, when the caller asks: one request at a time. A plain
+    async iterator, not an async generator: one left unfinished (a reader that stops at its
+    split's end) is simply dropped, where a generator is finalized by the event loop's hook (a
+    task and a wake-up of the loop each)."""
+
+    def __init__(self, fetch: Fetch, ranges: list[tuple[int, int]]) -> None:
+        self.fetch, self.ranges, self._next = fetch, ranges, 0
+
+    def __aiter__(self) -> _OneByOne:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._next >= len(self.ranges):
+            raise StopAsyncIteration
+        start, end = self.ranges[self._next]
+        self._next += 1
+        return await self.fetch(start, end)
+
+
+def read_ranges(fetch: Fetch, ranges: list[tuple[int, int]], ahead: int, spawn: Spawn | None) -> ReadWindow | _OneByOne:
+    """The bytes of `ranges` in order: through a `ReadWindow` of `ahead` requests when there is a
+    task group to run them (`spawn`), more than one to overlap, and more than one range; else one
+    request at a time."""
+    if spawn is not None and ahead > 1 and len(ranges) > 1:
+        return ReadWindow(fetch, ranges, ahead, spawn)
+    return _OneByOne(fetch, ranges)

@@ -32,7 +32,7 @@ import msgspec
 import numpy as np
 
 from zephon_stream.connectors.base import Store
-from zephon_stream.engine.window import ReadWindow, Spawn
+from zephon_stream.engine.window import Spawn, read_ranges
 from zephon_stream.errors import DataError, IncompatibleState
 from zephon_stream.operators.read import BadRecords, ShardPlan, Split
 from zephon_stream.operators.types import ImageDoc
@@ -82,11 +82,7 @@ class TarSplitReader:
             raise IncompatibleState(f"offset {offset} of {self.key!r} ({self.where(offset)}) is not a sample start "
                                     f"of split {self.split}")
         ranges = self._ranges(first) if first < self.split.end else []  # a cursor at the end: nothing left
-        if self.spawn is not None and self.read_ahead > 1 and len(ranges) > 1:
-            parts: AsyncIterator[bytes] = ReadWindow(functools.partial(self.store.read, self.key), ranges,
-                                                     self.read_ahead, self.spawn).__aiter__()
-        else:
-            parts = self._one_by_one(ranges)
+        parts = read_ranges(functools.partial(self.store.read, self.key), ranges, self.read_ahead, self.spawn)
         async for (lo, hi), data in _zip_async(ranges, parts):
             if len(data) != hi - lo:
                 raise DataError(f"tar shard {self.key!r} changed or was cut while reading: bytes [{lo}, {hi}) "
@@ -94,10 +90,6 @@ class TarSplitReader:
             yield lo - self.base, data
         if self.split.end == len(starts) - 1 and self.shard.bad_tail:  # the split that owns the shard's tail
             self.bad(DataError(f"tar shard {self.key!r}: {self.shard.bad_tail}", key=self.key, offset=starts[-1]))
-
-    async def _one_by_one(self, ranges: list[tuple[int, int]]) -> AsyncIterator[bytes]:
-        for lo, hi in ranges:
-            yield await self.store.read(self.key, lo, hi)
 
 
 async def _zip_async(items: list[Any], parts: AsyncIterator[bytes]) -> AsyncIterator[tuple[Any, bytes]]:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from zephon_stream.connectors.base import Store
 from zephon_stream.engine import threads
-from zephon_stream.engine.window import ReadWindow, Spawn
+from zephon_stream.engine.window import Spawn, read_ranges
 from zephon_stream.errors import DataError, IncompatibleState
 from zephon_stream.formats.parquet import (
     Column,
@@ -105,11 +105,7 @@ class ParquetSplitReader:
         plan = [(g, [(lo, a, min(hi, a + part)) for lo, hi in ranges for a in range(lo, hi, part)])
                 for g, ranges in chunks]
         ranges = [(a, b) for _, pieces in plan for _, a, b in pieces]
-        if self.spawn is not None and self.read_ahead > 1 and len(ranges) > 1:
-            data: AsyncIterator[bytes] = ReadWindow(functools.partial(self.store.read, self.key), ranges,
-                                                    self.read_ahead, self.spawn).__aiter__()
-        else:
-            data = self._one_by_one(ranges)
+        data = read_ranges(functools.partial(self.store.read, self.key), ranges, self.read_ahead, self.spawn)
         for g, pieces in plan:
             parts: dict[int, list[bytes]] = {}
             for chunk, a, b in pieces:
@@ -126,10 +122,6 @@ class ParquetSplitReader:
         if self.spawn is None or self.read_ahead <= 1:
             return _READ_PART
         return min(_READ_PART, max(_MIN_PART, -(-owned // self.read_ahead)))
-
-    async def _one_by_one(self, ranges: list[tuple[int, int]]) -> AsyncIterator[bytes]:
-        for lo, hi in ranges:
-            yield await self.store.read(self.key, lo, hi)
 
 
 def _resolve(footer: ParquetFooter, specs: list[tuple[str, str]]) -> list[Column]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import functools
 import itertools
 import logging
@@ -45,7 +46,7 @@ import numpy as np
 
 from zephon_stream.connectors.base import ObjectInfo, Store
 from zephon_stream.engine import threads
-from zephon_stream.engine.window import ReadWindow, Spawn
+from zephon_stream.engine.window import Spawn, read_ranges
 from zephon_stream.errors import ConfigError, DataError, IncompatibleState
 from zephon_stream.formats.gzip import GZIP_SUFFIXES, GzipStream, find_members
 from zephon_stream.formats.jsonl_zst import DECODE_PIECE, ZstdStream, read_seek_entries, walk_frames
@@ -372,15 +373,9 @@ class SplitReader:
             return _READ_PART
         return min(_READ_PART, max(_MIN_PART, -(-owned // self.read_ahead)))
 
-    async def _ranges(self, ranges: list[tuple[int, int]]) -> AsyncIterator[bytes]:
+    def _ranges(self, ranges: list[tuple[int, int]]) -> AsyncIterator[bytes]:
         """The bytes of `ranges` in order: through a window when there is one, else one by one."""
-        if self.spawn is not None and self.read_ahead > 1 and len(ranges) > 1:
-            fetch = functools.partial(self.store.read, self.key)
-            async for data in ReadWindow(fetch, ranges, self.read_ahead, self.spawn):
-                yield data
-            return
-        for start, end in ranges:
-            yield await self.store.read(self.key, start, end)
+        return read_ranges(functools.partial(self.store.read, self.key), ranges, self.read_ahead, self.spawn)
 
     def __repr__(self) -> str:
         return f"SplitReader({self.key!r}, {self.split})"
@@ -539,11 +534,20 @@ class SplitReader:
         record longer than `max_record` is dropped up to its newline, and one cut by a corrupt
         frame is dropped; what follows that frame is read as a record start (a cut-off tail of a
         record then fails to decode: a bad record of its own).
+
+        The blocks end where the split's records do, usually before its pieces: the pieces (and
+        the decode under them) are closed then, not left for the event loop to finalize.
         """
+        async with contextlib.aclosing(self._pieces(offset)) as pieces:
+            async for block in self._blocks(pieces, offset):
+                yield block
+
+    async def _blocks(self, pieces: AsyncIterator[tuple[int, Piece, bool]],
+                      offset: int) -> AsyncIterator[tuple[int, bytes]]:
         skip_partial: bool | None = None if offset == 0 and self.split.start > 0 else False
         pos, pending, owned_end = 0, b"", None
         before = b"\n"  # the byte before `offset` (a corrupt frame skipped before it counts as a line end)
-        async for piece_pos, piece, inside in self._pieces(offset):
+        async for piece_pos, piece, inside in pieces:
             if skip_partial is None:  # after the first piece: for JSONL it carries the byte before the split
                 skip_partial = not await self._starts_at_record()
             elif offset and inside and piece_pos == offset and not self.shard.frames and self._byte_before != b"\n":
@@ -635,18 +639,20 @@ class SplitReader:
         stream = self._stream(f)
         for start in range(frames[f], frames[f + 1], _READ_PART):
             data = await self.store.read(self.key, start, min(frames[f + 1], start + _READ_PART))
-            async for piece in self._decode(stream, data):
-                if isinstance(piece, DataError):
-                    return None
-                last = piece[-1:]
+            async with contextlib.aclosing(self._decode(stream, data)) as decoded:
+                async for piece in decoded:
+                    if isinstance(piece, DataError):
+                        return None
+                    last = piece[-1:]
         stream.expect_end(frames[f + 1])
         return last
 
     async def _pieces(self, offset: int) -> AsyncIterator[tuple[int, Piece, bool]]:
         """(decoded offset, piece, inside the owned range) from the split's start onwards."""
         if self.shard.frames:
-            async for piece in self._frame_pieces():
-                yield piece
+            async with contextlib.aclosing(self._frame_pieces()) as frame_pieces:
+                async for piece in frame_pieces:
+                    yield piece
             return
         start, end, size = self.split.start, self.split.end, self.shard.size
         pos = start + offset
@@ -674,16 +680,18 @@ class SplitReader:
         pos = 0
         bounds = [*range(lo, hi, self._part(hi - lo)), hi]
         async for data in self._ranges(list(itertools.pairwise(bounds))):
-            async for piece in self._decode(stream, data):
-                yield pos, piece, True
-                pos += len(piece) if isinstance(piece, bytes) else 0
+            async with contextlib.aclosing(self._decode(stream, data)) as decoded:
+                async for piece in decoded:
+                    yield pos, piece, True
+                    pos += len(piece) if isinstance(piece, bytes) else 0
         stream.expect_end(hi)
         for f in range(split.end, len(frames) - 1):  # one frame at a time, a large one in parts
             for start in range(frames[f], frames[f + 1], _TAIL_PART):
                 data = await self.store.read(self.key, start, min(frames[f + 1], start + _TAIL_PART))
-                async for piece in self._decode(stream, data):
-                    yield pos, piece, False
-                    pos += len(piece) if isinstance(piece, bytes) else 0
+                async with contextlib.aclosing(self._decode(stream, data)) as decoded:
+                    async for piece in decoded:
+                        yield pos, piece, False
+                        pos += len(piece) if isinstance(piece, bytes) else 0
         stream.expect_end(end)
 
     def _stream(self, first: int) -> ZstdStream | GzipStream:
