@@ -11,7 +11,7 @@ object. Memory is bounded by `ahead` parts, and the store's latency hides behind
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -105,7 +105,7 @@ class _OneByOne:
         return await self.fetch(start, end)
 
 
-def read_ranges(fetch: Fetch, ranges: list[tuple[int, int]], ahead: int, spawn: Spawn | None) -> ReadWindow | _OneByOne:
+def read_ranges(fetch: Fetch, ranges: list[tuple[int, int]], ahead: int, spawn: Spawn | None) -> AsyncIterator[bytes]:
     """The bytes of `ranges` in order: through a `ReadWindow` of `ahead` requests when there is a
     task group to run them (`spawn`), more than one to overlap, and more than one range; else one
     request at a time."""
