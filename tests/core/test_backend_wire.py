@@ -1,41 +1,100 @@
-"""The processes backend's wire: messages read in place match multiprocessing's own framing, and a
-batch of image samples comes back with the same bytes and shapes, its pixels viewing the message."""
+"""The processes backend's wire: messages written and read on the event loop (`engine.pipes`) match
+multiprocessing's own framing both ways, credits are read whole, and a batch of image samples
+comes back with the same bytes and shapes, its pixels viewing the message."""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
+import time
 
+import anyio
 import numpy as np
 import pytest
 
+from zephon_stream.engine import pipes
 from zephon_stream.loader import backends
 from zephon_stream.loader.state import LaneState
 from zephon_stream.operators.types import Sample
 
 
-@pytest.mark.parametrize("size", [0, 1, 4096, 65535, 65536, 3 << 20])
-def test_a_message_read_in_place_is_what_send_bytes_sent(size):
+def _nonblocking_pipe():
     r, w = multiprocessing.Pipe(duplex=False)
     backends._widen(r)
+    os.set_blocking(r.fileno(), False)
+    os.set_blocking(w.fileno(), False)
+    return r, w
+
+
+@pytest.mark.parametrize("size", [0, 1, 4096, 65535, 65536, 3 << 20])
+def test_a_message_read_on_the_loop_is_what_send_bytes_sent(size):
+    r, w = multiprocessing.Pipe(duplex=False)
+    backends._widen(r)
+    os.set_blocking(r.fileno(), False)
     data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
     writer = threading.Thread(target=lambda: (w.send_bytes(data), w.send_bytes(b"next")))
     writer.start()
-    got = backends._recv_message(r)
-    assert bytes(got) == data and isinstance(got, bytearray)
-    assert bytes(backends._recv_message(r)) == b"next"  # the framing of the next message is intact
-    writer.join()
-    w.close()
-    with pytest.raises(EOFError):
-        backends._recv_message(r)
+
+    async def main():
+        got = await pipes.read_message(r.fileno())
+        assert bytes(got) == data and isinstance(got, bytearray)
+        assert bytes(await pipes.read_message(r.fileno())) == b"next"  # the framing of the next message is intact
+        writer.join()
+        w.close()
+        with pytest.raises(EOFError, match="closed$"):
+            await pipes.read_message(r.fileno())
+
+    anyio.run(main)
+
+
+@pytest.mark.parametrize("size", [0, 1, 65536, 3 << 20])
+def test_a_message_written_on_the_loop_is_what_recv_bytes_reads(size):
+    """Larger than the pipe's buffer too: the writer waits for room while the reader drains it."""
+    r, w = _nonblocking_pipe()
+    os.set_blocking(r.fileno(), True)
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    got = []
+    reader = threading.Thread(target=lambda: got.extend([r.recv_bytes(), r.recv_bytes()]))
+    reader.start()
+
+    async def main():
+        await pipes.write_message(w.fileno(), data)
+        await pipes.write_message(w.fileno(), memoryview(b"next"))
+
+    anyio.run(main)
+    reader.join()
+    assert got == [data, b"next"]
 
 
 def test_a_pipe_closed_mid_message_is_end_of_file():
-    r, w = multiprocessing.Pipe(duplex=False)
+    r, w = _nonblocking_pipe()
+    os.set_blocking(w.fileno(), True)
     w._send((100).to_bytes(4, "big") + b"only ten b")  # a length header promising more than comes
     w.close()
     with pytest.raises(EOFError, match="mid-message"):
-        backends._recv_message(r)
+        anyio.run(pipes.read_message, r.fileno())
+
+
+def test_credits_are_read_whole_however_the_bytes_arrive():
+    """Lane numbers written one by one, in bursts and split across reads: each taken once, in order."""
+    r, w = _nonblocking_pipe()
+    os.set_blocking(w.fileno(), True)
+    lanes = [0, 7, 3, 70000, 1, 1, 2]
+    raw = b"".join(n.to_bytes(4, "little") for n in lanes)
+    taken = []
+
+    def write():
+        for part in (raw[:3], raw[3:9], raw[9:20], raw[20:]):  # cuts inside numbers
+            os.write(w.fileno(), part)
+            time.sleep(0.02)
+        w.close()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    anyio.run(pipes.Credits(r.fileno(), taken.append).run)  # returns when the writer closes
+    writer.join()
+    assert taken == lanes
 
 
 def _sample(lane: int, seed: int) -> Sample:

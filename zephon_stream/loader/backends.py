@@ -9,7 +9,8 @@
   but the user's script again (a 24-step run of two workers on small data: 1.2 s instead of 2.3 s
   spawned). It takes this process's environment as it is when the worker starts, as a spawned
   one would. Samples come back as msgpack over pipes (never pickle), with
-  per-lane credits so a slow lane never blocks a fast one's pipe. Each worker publishes its
+  per-lane credits so a slow lane never blocks a fast one's pipe; both are written and read on
+  the event loops, not in threads (`engine.pipes`). Each worker publishes its
   stores' counters in shared memory, so the loader's statistics count the workers' reads.
 - `ray`: the same, with Ray actors for processes (`ray_backend`), on this host or a cluster.
 
@@ -37,7 +38,7 @@ import numpy as np
 
 from zephon_stream import errors as _exceptions
 from zephon_stream.connectors.base import Store, StoreStatistics
-from zephon_stream.engine import threads
+from zephon_stream.engine import pipes, threads
 from zephon_stream.engine.cpu import CpuPolicy, rayon_threads, usable_cores
 from zephon_stream.engine.memory import managed_memory
 from zephon_stream.errors import ConfigError, ZephonError
@@ -245,8 +246,12 @@ class _Workers:
     def credit(self, lane: int) -> None:
         """The sequencer took a batch of `lane`: its worker may send one more."""
         self.sup.credited(lane)
+        ctrl = self.ctrl[self.group_of[lane]]
         try:
-            self.ctrl[self.group_of[lane]].send_bytes(lane.to_bytes(4, "little"))
+            if pipes.ON_LOOP:  # 4 bytes, written whole (under PIPE_BUF), read by the worker's `pipes.Credits`
+                os.write(ctrl.fileno(), lane.to_bytes(4, "little"))
+            else:
+                ctrl.send_bytes(lane.to_bytes(4, "little"))
         except OSError:
             pass  # the worker died: its successor starts with the credits counted here
 
@@ -289,9 +294,12 @@ class _Workers:
 
     async def _receive(self, w: int, proc: Any, conn: Any) -> bool:
         """Hand the worker's batches to the lanes' streams: True once its lanes ended, False if it died."""
+        if pipes.ON_LOOP:
+            os.set_blocking(conn.fileno(), False)  # read on this loop as messages come (`pipes`)
         while self.sup.live(w):
             try:
-                raw = await threads.run_sync(_recv_message, conn, abandon_on_cancel=True)
+                raw = (await pipes.read_message(conn.fileno()) if pipes.ON_LOOP else
+                       await threads.run_sync(_recv_message, conn, abandon_on_cancel=True))
             except (EOFError, OSError):
                 await threads.run_sync(proc.join, 5)
                 if proc.exitcode == NO_MAIN_GUARD:
@@ -327,27 +335,9 @@ def _widen(conn: Any) -> None:
 
 
 def _recv_message(conn: Any) -> bytes | bytearray:
-    """`conn.recv_bytes()` into one buffer, read in place: multiprocessing's own reader gathers a message's
-    chunks in a BytesIO and copies them out, twice the memory traffic for the pixels. The framing is
-    `Connection.send_bytes`': a 4-byte big-endian length (-1, then 8 bytes, for 2 GiB and more), then the bytes.
-    Where a pipe is not a file descriptor (Windows), it is multiprocessing's reader after all."""
-    if not hasattr(os, "readv"):
-        return conn.recv_bytes()
-    fd = conn.fileno()
-    size = int.from_bytes(_read_exactly(fd, bytearray(4)), "big", signed=True)
-    if size == -1:
-        size = int.from_bytes(_read_exactly(fd, bytearray(8)), "big")
-    return _read_exactly(fd, bytearray(size))
-
-
-def _read_exactly(fd: int, buf: bytearray) -> bytearray:
-    view, got = memoryview(buf), 0
-    while got < len(buf):
-        n = os.readv(fd, [view[got:]])
-        if n == 0:
-            raise EOFError("the worker's pipe closed mid-message")
-        got += n
-    return buf
+    """`conn.recv_bytes()`, in a worker thread where pipes are not file descriptors (Windows); elsewhere
+    messages are read on the loop, into one buffer each, by `pipes.read_message`."""
+    return conn.recv_bytes()
 
 
 def _worker_error(name: str, text: str) -> Exception:
@@ -426,11 +416,28 @@ def _write_counters(stores: list[Store], counters: Any) -> None:
 
 
 async def _send_all(recv: Any, conn: Any) -> None:
-    async for raw in recv:
-        await threads.run_sync(conn.send_bytes, raw)
+    if not pipes.ON_LOOP:
+        async for raw in recv:
+            await threads.run_sync(conn.send_bytes, raw)
+        return
+    fd = conn.fileno()
+    os.set_blocking(fd, False)  # written on this loop as the parent drains it (`pipes`)
+    try:
+        async for raw in recv:
+            await pipes.write_message(fd, raw)
+    finally:
+        os.set_blocking(fd, True)  # for `_worker_main`'s error report, a blocking `send_bytes`
 
 
 async def _credits(conn: Any, credits: dict[int, anyio.Semaphore], scope: anyio.CancelScope) -> None:
+    if pipes.ON_LOOP:
+        os.set_blocking(conn.fileno(), False)
+        try:
+            await pipes.Credits(conn.fileno(), lambda lane: credits[lane].release()).run()
+        except OSError:
+            pass
+        scope.cancel()  # the parent is gone or done: stop
+        return
     while True:
         try:
             raw = await threads.run_sync(conn.recv_bytes, abandon_on_cancel=True)
