@@ -178,6 +178,12 @@ class ThreadCpu:
         self.seconds = {k: round(v, 2) for k, v in out.most_common() if v > 0}
 
 
+def tokenizer_share(seconds: dict[str, float]) -> float:
+    """The share of a `ThreadCpu` reading that threads Python did not start took: the tokenizer's pool."""
+    total = sum(seconds.values())
+    return sum(v for k, v in seconds.items() if k.endswith("(native)")) / total if total else float("nan")
+
+
 def steal_note(steal: float | None, cpu: float) -> str:
     """`steal` seconds against `cpu` seconds of work, as a line's tail (empty where unknown)."""
     return "" if steal is None else f"; hypervisor steal {steal:.1f} s ({steal / max(cpu, 1e-9):.1%} of the CPU-s)"
@@ -343,32 +349,45 @@ def matrix(texts: list[str], data: Path, tokenizers: list[str], backends: list[s
     on each backend and shuffle window; the ratio of each run to the tokenizer-only run before it."""
     base: dict[str, list[tuple[float, float]]] = {t: [] for t in tokenizers}
     runs: dict[tuple[str, str, int], list[tuple[float, float, float, float]]] = {}
+    shares: dict[tuple[str, str, int], list[float]] = {}  # threads backend: tokenizer share, loader / limit
     steal, cpu_total = steal_seconds(), cpu_seconds()
     for r in range(repeats):
         for name in tokenizers:
             path = tokenizer_file(data, name)
-            rate, n, cpu = tokenizer_only(texts, path, 64)
+            with ThreadCpu() as limit_threads:
+                rate, n, cpu = tokenizer_only(texts, path, 64)
             base[name].append((rate, cpu))
             line = [f"  run {r} {name}: tokenizer-only {rate:,.0f} tok/s {cpu:,.0f} tok/CPU-s"]
             for backend in backends:
                 for window in shuffles:
                     config = bench_config(path, backend, window)
-                    lrate, ln, first, lcpu = loader_epoch(config)
+                    with ThreadCpu() as loader_threads:
+                        lrate, ln, first, lcpu = loader_epoch(config)
                     if ln != n:
                         raise SystemExit(f"the loader gave {ln} tokens, the tokenizer {n}: not the same documents")
                     runs.setdefault((name, backend, window), []).append((lrate, lcpu, lrate / rate, lcpu / cpu))
+                    share = ""
+                    if backend == "threads":  # the processes backend tokenizes in its workers: not seen here
+                        ratio = tokenizer_share(loader_threads.seconds) / tokenizer_share(limit_threads.seconds)
+                        shares.setdefault((name, backend, window), []).append(ratio)
+                        share = f", tokenizer share {ratio:.3f}"
                     line.append(f"{backend}/shuffle {window}: {lrate:,.0f} tok/s ({lrate / rate:.3f}), "
-                                f"{lcpu:,.0f} tok/CPU-s ({lcpu / cpu:.3f}), first batch {first:.2f} s")
+                                f"{lcpu:,.0f} tok/CPU-s ({lcpu / cpu:.3f}){share}, first batch {first:.2f} s")
             print("; ".join(line), flush=True)
     stolen = None if steal is None or (after := steal_seconds()) is None else after - steal
     print(f"\n{len(texts)} documents, {n:,} tokens an epoch with the last tokenizer; median (min - max) of {repeats}"
           f"{steal_note(stolen, cpu_seconds() - cpu_total)}")
     print("| tokenizer | backend | shuffle_window | loader tok/s | / tokenizer-only, wall (per run) "
-          "| loader tok/CPU-s | / tokenizer-only, per CPU-second (per run) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "| loader tok/CPU-s | / tokenizer-only, per CPU-second (per run) | tokenizer share, loader / limit |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for (name, backend, window), rs in runs.items():
+        sh = shares.get((name, backend, window))
         print(f"| {name} | {backend} | {window} | {fmt([x[0] for x in rs])} | {fmt3([x[2] for x in rs])} "
-              f"| {fmt([x[1] for x in rs])} | {fmt3([x[3] for x in rs])} |")
+              f"| {fmt([x[1] for x in rs])} | {fmt3([x[3] for x in rs])} | {fmt3(sh) if sh else 'n/a'} |")
+    print("tokenizer share: the tokenizer pool's share of the process's CPU in the loader's run (threads Python did "
+          "not start), over its share in the tokenizer-only run before it. Each share is taken within one run, so the "
+          "machine's speed, which drifts between runs, cancels out; it is the per-CPU-second ratio if the pool spends "
+          "the same CPU per token in both runs (the two columns before it include any difference there).")
     for name, bs in base.items():
         print(f"tokenizer-only, {name}: {fmt([b[0] for b in bs])} tok/s, {fmt([b[1] for b in bs])} tok/CPU-s")
 
