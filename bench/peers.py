@@ -1,7 +1,7 @@
 """zephon-stream beside its peers, on the same documents, tokenizer, seq_len and machine, in one run.
 
     make bench-peers                       # builds .venv-peers, then runs this at the real size
-    .venv-peers/bin/python bench/peers.py [--mb 48] [--repeats 3] [--steps 150] [--restore-step 200]
+    .venv-peers/bin/python bench/peers.py [--mb 48] [--repeats 3] [--warmup 40] [--steps 150] [--restore-step 200]
 
 The loaders, one after the other, each run in a child process of its own (so that each one's peak
 RSS is its own, `ru_maxrss` of that child and of its worker processes):
@@ -18,8 +18,8 @@ RSS is its own, `ru_maxrss` of that child and of its worker processes):
   shard, document, offset) and resumes by re-reading that shard up to it.
 
 Per loader and run: the time to the first batch (from building the loader, imports excluded),
-tokens/s over `--steps` batches after the first one, tokens per CPU-second over the same batches
-(the child and all its descendants, from /proc and RUSAGE_CHILDREN), the time from a new loader
+tokens/s over `--steps` batches after the first one and `--warmup` more, tokens per CPU-second over
+the same batches (the child and all its descendants, from /proc and RUSAGE_CHILDREN), the time from a new loader
 restored at step `--restore-step` to its first batch, and the checkpoint's size in bytes per lane
 (a Zephon lane is a canonical replica; a DataLoader's lane is a worker). Tokens are the non-padding
 tokens of `input_ids`. Medians over `--repeats` runs with their min and max.
@@ -85,6 +85,7 @@ class Args:
     def __init__(self, d: dict[str, Any]) -> None:
         self.text, self.tokenizer = Path(d["text"]), Path(d["tokenizer"])
         self.seq_len, self.batch, self.steps = d["seq_len"], d["batch"], d["steps"]
+        self.warmup = d.get("warmup", 0)
         self.restore_step = d["restore_step"]
         self.zephon_options = d.get("zephon_options", ZEPHON_OPTIONS)
         self.zephon_workers = d.get("zephon_workers", ZEPHON_TOKENIZE_WORKERS)
@@ -378,20 +379,24 @@ def descendants() -> list[int]:
     return mine
 
 
-def measure(peer: Peer, steps: int, restore_step: int) -> dict[str, Any]:
+def measure(peer: Peer, steps: int, restore_step: int, warmup: int = 0) -> dict[str, Any]:
     """One run of a loader: seconds to the first batch; tokens, seconds and CPU seconds of the
-    `steps` batches after it; then on to `restore_step` batches, the checkpoint there, and the
+    `steps` batches after it and `warmup` more (untimed: a loader that reads ahead or fills a shuffle
+    window before it hands out a batch does that work once, in the first batches; a training run's
+    throughput is what follows); then on to `restore_step` batches, the checkpoint there, and the
     seconds from a new loader restored from it to its first batch. Peak RSS is read before the
     restore (the loader's own run), after its workers were joined."""
     t = time.perf_counter()
     it = peer.open()
     next(it)
     out: dict[str, Any] = {"first": time.perf_counter() - t}
+    for _ in range(warmup):
+        next(it)
     t, cpu, tokens = time.perf_counter(), tree_cpu(), 0
     for _ in range(steps):
         tokens += peer.tokens(next(it))
     out.update(tokens=tokens, wall=time.perf_counter() - t, cpu=tree_cpu() - cpu)
-    for _ in range(restore_step - 1 - steps):
+    for _ in range(restore_step - 1 - warmup - steps):
         next(it)
     state = None if peer.no_checkpoint else peer.state()
     peer.close()
@@ -407,7 +412,7 @@ def measure(peer: Peer, steps: int, restore_step: int) -> dict[str, Any]:
 
 def child(name: str, a: Args) -> None:
     """Run in a child process: one loader, measured, printed as one JSON line."""
-    print("RESULT " + json.dumps(measure(PEERS[name](a), a.steps, a.restore_step)), flush=True)
+    print("RESULT " + json.dumps(measure(PEERS[name](a), a.steps, a.restore_step, a.warmup)), flush=True)
 
 
 def best_fit(a: Args) -> dict[str, Any]:
@@ -519,7 +524,9 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=48, help="MB of text (bench/loader.py's data)")
     ap.add_argument("--data", type=Path, default=Path("data/bench"))
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=150, help="batches timed after the first one")
+    ap.add_argument("--steps", type=int, default=150, help="batches timed after the first one and --warmup more")
+    ap.add_argument("--warmup", type=int, default=40,
+                    help="batches after the first one taken untimed (0: timed from the second batch, as before)")
     ap.add_argument("--restore-step", type=int, default=200)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=24, help="samples a batch (zephon-stream: global_batch_size)")
@@ -553,9 +560,10 @@ def compare(args: argparse.Namespace) -> None:
           f"{len(shard_files(tok.parent / 'text'))} JSONL.zst shards; tokenizer {tok}; seq_len {args.seq_len}, "
           f"{args.batch} samples a batch; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     a = {"text": str(tok.parent / "text"), "tokenizer": str(tok), "seq_len": args.seq_len, "batch": args.batch,
-         "steps": args.steps, "restore_step": args.restore_step}
-    if args.restore_step <= args.steps:
-        raise SystemExit(f"--restore-step {args.restore_step} must be past the {args.steps} timed batches (--steps)")
+         "steps": args.steps, "restore_step": args.restore_step, "warmup": args.warmup}
+    if args.restore_step <= 1 + args.warmup + args.steps:
+        raise SystemExit(f"--restore-step {args.restore_step} must be past the first batch, the {args.warmup} untimed "
+                         f"(--warmup) and the {args.steps} timed batches (--steps)")
     if args.tune_zephon:
         tune_zephon(a, args)
         return
@@ -567,7 +575,8 @@ def compare(args: argparse.Namespace) -> None:
             print(f"  run {r} {n}: {brief(runs[n][-1])}", flush=True)
     table([row(TITLES[n], runs[n], PEERS[n].no_checkpoint) for n in names], args.restore_step)
     print(f"\nmedian (min-max) of {args.repeats} runs, each loader in a child process of its own; tokens/s and "
-          f"tokens/CPU-s over {args.steps} batches after the first (CPU: the loader's process and its workers); "
+          f"tokens/CPU-s over {args.steps} batches after the first and {args.warmup} more (CPU: the loader's "
+          "process and its workers); "
           f"peak RSS: ru_maxrss of that process, and of its largest worker")
     print(f"Zephon 0.2.0 settings: {ZEPHON_OPTIONS}, tokenize parallelism {ZEPHON_TOKENIZE_WORKERS}, no attention "
           f"mask, pack_flat wrap, work chunks of {ZEPHON_CHUNK} samples")
