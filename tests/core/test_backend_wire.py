@@ -67,6 +67,36 @@ def test_a_message_written_on_the_loop_is_what_recv_bytes_reads(size):
     assert got == [data, b"next"]
 
 
+def test_a_message_begun_is_finished_when_its_writer_is_cancelled():
+    """Cancelled while it waits for room in the middle of a message, the writer still finishes that
+    message, so what follows on the pipe (a worker's error report) is framed intact."""
+    r, w = _nonblocking_pipe()
+    os.set_blocking(r.fileno(), True)
+    data = bytes(range(256)) * (3 << 12)  # 3 MiB: more than the pipe holds, so the writer must wait mid-message
+    got = []
+
+    async def main():
+        with anyio.move_on_after(0.2) as scope:  # nobody reads yet: the writer is stuck mid-message
+            await pipes.write_message(w.fileno(), data)
+        assert not scope.cancelled_caught  # it ran on, shielded, ... (finished once the reader below drains)
+
+    def read_later():
+        time.sleep(0.5)
+        try:
+            got.extend([r.recv_bytes(), r.recv_bytes()])
+        except EOFError:  # a message cut short swallowed what followed: the framing is garbled
+            got.append("end of file")
+
+    reader = threading.Thread(target=read_later, daemon=True)
+    reader.start()
+    anyio.run(main)
+    os.set_blocking(w.fileno(), True)
+    w.send_bytes(b"the error report")
+    w.close()
+    reader.join(10)
+    assert len(got) == 2 and got[0] == data and got[1] == b"the error report"
+
+
 def test_a_pipe_closed_mid_message_is_end_of_file():
     r, w = _nonblocking_pipe()
     os.set_blocking(w.fileno(), True)

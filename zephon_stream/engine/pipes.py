@@ -32,17 +32,24 @@ _LONG = 0x7FFFFFFF  # longer messages carry -1 and an 8-byte length
 async def write_message(fd: int, data: bytes | bytearray | memoryview) -> None:
     """Write one framed message to the non-blocking pipe `fd`, waiting for room as the reader drains it.
 
-    Raises what the write raises (BrokenPipeError when the reader has gone)."""
+    A message once begun is finished even if the caller is cancelled meanwhile (the wait for room
+    is shielded from then on): a message cut short would garble the framing of whatever follows
+    it on the pipe, such as a worker's report of the error that cancelled it. The reader either
+    drains the pipe or closes it, which ends the wait with BrokenPipeError. Raises what the write
+    raises."""
     body = memoryview(data).cast("B")
     size = body.nbytes
     header = size.to_bytes(4, "big") if size <= _LONG else b"\xff\xff\xff\xff" + size.to_bytes(8, "big")
     parts = [memoryview(header), body]
+    begun = False
     while parts:
         try:
             n = os.writev(fd, parts)
         except BlockingIOError:
-            await anyio.wait_writable(fd)
+            with anyio.CancelScope(shield=begun):
+                await anyio.wait_writable(fd)
             continue
+        begun = True
         while parts and n >= len(parts[0]):
             n -= len(parts[0])
             parts.pop(0)
