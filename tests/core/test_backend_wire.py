@@ -10,7 +10,6 @@ import multiprocessing
 import os
 import termios
 import threading
-import time
 
 import anyio
 import numpy as np
@@ -91,18 +90,17 @@ def test_a_message_begun_is_finished_when_its_writer_is_cancelled():
     async def main():
         async with anyio.create_task_group() as tg:
             tg.start_soon(write)
-            while _buffered(r) == 0:  # nobody reads yet: wait until the writer has begun
-                await anyio.sleep(0.01)
+            await anyio.wait_all_tasks_blocked()  # nobody reads yet: the writer filled the pipe and waits
+            assert _buffered(r) > 0
             tg.cancel_scope.cancel()  # mid-message
-            threading.Thread(target=read, daemon=True).start()  # now drain, so that it can finish
+            reader.start()  # now drain, so that it can finish
 
+    reader = threading.Thread(target=read, daemon=True)
     anyio.run(main)
     os.set_blocking(w.fileno(), True)
     w.send_bytes(b"the error report")
     w.close()
-    deadline = time.monotonic() + 10
-    while len(got) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    reader.join(10)
     assert finished and len(got) == 2 and got[0] == data and got[1] == b"the error report"
 
 
@@ -130,16 +128,15 @@ def test_credits_are_read_whole_however_the_bytes_arrive():
     raw = b"".join(n.to_bytes(4, "little") for n in lanes)
     taken = []
 
-    def write():
-        for part in (raw[:3], raw[3:9], raw[9:20], raw[20:]):  # cuts inside numbers
-            os.write(w.fileno(), part)
-            time.sleep(0.02)
-        w.close()
+    async def main():
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pipes.Credits(r.fileno(), taken.append).run)
+            for part in (raw[:3], raw[3:9], raw[9:20], raw[20:]):  # cuts inside numbers
+                os.write(w.fileno(), part)
+                await anyio.wait_all_tasks_blocked()  # the reader took these bytes and waits for more
+            w.close()  # the reader returns at the end of the pipe
 
-    writer = threading.Thread(target=write)
-    writer.start()
-    anyio.run(pipes.Credits(r.fileno(), taken.append).run)  # returns when the writer closes
-    writer.join()
+    anyio.run(main)
     assert taken == lanes
 
 
