@@ -298,8 +298,8 @@ class _Workers:
             os.set_blocking(conn.fileno(), False)  # read on this loop as messages come (`pipes`)
         while self.sup.live(w):
             try:
-                raw = (await pipes.read_message(conn.fileno()) if pipes.ON_LOOP else
-                       await threads.run_sync(_recv_message, conn, abandon_on_cancel=True))
+                raw = (await pipes.read_message(conn.fileno()) if pipes.ON_LOOP else  # into one buffer, in place
+                       await threads.run_sync(conn.recv_bytes, abandon_on_cancel=True))
             except (EOFError, OSError):
                 await threads.run_sync(proc.join, 5)
                 if proc.exitcode == NO_MAIN_GUARD:
@@ -332,12 +332,6 @@ def _widen(conn: Any) -> None:
         fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
     except (ImportError, AttributeError, OSError):
         pass
-
-
-def _recv_message(conn: Any) -> bytes | bytearray:
-    """`conn.recv_bytes()`, in a worker thread where pipes are not file descriptors (Windows); elsewhere
-    messages are read on the loop, into one buffer each, by `pipes.read_message`."""
-    return conn.recv_bytes()
 
 
 def _worker_error(name: str, text: str) -> Exception:
