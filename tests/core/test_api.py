@@ -162,7 +162,7 @@ def test_processes_backend_from_a_script(config, tmp_path, guarded) -> None:
     if guarded:
         assert proc.returncode == 0 and proc.stdout == "streamed step 0\n", proc.stderr
         return
-    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.returncode == 1 and proc.stdout == "", (proc.returncode, proc.stdout, proc.stderr)
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("zephon_stream.errors.ConfigError: backend \"processes\" runs its lanes in worker "
                            f"processes, and each worker imports {script} again"), proc.stderr
