@@ -48,26 +48,32 @@ def collate(samples: list[Sample], step: int, slots: range, config: Any = None) 
     `segment_sources` gives the source index of each of those segments (-1 for padding), e.g. for
     per-source losses: `segment_sources.repeat_interleave(cu_seqlens.diff())` is a source per token.
     """
-    seq_len = len(samples[0].input_ids)
+    seq_len, rows = len(samples[0].input_ids), len(samples)
     bounds = [0]
     sources: list[int] = []
+    pieces: list[int] = []  # each segment's number inside its sample (-1: padding), for document_ids
     for b, s in enumerate(samples):
-        base = b * seq_len
         for n in s.segments:
             bounds.append(bounds[-1] + n)
         sources += s.sources if len(s.sources) == len(s.segments) else [-1] * len(s.segments)
+        pieces += range(len(s.segments))
         if s.num_tokens < seq_len:
-            bounds.append(base + seq_len)
+            bounds.append((b + 1) * seq_len)
             sources.append(-1)
+            pieces.append(-1)
     import torch  # imported here so lane worker processes never load torch
 
     lengths = np.diff(bounds)
-    # np.stack(dtype=) casts as it copies: one int64 array per field, not a stacked copy cast again
+    # int64 rows written in place (each row cast as it is copied): no per-sample arrays, no stacked copy
+    ids, labels, positions = (torch.empty((rows, seq_len), dtype=torch.int64) for _ in range(3))
+    ids_np, labels_np, positions_np = ids.numpy(), labels.numpy(), positions.numpy()
+    for b, s in enumerate(samples):
+        ids_np[b], labels_np[b], positions_np[b] = s.input_ids, s.labels, s.position_ids
     batch = {
-        "input_ids": torch.from_numpy(np.stack([s.input_ids for s in samples], dtype=np.int64)),
-        "labels": torch.from_numpy(np.stack([s.labels for s in samples], dtype=np.int64)),
-        "position_ids": torch.from_numpy(np.stack([s.position_ids for s in samples], dtype=np.int64)),
-        "document_ids": torch.from_numpy(np.stack([document_ids(s.segments, seq_len) for s in samples])),
+        "input_ids": ids,
+        "labels": labels,
+        "position_ids": positions,
+        "document_ids": torch.from_numpy(np.repeat(np.array(pieces, dtype=np.int64), lengths).reshape(rows, seq_len)),
         "cu_seqlens": torch.tensor(bounds, dtype=torch.int32),
         "segment_sources": torch.tensor(sources, dtype=torch.int64),
         "max_seqlen": int(lengths.max()) if len(lengths) else 0,

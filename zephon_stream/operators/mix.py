@@ -106,8 +106,11 @@ class Mix:
 
     async def next(self) -> Doc | None:
         while self._active:
-            s = min(self._active, key=lambda s: ((self.counts[s] - self.base[s]) / self.weights[s],
-                                                mix64(self.seed, self.lane, self.position, s)))
+            if len(self._active) == 1:  # one source left (or only one): the draw has one outcome
+                s = self._active[0]
+            else:
+                s = min(self._active, key=lambda s: ((self.counts[s] - self.base[s]) / self.weights[s],
+                                                    mix64(self.seed, self.lane, self.position, s)))
             doc = await self.upstreams[s].next()
             if doc is None:
                 self._active.remove(s)

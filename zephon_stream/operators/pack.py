@@ -69,22 +69,40 @@ def assemble(cuts: list[Cut], seq_len: int, pad_id: int, mask: bool, after: tupl
     target is -100 with `mask`, else the next token of the sample (`after`, the stream's token
     after the sample, for the last cut: concat's look-ahead). `position_ids` restart at each cut.
     """
-    ids = np.full(seq_len, pad_id, dtype=np.uint32)
-    labels = np.full(seq_len, IGNORE, dtype=np.int32)
-    positions = np.zeros(seq_len, dtype=np.int32)
+    ids = np.empty(seq_len, dtype=np.uint32)
+    labels = np.empty(seq_len, dtype=np.int32)
+    positions = np.empty(seq_len, dtype=np.int32)
+    ramp = _ramp(seq_len)
     at = 0
     for i, (doc, start, take) in enumerate(cuts):
         tokens, end = doc[1], start + take
         ids[at:at + take] = tokens[start:end]
-        positions[at:at + take] = np.arange(take, dtype=np.int32)
-        inside = _targets(tokens, start + 1, min(end + 1, len(tokens)))
-        labels[at:at + len(inside)] = inside
-        if end == len(tokens) and not mask:
-            nxt = (cuts[i + 1].doc[1], cuts[i + 1].start) if i + 1 < len(cuts) else after
-            if nxt is not None:
-                labels[at + take - 1] = _targets(nxt[0], nxt[1], nxt[1] + 1)[0]
+        positions[at:at + take] = ramp[:take]
+        stop = min(end + 1, len(tokens))  # the targets: the document's next tokens, up to its end
+        if type(tokens) is np.ndarray:  # plain text: every target is trained (the ids fit int32)
+            labels[at:at + stop - start - 1] = tokens[start + 1:stop]
+        else:
+            labels[at:at + stop - start - 1] = _targets(tokens, start + 1, stop)
+        if end == len(tokens):
+            nxt = None if mask else (cuts[i + 1].doc[1], cuts[i + 1].start) if i + 1 < len(cuts) else after
+            labels[at + take - 1] = IGNORE if nxt is None else _targets(nxt[0], nxt[1], nxt[1] + 1)[0]
         at += take
+    ids[at:] = pad_id
+    labels[at:] = IGNORE
+    positions[at:] = 0
     return Sample(ids, labels, positions, [c.take for c in cuts], at, sources=[c.doc[0][0] for c in cuts])
+
+
+def _ramp(n: int) -> np.ndarray:
+    """0, 1, ..., n-1 as int32 (read-only, shared): every piece's position ids are a prefix."""
+    if len(_RAMP[0]) < n:
+        ramp = np.arange(n, dtype=np.int32)
+        ramp.flags.writeable = False
+        _RAMP[0] = ramp
+    return _RAMP[0]
+
+
+_RAMP = [np.arange(0, dtype=np.int32)]
 
 
 def _targets(tokens: Any, begin: int, end: int) -> np.ndarray:
