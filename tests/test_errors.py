@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from zephon_stream.errors import DataError, root_error, unwrap_groups
+from zephon_stream.errors import ConfigError, DataError, root_error, unwrap_groups
 
 
 def test_the_first_zephon_error_wins_and_names_the_others() -> None:
@@ -16,6 +16,17 @@ def test_the_first_zephon_error_wins_and_names_the_others() -> None:
     assert root_error(group) is ours
     root_error(group)  # a second look adds no second note
     assert ours.__notes__ == ["another task failed too: ValueError: boom"]
+
+
+def test_the_same_failure_twice_is_raised_once_without_a_note() -> None:
+    # two lane workers that stopped for the same reason (the processes backend without a main
+    # guard): the user reads the message once, and it stays the last line of the traceback
+    first, again = ConfigError("put it under a main guard"), ConfigError("put it under a main guard")
+    other = ConfigError("something else")
+    assert root_error(ExceptionGroup("workers", [first, again])) is first
+    assert not getattr(first, "__notes__", None)
+    assert root_error(ExceptionGroup("workers", [first, again, other])) is first
+    assert first.__notes__ == ["another task failed too: ConfigError: something else"]
 
 
 def test_without_a_zephon_error_the_first_real_error_wins() -> None:

@@ -94,7 +94,9 @@ def root_error(exc: BaseException) -> BaseException:
 
     Cancellations are dropped (they are the other tasks being stopped). Of the rest the first
     `ZephonError` wins, else the first error; every other distinct failure is added to it as a
-    note, so nothing is hidden. A group of cancellations alone stays a group.
+    note, so nothing is hidden. A failure of the same type and message as the one raised (two
+    workers that stopped for the same reason) is not another failure and adds no note. A group of
+    cancellations alone stays a group.
     """
     if not isinstance(exc, BaseExceptionGroup):
         return exc
@@ -104,8 +106,10 @@ def root_error(exc: BaseException) -> BaseException:
         return exc
     first = next((e for e in real if isinstance(e, ZephonError)), real[0])
     for other in real:
+        if other is first or (type(other), str(other)) == (type(first), str(first)):
+            continue
         note = f"another task failed too: {type(other).__name__}: {other}"
-        if other is not first and note not in getattr(first, "__notes__", ()):
+        if note not in getattr(first, "__notes__", ()):
             first.add_note(note)
     return first
 
