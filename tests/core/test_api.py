@@ -148,11 +148,30 @@ print("streamed step", batch["step"])
 """
 
 
-@pytest.mark.parametrize("guarded", [False, True], ids=["no-main-guard", "main-guard"])
-def test_processes_backend_from_a_script(config, tmp_path, guarded) -> None:
+# Hold each worker's exit a moment after it is seen, so both workers' exits are seen before either
+# raises: both raise the same ConfigError, which the user must still read once, as the last line
+BOTH_EXITS_SEEN = """
+import anyio
+from zephon_stream.loader import backends
+
+_run_sync = backends.threads.run_sync
+
+async def _slow_join(fn, *args, **kw):
+    out = await _run_sync(fn, *args, **kw)
+    if getattr(fn, "__name__", "") == "join":
+        await anyio.sleep(0.3)
+    return out
+
+backends.threads.run_sync = _slow_join
+"""
+
+
+@pytest.mark.parametrize("guarded, race", [(False, False), (True, False), (False, True)],
+                         ids=["no-main-guard", "main-guard", "no-main-guard-both-exits-seen"])
+def test_processes_backend_from_a_script(config, tmp_path, guarded, race) -> None:
     toml = tmp_path / "c.toml"
     toml.write_text(config.replace(workers=2).to_toml())
-    body = SCRIPT
+    body = (BOTH_EXITS_SEEN if race else "") + SCRIPT
     if guarded:
         body = 'if __name__ == "__main__":\n' + "".join(f"    {line}\n" for line in SCRIPT.strip().splitlines())
     script = tmp_path / "train.py"
