@@ -33,6 +33,7 @@ labels:   [T E - - - -]  [- - - - c c]  [E - ...]
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import msgspec
@@ -93,16 +94,12 @@ def assemble(cuts: list[Cut], seq_len: int, pad_id: int, mask: bool, after: tupl
     return Sample(ids, labels, positions, [c.take for c in cuts], at, sources=[c.doc[0][0] for c in cuts])
 
 
+@functools.lru_cache(maxsize=8)
 def _ramp(n: int) -> np.ndarray:
     """0, 1, ..., n-1 as int32 (read-only, shared): every piece's position ids are a prefix."""
-    if len(_RAMP[0]) < n:
-        ramp = np.arange(n, dtype=np.int32)
-        ramp.flags.writeable = False
-        _RAMP[0] = ramp
-    return _RAMP[0]
-
-
-_RAMP = [np.arange(0, dtype=np.int32)]
+    ramp = np.arange(n, dtype=np.int32)
+    ramp.flags.writeable = False
+    return ramp
 
 
 def _targets(tokens: Any, begin: int, end: int) -> np.ndarray:
