@@ -225,6 +225,41 @@ def test_malloc_info_shows_every_arena_and_a_freed_chunk() -> None:
             libc.free(ctypes.c_void_p(block))
 
 
+# A malloc of its own, as jemalloc or mimalloc under LD_PRELOAD: here it forwards to glibc's, so the
+# child stays sound whatever the code under test does, while the process's malloc is not glibc's
+INTERPOSER = r"""
+#include <stddef.h>
+void *__libc_malloc(size_t); void __libc_free(void *); void *__libc_calloc(size_t, size_t);
+void *__libc_realloc(void *, size_t);
+void *malloc(size_t n) { return __libc_malloc(n); }
+void free(void *p) { __libc_free(p); }
+void *calloc(size_t n, size_t m) { return __libc_calloc(n, m); }
+void *realloc(void *p, size_t n) { return __libc_realloc(p, n); }
+"""
+
+
+@needs_glibc
+def test_another_allocator_preloaded_is_left_alone(tmp_path) -> None:
+    # With jemalloc preloaded, malloc_info's buffer (allocated by jemalloc) went to glibc's free:
+    # "free(): invalid pointer" and an abort. Now glibc's settings, trims and figures stand down.
+    if not any(os.access(os.path.join(d, "cc"), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep)):
+        pytest.skip("no C compiler (cc) to build the test allocator")
+    (tmp_path / "interpose.c").write_text(INTERPOSER)
+    lib = tmp_path / "libinterpose.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-o", str(lib), str(tmp_path / "interpose.c")], check=True)
+    probe = textwrap.dedent("""
+        import json
+        from zephon_stream.engine import memory
+        print(json.dumps([memory._glibc() is None, memory.allocator_stats(), memory.malloc_info(), memory.trim(),
+                          memory.mallopt(memory.M_TRIM_THRESHOLD, 1 << 20)]))
+    """)
+    child = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "LD_PRELOAD": str(lib)})
+    assert child.returncode == 0, child.stderr
+    assert json.loads(child.stdout) == [True, None, None, False, False]
+    assert not memory.malloc_interposed(memory._glibc())  # this process: glibc's own malloc
+
+
 def test_worker_processes_share_the_cores_in_the_tokenizer_pool(monkeypatch) -> None:
     """Each worker's `tokenizers` pool gets its share of the cores, shared with the other ranks on
     the machine, not one thread per core each (and an arena per thread); a RAYON_NUM_THREADS the

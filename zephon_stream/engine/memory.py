@@ -45,7 +45,8 @@ the page faults without lowering the slope.
 `arena_max`, `mmap_threshold` and `trim_threshold` are glibc's `mallopt` settings, set once
 per process and never over the same setting given to glibc in the environment
 (`MALLOC_ARENA_MAX`, `MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`). Elsewhere than
-glibc (musl, macOS) nothing is done. `allocator_stats()` reads the figures, as bench/soak.py
+glibc (musl, macOS), or where another allocator answers malloc (`malloc_interposed`: jemalloc or
+mimalloc under `LD_PRELOAD`), nothing is done. `allocator_stats()` reads the figures, as bench/soak.py
 prints them.
 """
 
@@ -67,7 +68,7 @@ from zephon_stream.engine import threads
 from zephon_stream.errors import ConfigError
 
 __all__ = ["MEMORY_ENV", "AllocatorPolicy", "AllocatorStats", "allocator_stats", "configure_allocator", "malloc_info",
-           "mallopt", "managed_memory", "policy_from_env", "trim"]
+           "malloc_interposed", "mallopt", "managed_memory", "policy_from_env", "trim"]
 
 #: Set to "off" to leave the C allocator as the process found it.
 MEMORY_ENV = "ZEPHON_MALLOC"
@@ -97,12 +98,14 @@ _libc: ctypes.CDLL | None | bool = False  # False: not looked up yet; None: not 
 
 
 def _glibc() -> ctypes.CDLL | None:
-    """The C library when it is glibc with mallinfo2 (2.33+), else None (musl, macOS: nothing to set)."""
+    """The C library when it is glibc with mallinfo2 (2.33+) and its malloc is the process's, else
+    None: nothing to set or read (musl, macOS, or another allocator preloaded)."""
     global _libc
     with _lock:
         if _libc is False:
             lib = ctypes.CDLL(ctypes.util.find_library("c") or None)
-            _libc = lib if hasattr(lib, "gnu_get_libc_version") and hasattr(lib, "mallinfo2") else None
+            glibc = hasattr(lib, "gnu_get_libc_version") and hasattr(lib, "mallinfo2")
+            _libc = lib if glibc and not malloc_interposed(lib) else None
             if _libc is not None:
                 _libc.mallinfo2.restype = _Mallinfo2
                 _libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
@@ -113,6 +116,15 @@ def _glibc() -> ctypes.CDLL | None:
                 _libc.free.argtypes = [ctypes.c_void_p]
                 _libc.malloc_trim.argtypes = [ctypes.c_size_t]
         return _libc or None
+
+
+def malloc_interposed(libc: ctypes.CDLL) -> bool:
+    """Whether another allocator answers the process's malloc than `libc`'s own: jemalloc, mimalloc
+    or tcmalloc under `LD_PRELOAD`, as ML jobs often run. glibc's settings, trims and figures
+    would then be about arenas nobody allocates from, and `malloc_info`'s buffer, allocated by
+    that allocator, must not go to glibc's `free` (an abort: "free(): invalid pointer")."""
+    process = ctypes.CDLL(None)  # the symbols as the process resolves them, a preloaded library first
+    return ctypes.cast(process.malloc, ctypes.c_void_p).value != ctypes.cast(libc.malloc, ctypes.c_void_p).value
 
 
 def allocator_stats() -> AllocatorStats | None:
