@@ -128,7 +128,7 @@ def malloc_interposed(libc: ctypes.CDLL) -> bool:
 
 
 def allocator_stats() -> AllocatorStats | None:
-    """The allocator's figures now, or None where the C library is not glibc."""
+    """The allocator's figures now, or None where glibc's malloc is not the process's (`_glibc`)."""
     libc = _glibc()
     if libc is None:
         return None
@@ -141,7 +141,8 @@ def _count_arenas() -> int:
 
 
 def malloc_info() -> bytes | None:
-    """glibc's `malloc_info` XML: per arena, its free chunks by size; None where it is not glibc."""
+    """glibc's `malloc_info` XML: per arena, its free chunks by size; None where glibc's malloc is not the
+    process's (`_glibc`)."""
     libc = _glibc()
     if libc is None:
         return None
