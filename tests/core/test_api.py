@@ -1,6 +1,6 @@
 """The Python API as a new user meets it: load_state_dict while streaming, close(), torch's
 DataLoader, the state of a recent step for trainers that fetch ahead, the processes backend from
-a script without a main guard, and its statistics."""
+a script without a main guard, a script that exits with an iteration open, and its statistics."""
 
 from __future__ import annotations
 
@@ -187,6 +187,29 @@ def test_processes_backend_from_a_script(config, tmp_path, guarded, race) -> Non
                            f"processes, and each worker imports {script} again"), proc.stderr
     assert 'Put that code under `if __name__ == "__main__":`' in last
     assert "bootstrapping phase" not in proc.stderr and proc.stderr.count("Traceback") == 1, proc.stderr
+
+
+KEPT_ITERATION = """
+import sys
+from zephon_stream import Config, Loader
+
+if __name__ == "__main__":
+    batches = iter(Loader(Config.from_toml(sys.argv[1])))  # a global, closed only at exit
+    print("streamed step", next(batches)["step"])
+"""
+
+
+@pytest.mark.parametrize("backend", ["threads", "processes"])
+def test_a_script_that_keeps_its_iteration_in_a_global_exits(config, tmp_path, backend) -> None:
+    """`batches = iter(loader)` in a script's globals, to feed a training loop `next(batches)`: the
+    process ends with the script (it hung at exit on both backends before `_close_open_iterations`)."""
+    toml = tmp_path / "c.toml"
+    toml.write_text(config.replace(backend=backend, workers=2).to_toml())
+    script = tmp_path / "train.py"
+    script.write_text(KEPT_ITERATION)
+    proc = subprocess.run([sys.executable, str(script), str(toml)], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "streamed step 0\n", ""), proc.stderr
 
 
 def test_processes_statistics_count_the_workers_store_reads(config) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import collections
+import multiprocessing.util  # noqa: F401  (registers its exit handler before ours: see `_close_open_iterations`)
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -418,6 +420,7 @@ class Loader:
             check_spawn_allowed()
         it = self._iterate()
         self._iterators.add(it)
+        _OPEN_ITERATIONS.add(it)
         return it
 
     def _iterate(self) -> Iterator[dict[str, Any]]:
@@ -612,6 +615,27 @@ class _ThreadedAsyncIterator:
 
 
 _END: Any = object()
+
+#: Every `for` iteration (`Loader.__iter__`'s generator) not yet collected, of every Loader.
+_OPEN_ITERATIONS: weakref.WeakSet[Iterator[dict[str, Any]]] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_iterations() -> None:
+    """At interpreter exit, close the iterations still open, such as `batches = iter(loader)` in a
+    script's globals, a common way to feed a training loop `next(batches)`.
+
+    Each runs its lanes on the event loop of a daemon thread (`_iterate`'s portal), and closing it
+    asks that loop to stop them. Left to the interpreter's last clean-up of globals, the close came
+    after daemon threads can no longer run, and the process hung there for good, on both backends.
+    atexit handlers run before that. They run last registered first, and `multiprocessing.util`,
+    imported above, registers the handler that terminates daemonic worker processes: so the
+    lanes of the processes backend stop here first, not as workers that died under them.
+    An iteration running in a thread at exit (a daemon thread's) is left alone: it cannot be closed.
+    """
+    for it in list(_OPEN_ITERATIONS):
+        if not getattr(it, "gi_running", False):
+            it.close()
 
 
 def _register_iterable_dataset() -> None:
