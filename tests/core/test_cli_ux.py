@@ -1,5 +1,6 @@
 """The command line as a new user meets it: help, --version, refused numbers, --save-at, inspect
-from a checkpoint, plain progress lines off a terminal, and the relay's and refit's edges."""
+from a checkpoint, plain progress lines off a terminal, data that ends before --steps, and the
+relay's and refit's edges."""
 
 from __future__ import annotations
 
@@ -114,6 +115,20 @@ def test_save_at_past_the_end_of_the_data_is_an_error(capsys, dataset, tmp_path)
                                    "--digests"])
     assert "the data ended at global step" in err and "before --save-at 50" in err, err
     assert not (tmp_path / "s").exists()
+
+
+def test_data_that_ends_before_steps_says_so(capsys, dataset, tmp_path) -> None:
+    root, _ = dataset
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "d.jsonl").write_text('{"text": "the loader reads one short document"}\n')
+    config = Config(seed=1, lanes=2, seq_len=16, global_batch_size=2, tokenizer=str(root / "tokenizer.json"),
+                    max_epochs=1, sources=[SourceConfig(name="one", uri=f"file://{tmp_path}/one/")])
+    path = tmp_path / "one.toml"
+    path.write_text(config.to_toml())
+    assert main(["stream", str(path), "--steps", "5"]) == 0  # the data's own end: not an error
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(r"zephon stream: the data ended at global step \d, before --steps 5 \(max_epochs = 1: "
+                        r"every epoch read\)", last), last
 
 
 def test_inspect_from_a_checkpoint_prints_the_same_batch(capsys, cfg, tmp_path) -> None:

@@ -208,6 +208,9 @@ def _stream(args: argparse.Namespace) -> int:
     if args.save_at is not None and not saved:
         raise ZephonError(f"the data ended at global step {loader.step}, before --save-at {args.save_at}: "
                           f"{str(args.save_state)!r} was not written; give a smaller --save-at")
+    if args.steps is not None and loader.step < args.steps:
+        print(f"zephon stream: the data ended at global step {loader.step}, before --steps {args.steps} "
+              f"(max_epochs = {loader.config.max_epochs}: every epoch read)", file=sys.stderr)
     return 0
 
 
