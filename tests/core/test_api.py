@@ -189,6 +189,26 @@ def test_processes_backend_from_a_script(config, tmp_path, guarded, race) -> Non
     assert "bootstrapping phase" not in proc.stderr and proc.stderr.count("Traceback") == 1, proc.stderr
 
 
+def test_a_second_stream_beside_an_open_one_is_refused(config) -> None:
+    """Two streams of one Loader would each continue from the last batch handed out, and their lanes
+    disagreed (an internal error at the older one's next batch): the second is refused."""
+    loader = Loader(config, backend="inline")
+    first = iter(loader)
+    assert next(first)["step"] == 0
+    with pytest.raises(ZephonError, match=r"this Loader has a stream open already .* close the iterator"):
+        next(iter(loader))
+
+    async def open_beside() -> None:
+        with pytest.raises(ZephonError, match="has a stream open already"):
+            async with loader.open():
+                pass
+
+    anyio.run(open_beside)
+    assert next(first)["step"] == 1  # the open one goes on as if nothing happened
+    first.close()
+    assert next(iter(loader))["step"] == 2  # once closed, a new stream continues after it
+
+
 KEPT_ITERATION = """
 import sys
 from zephon_stream import Config, Loader

@@ -371,8 +371,17 @@ class Loader:
 
     @asynccontextmanager
     async def open(self) -> AsyncIterator[BatchStream]:
-        """Start this rank's lanes; yield a stream of batches. Leaving the block stops them."""
+        """Start this rank's lanes; yield a stream of batches. Leaving the block stops them.
+
+        One stream at a time: each continues from the last batch handed out, so a second one open
+        beside it (another `for` loop, an `iter(loader)` not yet exhausted or closed) is refused.
+        """
         self._check_usable()
+        if self._opened:
+            raise ZephonError("this Loader has a stream open already (a `for batch in loader` loop, an iterator from "
+                              "`iter(loader)` not exhausted or closed, or an `open()` block): each stream continues "
+                              "from the last batch handed out, so only one may be open; leave the other first "
+                              "(break, or close the iterator: `it.close()`), or stream from another Loader")
         self._opened += 1
         try:
             with unwrap_groups():
