@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import anyio
 import pytest
 
 from zephon_stream.errors import ConfigError, DataError, root_error, unwrap_groups
@@ -27,6 +28,19 @@ def test_the_same_failure_twice_is_raised_once_without_a_note() -> None:
     assert not getattr(first, "__notes__", None)
     assert root_error(ExceptionGroup("workers", [first, again, other])) is first
     assert first.__notes__ == ["another task failed too: ConfigError: something else"]
+
+
+def test_a_stream_closed_by_the_failure_adds_no_note() -> None:
+    # a lane worker fails and the backend closes the streams the consumer waits on: the consumer's
+    # ClosedResourceError is the failure's consequence, not another one (it was the last line the
+    # user read after the main-guard message, with `async with loader.open()`)
+    ours, closed, broken = ConfigError("put it under a main guard"), anyio.ClosedResourceError(), \
+        anyio.BrokenResourceError()
+    assert root_error(ExceptionGroup("g", [closed, ours, broken])) is ours
+    assert not getattr(ours, "__notes__", None)
+    first = KeyError("k")
+    assert root_error(ExceptionGroup("g", [closed, first])) is first  # not the first of the list: the cause
+    assert root_error(ExceptionGroup("g", [closed])) is closed  # alone it is the failure
 
 
 def test_without_a_zephon_error_the_first_real_error_wins() -> None:

@@ -25,6 +25,8 @@ import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import anyio
+
 __all__ = [
     "AccessDenied", "AlreadyExists", "BaseVersionMismatch", "CheckpointError", "ConfigError",
     "ConnectorError", "DataError", "DigestMismatch", "IncompatibleState", "ObjectNotFound", "RefitError",
@@ -95,7 +97,9 @@ def root_error(exc: BaseException) -> BaseException:
     Cancellations are dropped (they are the other tasks being stopped). Of the rest the first
     `ZephonError` wins, else the first error; every other distinct failure is added to it as a
     note, so nothing is hidden. A failure of the same type and message as the one raised (two
-    workers that stopped for the same reason) is not another failure and adds no note. A group of
+    workers that stopped for the same reason) is not another failure and adds no note, nor does
+    a stream found closed or broken beside another failure: that is the failure's consequence (a
+    task that fails has its streams closed under the tasks reading them). A group of
     cancellations alone stays a group.
     """
     if not isinstance(exc, BaseExceptionGroup):
@@ -104,9 +108,10 @@ def root_error(exc: BaseException) -> BaseException:
     real = [e for e in leaves if not isinstance(e, asyncio.CancelledError)]
     if not real:
         return exc
-    first = next((e for e in real if isinstance(e, ZephonError)), real[0])
+    causes = [e for e in real if not isinstance(e, _AFTERMATH)]
+    first = next((e for e in real if isinstance(e, ZephonError)), (causes or real)[0])
     for other in real:
-        if other is first or (type(other), str(other)) == (type(first), str(first)):
+        if other is first or (type(other), str(other)) == (type(first), str(first)) or isinstance(other, _AFTERMATH):
             continue
         note = f"another task failed too: {type(other).__name__}: {other}"
         if note not in getattr(first, "__notes__", ()):
@@ -125,6 +130,10 @@ def unwrap_groups() -> Iterator[None]:
         if err is group or not isinstance(err, Exception):
             raise
         raise err from err.__cause__  # its own cause, not the group it came in
+
+
+# A stream that another task's failure closed or broke under the task using it.
+_AFTERMATH = (anyio.ClosedResourceError, anyio.BrokenResourceError)
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:

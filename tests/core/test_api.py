@@ -166,12 +166,30 @@ backends.threads.run_sync = _slow_join
 """
 
 
-@pytest.mark.parametrize("guarded, race", [(False, False), (True, False), (False, True)],
-                         ids=["no-main-guard", "main-guard", "no-main-guard-both-exits-seen"])
-def test_processes_backend_from_a_script(config, tmp_path, guarded, race) -> None:
+ASYNC_SCRIPT = """
+import sys
+import anyio
+from zephon_stream import Config, Loader
+
+async def main():
+    async with Loader(Config.from_toml(sys.argv[1]), backend="processes").open() as stream:
+        async for batch in stream:
+            break
+    print("streamed step", batch["step"])
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.parametrize("guarded, race, script", [(False, False, SCRIPT), (True, False, SCRIPT),
+                                                   (False, True, SCRIPT), (False, False, ASYNC_SCRIPT)],
+                         ids=["no-main-guard", "main-guard", "no-main-guard-both-exits-seen", "no-main-guard-open"])
+def test_processes_backend_from_a_script(config, tmp_path, guarded, race, script) -> None:
+    # with `open()` the consumer, waiting on a lane's stream, found it closed under it when the
+    # workers failed: its ClosedResourceError came after the message, as a note (see `errors.root_error`)
     toml = tmp_path / "c.toml"
     toml.write_text(config.replace(workers=2).to_toml())
-    body = (BOTH_EXITS_SEEN if race else "") + SCRIPT
+    body = (BOTH_EXITS_SEEN if race else "") + script
     if guarded:
         body = 'if __name__ == "__main__":\n' + "".join(f"    {line}\n" for line in SCRIPT.strip().splitlines())
     script = tmp_path / "train.py"

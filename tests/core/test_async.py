@@ -15,6 +15,7 @@ import torch  # noqa: F401  (a trainer has torch loaded before it streams)
 
 from zephon_stream.loader.config import Config
 from zephon_stream.loader.loader import Loader
+from zephon_stream.testing.determinism import batch_records
 
 
 @contextmanager
@@ -128,3 +129,47 @@ def test_async_for_directly_on_loader(config):
         return steps
 
     assert anyio.run(main) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("cut", ["cancel-scope", "wait_for"])
+@pytest.mark.parametrize("path", ["open", "async-for"])
+@pytest.mark.parametrize("backend", ["threads", "inline"])
+def test_a_cancelled_wait_for_a_batch_loses_nothing(config, backend, path, cut):
+    """A timeout around `__anext__` cancels the wait, not the batch: the next call hands out the
+    same batch, so the batches and the checkpoint are those of a run without timeouts. Before, the
+    batch a cancelled `async for` call was fetching was dropped (steps 2, 4, 5, 6, 8, 10 came out
+    for the first six), and a cancelled `open()` stream raised an internal error: the samples
+    taken for the batch were lost to the sequencer."""
+    import asyncio
+
+    steps = 5
+    with Loader(config, backend=backend) as loader:
+        expected = [r for _, b in zip(range(steps), loader) for r in batch_records(b)]
+
+    async def main() -> tuple[list, int, int]:
+        got, cut_short = [], 0
+
+        async def take(stream) -> None:
+            nonlocal cut_short
+            while len(got) < steps:
+                if cut == "wait_for":
+                    try:
+                        got.append(await asyncio.wait_for(stream.__anext__(), 0.001))
+                    except asyncio.TimeoutError:
+                        cut_short += 1
+                else:
+                    with anyio.move_on_after(0.001) as scope:  # shorter than a batch: most waits are cut
+                        got.append(await stream.__anext__())
+                    cut_short += scope.cancelled_caught
+
+        with Loader(config, backend=backend) as loader:
+            if path == "open":
+                async with loader.open() as stream:
+                    await take(stream)
+            else:
+                await take(loader.__aiter__())
+            return [r for b in got for r in batch_records(b)], cut_short, loader.step
+
+    records, cut_short, step = anyio.run(main)
+    assert cut_short > 0 and step == steps
+    assert records == expected

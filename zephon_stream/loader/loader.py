@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import collections
 import multiprocessing.util  # noqa: F401  (registers its exit handler before ours: see `_close_open_iterations`)
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -417,6 +418,7 @@ class Loader:
                 try:
                     yield stream
                 finally:
+                    stream.forget()
                     self._batch_streams.discard(stream)
                     self._streams = {}
                     runs.stop()
@@ -542,6 +544,9 @@ class BatchStream:
         self.stopped = False
         self.rewind: int | None = None  # set_weights was called for this step: lanes go back to their state there
         self.relaunch: Callable[[dict[int, LaneState]], Any] | None = None
+        self.taken: list[Sample] = []  # the samples of the next batch taken so far (kept when __anext__ is cancelled)
+        self.receiving = {lane: _KeptCall() for lane in streams}  # a lane's receive, and the collate of
+        self.collating = _KeptCall()  # `taken`, kept likewise (see `_KeptCall`)
 
     def stop(self) -> None:
         """End the stream at its next batch (`Loader.close()`); the frontier stays where it is."""
@@ -551,21 +556,30 @@ class BatchStream:
         return self
 
     async def __anext__(self) -> dict[str, Any]:
+        """The next batch. Cancelling it (a timeout around it, say) loses nothing: the samples taken
+        so far stay in `taken` and their collate runs on, and the next call goes on from there to the
+        same batch."""
         if self.stopped:
             raise StopAsyncIteration
         if self.rewind is not None:
-            await self._rewind(self.rewind)
+            with anyio.CancelScope(shield=True):  # half a relaunch would leave lanes of two states
+                await self._rewind(self.rewind)
         cfg, frontier = self.config, self.frontier
         slots = rank_slots(frontier.step, cfg.global_batch_size, self.dp_size, self.dp_rank)
-        samples = [await self._sample(i % cfg.lanes, i // cfg.lanes) for i in slots]
+        while len(self.taken) < len(slots):
+            i = slots[len(self.taken)]
+            self.taken.append(await self._sample(i % cfg.lanes, i // cfg.lanes))
+        samples = self.taken
         if all(s.state is None for s in samples) and self._ended():
             for lane in self.streams:  # every lane of this rank has ended
                 frontier.end(lane)
+            self.taken = []
             raise StopAsyncIteration
         if cfg.backend == "inline":
             batch = collate(samples, frontier.step, slots, cfg)
         else:  # stacking seq_len x batch tensors is CPU work: keep it off the trainer's loop
-            batch = await threads.run_sync(collate, samples, frontier.step, slots, cfg)
+            batch = await self.collating.result(threads.run_sync, collate, samples, frontier.step, slots, cfg)
+        self.taken = []
         for s in samples:
             frontier.consume(s)
         frontier.advance()
@@ -576,6 +590,11 @@ class BatchStream:
         and run the lanes again from their state after the last sample kept (the consumed one if none)."""
         self.rewind = None
         cfg, states = self.config, {}
+        for sample in reversed(self.taken):  # taken by a cancelled __anext__: back in line (padding is made anew)
+            if sample.state is not None:
+                self.pending[sample.lane].appendleft(sample)
+        self.taken = []
+        self.forget()
         for lane in self.streams:
             kept = [s for s in self.pending[lane] if (s.index * cfg.lanes + lane) // cfg.global_batch_size < step]
             self.pending[lane] = collections.deque(kept)
@@ -583,6 +602,12 @@ class BatchStream:
         assert self.relaunch is not None
         self.streams, self.credit = await self.relaunch(states)
         self.done = {lane: states[lane].done for lane in self.streams}
+        self.receiving = {lane: _KeptCall() for lane in self.streams}
+
+    def forget(self) -> None:
+        """Drop the kept receives and collate (the stream ends, or its lanes start again)."""
+        for call in (*self.receiving.values(), self.collating):
+            call.forget(cancel=True)
 
     def _ended(self) -> bool:
         """Every lane of this rank has ended and handed out all its samples. (A step of padding alone
@@ -593,7 +618,7 @@ class BatchStream:
         queue = self.pending[lane]
         while not queue and not self.done[lane]:
             try:
-                queue.extend(await self.streams[lane].receive())
+                queue.extend(await self.receiving[lane].result(self.streams[lane].receive))
             except anyio.EndOfStream:
                 self.done[lane] = True
                 break
@@ -609,15 +634,68 @@ class BatchStream:
         return sample
 
 
+class _KeptCall:
+    """A call whose result outlives a cancelled caller.
+
+    `result(call, *args)` awaits `call(*args)`. On asyncio it runs in a task of its own: cancelling
+    the caller (a timeout around it, say) neither stops the call nor drops its result, and the
+    next `result` waits for that same call (its arguments are the ones that count) instead of
+    starting another. The calls kept: a lane stream's receive (a receive cancelled by asyncio,
+    `wait_for`, after its item was handed over drops the item: anyio's memory streams guard only
+    against their own cancel scopes), a collate and a `next` in a worker thread (a call in a thread
+    cannot be stopped halfway, and waiting it out would make every timeout as long as the call;
+    starting it again would lose what it returned, or never finish under a timeout shorter than
+    the call). On another event loop (trio) the call is awaited as it is. `forget()` drops a call
+    whose result is no longer wanted.
+    """
+
+    def __init__(self) -> None:
+        self._task: asyncio.Future[Any] | None = None
+
+    async def result(self, call: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # not asyncio
+            return await call(*args)
+        if self._task is None:
+            self._task = asyncio.ensure_future(call(*args))
+        task = self._task
+        try:
+            out = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled():  # the call's own task, not only this wait (the loop is shutting down)
+                self.forget()
+            raise
+        except BaseException:
+            self.forget()
+            raise
+        self.forget()
+        return out
+
+    def forget(self, cancel: bool = False) -> None:
+        task, self._task = self._task, None
+        if task is None or not cancel:
+            return
+        if task.done():
+            if not task.cancelled():
+                task.exception()  # seen: not logged as "never retrieved" (a stream closed under a failure)
+        else:
+            task.cancel()
+
+
 class _ThreadedAsyncIterator:
+    """`async for` over a `for` iteration, each `next` in a worker thread; a cancelled `__anext__`
+    loses no batch (see `_KeptCall`): the next one hands it out."""
+
     def __init__(self, it: Iterator[dict[str, Any]]) -> None:
         self._it = it
+        self._next = _KeptCall()
 
     def __aiter__(self) -> _ThreadedAsyncIterator:
         return self
 
     async def __anext__(self) -> dict[str, Any]:
-        item = await threads.run_sync(next, self._it, _END)
+        item = await self._next.result(threads.run_sync, next, self._it, _END)
         if item is _END:
             raise StopAsyncIteration
         return item
