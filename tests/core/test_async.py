@@ -133,7 +133,7 @@ def test_async_for_directly_on_loader(config):
 
 @pytest.mark.parametrize("cut", ["cancel-scope", "wait_for"])
 @pytest.mark.parametrize("path", ["open", "async-for"])
-@pytest.mark.parametrize("backend", ["threads", "inline"])
+@pytest.mark.parametrize("backend", ["threads", "processes", "inline"])
 def test_a_cancelled_wait_for_a_batch_loses_nothing(config, backend, path, cut):
     """A timeout around `__anext__` cancels the wait, not the batch: the next call hands out the
     same batch, so the batches and the checkpoint are those of a run without timeouts. Before, the
