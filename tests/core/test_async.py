@@ -173,3 +173,39 @@ def test_a_cancelled_wait_for_a_batch_loses_nothing(config, backend, path, cut):
     records, cut_short, step = anyio.run(main)
     assert cut_short > 0 and step == steps
     assert records == expected
+
+
+@pytest.mark.parametrize("backend", ["threads", "processes"])
+def test_set_weights_after_a_cancelled_wait_gives_the_batches_of_a_run_without(config, backend):
+    """A cancelled wait may leave samples taken for the open step; `set_weights` for a later step
+    keeps them, in their place before the lanes' other samples, which are made again from the
+    change on (without that, a lane's sample for the open step was gone: an internal error)."""
+    import asyncio
+
+    weights, steps = {"a": 0.1, "b": 1.0}, 6
+
+    async def cut_then_set() -> tuple[list, int]:
+        with Loader(config, backend=backend) as loader:
+            async with loader.open() as stream:
+                got = [await stream.__anext__() for _ in range(2)]
+                while not stream.taken:  # cut waits until one is cut after taking samples of its step
+                    try:
+                        got.append(await asyncio.wait_for(stream.__anext__(), 0.0005))
+                    except asyncio.TimeoutError:
+                        pass
+                at = loader.step
+                loader.set_weights(weights, at_step=at + 1)
+                while len(got) < steps:
+                    got.append(await stream.__anext__())
+            return [r for b in got for r in batch_records(b)], at
+
+    records, at = anyio.run(cut_then_set)
+    with Loader(config, backend=backend) as loader:
+        expected = []
+        for batch in loader:
+            expected += batch_records(batch)
+            if loader.step == at:
+                loader.set_weights(weights, at_step=at + 1)
+            if loader.step == steps:
+                break
+    assert records == expected
