@@ -103,7 +103,9 @@ def test_save_at_before_the_resumed_step_refused(capsys, cfg, tmp_path) -> None:
     assert "--save-at 1 is before the resumed step 2" in err, err
 
 
-def test_save_at_past_the_end_of_the_data_is_an_error(capsys, dataset, tmp_path) -> None:
+@pytest.fixture()
+def one_document(dataset, tmp_path: Path) -> Path:
+    """A config over one short document, read once (max_epochs = 1): the data ends at step 1."""
     root, _ = dataset
     (tmp_path / "one").mkdir()
     (tmp_path / "one" / "d.jsonl").write_text('{"text": "the loader reads one short document"}\n')
@@ -111,20 +113,19 @@ def test_save_at_past_the_end_of_the_data_is_an_error(capsys, dataset, tmp_path)
                     max_epochs=1, sources=[SourceConfig(name="one", uri=f"file://{tmp_path}/one/")])
     path = tmp_path / "one.toml"
     path.write_text(config.to_toml())
+    return path
+
+
+def test_save_at_past_the_end_of_the_data_is_an_error(capsys, one_document, tmp_path) -> None:
+    path = one_document
     err = _one_line_error(capsys, ["stream", str(path), "--save-at", "50", "--save-state", str(tmp_path / "s"),
                                    "--digests"])
     assert "the data ended at global step" in err and "before --save-at 50" in err, err
     assert not (tmp_path / "s").exists()
 
 
-def test_data_that_ends_before_steps_says_so(capsys, dataset, tmp_path) -> None:
-    root, _ = dataset
-    (tmp_path / "one").mkdir()
-    (tmp_path / "one" / "d.jsonl").write_text('{"text": "the loader reads one short document"}\n')
-    config = Config(seed=1, lanes=2, seq_len=16, global_batch_size=2, tokenizer=str(root / "tokenizer.json"),
-                    max_epochs=1, sources=[SourceConfig(name="one", uri=f"file://{tmp_path}/one/")])
-    path = tmp_path / "one.toml"
-    path.write_text(config.to_toml())
+def test_data_that_ends_before_steps_says_so(capsys, one_document) -> None:
+    path = one_document
     assert main(["stream", str(path), "--steps", "5"]) == 0  # the data's own end: not an error
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.fullmatch(r"zephon stream: the data ended at global step \d, before --steps 5 \(max_epochs = 1: "
