@@ -510,3 +510,45 @@ def test_safetensors_save_refuses_a_dtype_it_cannot_hold(tmp_path: Path) -> None
     with pytest.raises(ConfigError, match="complex64"):
         safetensors.save(tmp_path / "w.safetensors", {"z": torch.zeros(2, dtype=torch.complex64)})
 
+
+
+@pytest.mark.parametrize("cut", ["cancel-scope", "wait_for"])
+def test_a_pull_cut_short_by_a_timeout_ends_bit_exact_on_the_next(cut: str) -> None:
+    """A rollout worker's timeout around `pull` (a cancel scope, or asyncio's own `wait_for`) may
+    stop it halfway through writing the weights in place; the next pull still ends on the
+    trainer's bits, version after version."""
+    import asyncio
+    import random
+
+    rng = random.Random(7)
+
+    async def go() -> int:
+        store, cuts = MemoryStore(), 0
+        torch.manual_seed(0)
+        state = {f"w{i}": torch.randn(128, 1024) for i in range(8)}  # 4 MiB: a pull takes milliseconds
+        replica = zeros_like(state)
+        async with Publisher("m/", store=store, chunk_bytes=1 << 17) as pub, Subscriber("m/", store=store) as sub:
+            for n in range(1, 7):
+                for t in state.values():
+                    t.view(-1)[torch.randint(0, t.numel(), (4000,))] += 1.0
+                await pub.publish(state)
+                timeout = 0.0005  # the first try of every version is cut
+                while True:
+                    if cut == "wait_for":
+                        try:
+                            got = await asyncio.wait_for(sub.pull(replica), timeout)
+                            break
+                        except asyncio.TimeoutError:
+                            pass
+                    else:
+                        with anyio.move_on_after(timeout) as scope:
+                            got = await sub.pull(replica)
+                        if not scope.cancelled_caught:
+                            break
+                    cuts += 1
+                    timeout = rng.uniform(0.001, 0.05)
+                assert got == n
+                assert_same(replica, state)
+        return cuts
+
+    assert run(go) >= 6
