@@ -271,3 +271,49 @@ def test_the_api_a_user_reads_has_docstrings() -> None:
         assert obj.__doc__ and len(obj.__doc__) > 40, obj
     assert 'batch["step"] + 1' in Loader.step.__doc__
     assert "`weight` is relative" in SourceConfig.__doc__
+
+
+@pytest.mark.parametrize("backend", ["threads", "processes"])
+def test_ctrl_c_while_waiting_for_a_batch_consumes_nothing(config, backend, monkeypatch) -> None:
+    """Ctrl-C lands while the `for` loop waits for its third batch, and the pipeline finishes that
+    batch just after: the state a trainer saves then still names it as the next one, and a new
+    loop (or a resume) hands it out. Before, the pipeline counted it as consumed: lost."""
+    import signal
+    import threading
+
+    from zephon_stream.loader.loader import BatchStream
+
+    steps = 6
+    with Loader(config, backend=backend) as loader:
+        expected = _records(_first(loader, steps))
+    original, calls, interrupted = BatchStream.next_batch, [0], threading.Event()
+
+    def ctrl_c(signum, frame):
+        interrupted.set()
+        raise KeyboardInterrupt
+
+    async def finished_after_ctrl_c(self):
+        batch = await original(self)
+        calls[0] += 1
+        if calls[0] == 3:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # as Ctrl-C: the main thread waits
+            await anyio.to_thread.run_sync(interrupted.wait)  # the batch is done once the loop has given up on it
+        return batch
+
+    monkeypatch.setattr(BatchStream, "next_batch", finished_after_ctrl_c)
+    previous = signal.signal(signal.SIGINT, ctrl_c)
+    try:
+        loader = Loader(config, backend=backend)
+        got = []
+        with pytest.raises(KeyboardInterrupt):
+            for batch in loader:
+                got.append(batch)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert loader.step == 2
+    state = loader.state_dict()
+    got += _first(loader, steps)  # to global step `steps`
+    assert _records(got) == expected
+    resumed = Loader(config, backend=backend)
+    resumed.load_state_dict(state)
+    assert _records(got[:2] + _first(resumed, steps)) == expected

@@ -440,10 +440,15 @@ class Loader:
             stream = cm.__enter__()
             try:
                 while True:
+                    call = portal.start_task_soon(stream.next_batch)
                     try:
-                        batch = portal.call(stream.__anext__)
+                        batch = call.result()
                     except StopAsyncIteration:
                         return
+                    except BaseException:  # Ctrl-C while waiting: the batch is not consumed, so the
+                        call.cancel()  # state (saved next, say) still names it as the next one
+                        raise
+                    stream.commit()  # handed out: only now the rank's state moves past it
                     yield batch
             finally:  # an early `break` closes the generator: stop the lanes without an error
                 cm.__exit__(None, None, None)
@@ -559,6 +564,13 @@ class BatchStream:
         """The next batch. Cancelling it (a timeout around it, say) loses nothing: the samples taken
         so far stay in `taken` and their collate runs on, and the next call goes on from there to the
         same batch."""
+        batch = await self.next_batch()
+        self.commit()
+        return batch
+
+    async def next_batch(self) -> dict[str, Any]:
+        """The next batch, not yet consumed: until `commit()`, the rank's state is before it and
+        another call makes the same batch again (from the samples kept in `taken`)."""
         if self.stopped:
             raise StopAsyncIteration
         if self.rewind is not None:
@@ -579,11 +591,14 @@ class BatchStream:
             batch = collate(samples, frontier.step, slots, cfg)
         else:  # stacking seq_len x batch tensors is CPU work: keep it off the trainer's loop
             batch = await self.collating.result(threads.run_sync, collate, samples, frontier.step, slots, cfg)
-        self.taken = []
-        for s in samples:
-            frontier.consume(s)
-        frontier.advance()
         return batch
+
+    def commit(self) -> None:
+        """Consume the batch `next_batch` made: the rank's state moves past it."""
+        for s in self.taken:
+            self.frontier.consume(s)
+        self.frontier.advance()
+        self.taken = []
 
     async def _rewind(self, step: int) -> None:
         """set_weights for `step`: keep the samples the lanes made for earlier steps, drop the rest,
