@@ -1,6 +1,7 @@
 """The Python API as a new user meets it: load_state_dict while streaming, close(), torch's
 DataLoader, the state of a recent step for trainers that fetch ahead, the processes backend from
-a script without a main guard, a script that exits with an iteration open, and its statistics."""
+a script without a main guard, a script that exits with an iteration open, its statistics, a
+second stream beside an open one, and Ctrl-C while a loop waits for a batch."""
 
 from __future__ import annotations
 
@@ -21,6 +22,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _records(batches) -> list:
     return [r for b in batches for r in batch_records(b)]
+
+
+def _run_script(tmp_path: Path, config: Config, body: str, timeout: int) -> subprocess.CompletedProcess:
+    """`body` as a script `train.py`, run in a fresh interpreter with the path of `config`'s TOML."""
+    toml, script = tmp_path / "c.toml", tmp_path / "train.py"
+    toml.write_text(config.to_toml())
+    script.write_text(body)
+    return subprocess.run([sys.executable, str(script), str(toml)], capture_output=True, text=True, timeout=timeout,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
 def _first(loader: Loader, steps: int) -> list:
@@ -187,22 +197,17 @@ anyio.run(main)
 def test_processes_backend_from_a_script(config, tmp_path, guarded, race, script) -> None:
     # with `open()` the consumer, waiting on a lane's stream, found it closed under it when the
     # workers failed: its ClosedResourceError came after the message, as a note (see `errors.root_error`)
-    toml = tmp_path / "c.toml"
-    toml.write_text(config.replace(workers=2).to_toml())
     body = (BOTH_EXITS_SEEN if race else "") + script
     if guarded:
-        body = 'if __name__ == "__main__":\n' + "".join(f"    {line}\n" for line in SCRIPT.strip().splitlines())
-    script = tmp_path / "train.py"
-    script.write_text(body)
-    proc = subprocess.run([sys.executable, str(script), str(toml)], capture_output=True, text=True, timeout=240,
-                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
+        body = 'if __name__ == "__main__":\n' + "".join(f"    {line}\n" for line in script.strip().splitlines())
+    proc = _run_script(tmp_path, config.replace(workers=2), body, timeout=240)
     if guarded:
         assert proc.returncode == 0 and proc.stdout == "streamed step 0\n", proc.stderr
         return
     assert proc.returncode == 1 and proc.stdout == "", (proc.returncode, proc.stdout, proc.stderr)
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("zephon_stream.errors.ConfigError: backend \"processes\" runs its lanes in worker "
-                           f"processes, and each worker imports {script} again"), proc.stderr
+                           f"processes, and each worker imports {tmp_path / 'train.py'} again"), proc.stderr
     assert 'Put that code under `if __name__ == "__main__":`' in last
     assert "bootstrapping phase" not in proc.stderr and proc.stderr.count("Traceback") == 1, proc.stderr
 
@@ -241,12 +246,7 @@ if __name__ == "__main__":
 def test_a_script_that_keeps_its_iteration_in_a_global_exits(config, tmp_path, backend) -> None:
     """`batches = iter(loader)` in a script's globals, to feed a training loop `next(batches)`: the
     process ends with the script (it hung at exit on both backends before `_close_open_iterations`)."""
-    toml = tmp_path / "c.toml"
-    toml.write_text(config.replace(backend=backend, workers=2).to_toml())
-    script = tmp_path / "train.py"
-    script.write_text(KEPT_ITERATION)
-    proc = subprocess.run([sys.executable, str(script), str(toml)], capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = _run_script(tmp_path, config.replace(backend=backend, workers=2), KEPT_ITERATION, timeout=120)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "streamed step 0\n", ""), proc.stderr
 
 

@@ -550,8 +550,9 @@ class BatchStream:
         self.rewind: int | None = None  # set_weights was called for this step: lanes go back to their state there
         self.relaunch: Callable[[dict[int, LaneState]], Any] | None = None
         self.taken: list[Sample] = []  # the samples of the next batch taken so far (kept when __anext__ is cancelled)
-        self.receiving = {lane: _KeptCall() for lane in streams}  # a lane's receive, and the collate of
-        self.collating = _KeptCall()  # `taken`, kept likewise (see `_KeptCall`)
+        # each lane's receive and the collate of `taken`, kept likewise (see `_KeptCall`)
+        self.receiving = {lane: _KeptCall() for lane in streams}
+        self.collating = _KeptCall()
 
     def stop(self) -> None:
         """End the stream at its next batch (`Loader.close()`); the frontier stays where it is."""
