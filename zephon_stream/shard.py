@@ -243,8 +243,9 @@ class _Job:
 
     async def _whole(self, store: Store, obj: ObjectInfo) -> bytes | None:
         if obj.size > self.max_record:
-            self.bad(DataError(f"{obj.key!r} takes {obj.size} bytes, more than max_record_bytes = {self.max_record}",
-                               key=obj.key, offset=0))
+            hint = "" if self.bad.skipping else ' (set on_bad_record = "skip" to skip such files)'
+            self.bad(DataError(f"{obj.key!r} takes {obj.size} bytes, more than max_record_bytes = {self.max_record}"
+                               f"{hint}", key=obj.key, offset=0))
             return None
         return await store.read(obj.key)
 

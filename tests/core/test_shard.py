@@ -164,6 +164,29 @@ def test_cli_shards_and_prints_a_summary(dataset, tmp_path, capsys):
         main(["shard", str(root / "a"), str(tmp_path / "x"), "--target-size", "12 parsecs"])
 
 
+def test_cli_errors_name_its_flags_not_the_config_keys(tmp_path, capsys):
+    """The readers' errors name `on_bad_record` and `max_record_bytes`; the command says its flags."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_bytes(b'{"text": "ok"}\n{"text": \n')
+    assert main(["shard", str(tmp_path / "in"), str(tmp_path / "o1")]) == 1
+    err = capsys.readouterr().err
+    assert "bad record in 'a.jsonl' at byte 15" in err and "pass --on-bad-record skip to skip" in err, err
+    (tmp_path / "in" / "a.jsonl").write_bytes(b'{"text": "' + b"x" * 3000 + b'"}\n')
+    assert main(["shard", str(tmp_path / "in"), str(tmp_path / "o2"), "--max-record-bytes", "1KiB"]) == 1
+    err = capsys.readouterr().err
+    assert "longer than --max-record-bytes 1024" in err and "on_bad_record" not in err, err
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "a.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(200))
+    (tmp_path / "img" / "a.txt").write_text("a caption")
+    assert main(["shard", str(tmp_path / "img"), str(tmp_path / "o3"), "--image-field", "png",
+                 "--max-record-bytes", "100"]) == 1
+    err = capsys.readouterr().err
+    assert "'a.png' takes 208 bytes, more than --max-record-bytes 100 (pass --on-bad-record skip" in err, err
+    assert main(["shard", str(tmp_path / "img"), str(tmp_path / "o4"), "--image-field", "png",
+                 "--max-record-bytes", "100", "--on-bad-record", "skip"]) == 0
+    assert "0 documents from 1 input (208 bytes) into 0 shards (0 bytes), 1 bad record skipped" in capsys.readouterr().out
+
+
 def test_progress_bar_on_a_terminal_and_lines_elsewhere():
     class Tty(io.StringIO):
         def isatty(self):

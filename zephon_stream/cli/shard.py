@@ -73,11 +73,30 @@ def _run(args: argparse.Namespace) -> int:
                        text_field=args.text_field, image_field=args.image_field, name=args.name,
                        on_bad=args.on_bad_record, max_record_bytes=args.max_record_bytes, **options)
     except ZephonError as exc:
-        print(f"zephon shard: error: {exc}", file=sys.stderr)
+        print(f"zephon shard: error: {_as_flags(str(exc))}", file=sys.stderr)
         for note in getattr(exc, "__notes__", []):
-            print(f"  {note}", file=sys.stderr)
+            print(f"  {_as_flags(note)}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
-    skipped = f", {report.skipped} bad records skipped" if report.skipped else ""
-    print(f"{report.documents} documents from {report.inputs} inputs ({report.bytes_in} bytes) into "
-          f"{len(report.shards)} shards ({report.bytes_out} bytes){skipped}")
+    skipped = f", {_count(report.skipped, 'bad record')} skipped" if report.skipped else ""
+    print(f"{_count(report.documents, 'document')} from {_count(report.inputs, 'input')} ({report.bytes_in} bytes) "
+          f"into {_count(len(report.shards), 'shard')} ({report.bytes_out} bytes){skipped}")
     return 0
+
+
+# The library's errors name its settings; on this command line they are flags.
+_FLAGS = ((re.compile(r'\bset on_bad_record = "skip"'), "pass --on-bad-record skip"),
+          (re.compile(r'\bon_bad_record = "(\w+)"'), r"--on-bad-record \1"),
+          (re.compile(r"\braise max_record_bytes\b"), "raise --max-record-bytes"),
+          (re.compile(r"\bmax_record_bytes ?= ?(\d+)"), r"--max-record-bytes \1"),
+          (re.compile(r"\bmax_record_bytes\b"), "--max-record-bytes"))
+
+
+def _as_flags(message: str) -> str:
+    """`message` with the settings it names written as this command's flags."""
+    for pattern, flag in _FLAGS:
+        message = pattern.sub(flag, message)
+    return message
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
