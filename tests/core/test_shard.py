@@ -184,7 +184,8 @@ def test_cli_errors_name_its_flags_not_the_config_keys(tmp_path, capsys):
     assert "'a.png' takes 208 bytes, more than --max-record-bytes 100 (pass --on-bad-record skip" in err, err
     assert main(["shard", str(tmp_path / "img"), str(tmp_path / "o4"), "--image-field", "png",
                  "--max-record-bytes", "100", "--on-bad-record", "skip"]) == 0
-    assert "0 documents from 1 input (208 bytes) into 0 shards (0 bytes), 1 bad record skipped" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "0 documents from 1 input (208 bytes) into 0 shards (0 bytes), 1 bad record skipped" in out, out
 
 
 def test_progress_bar_on_a_terminal_and_lines_elsewhere():
