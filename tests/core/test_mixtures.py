@@ -6,8 +6,10 @@ the batches of the run whose config has the schedule entry `(b, w)`: that is the
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+import threading
 from pathlib import Path
 
 import msgspec
@@ -16,7 +18,7 @@ import pytest
 from zephon_stream import ConfigError, IncompatibleState
 from zephon_stream.cli.main import main
 from zephon_stream.loader.config import Config, ScheduleEntry, SourceConfig
-from zephon_stream.loader.loader import Loader
+from zephon_stream.loader.loader import BatchStream, Loader
 from zephon_stream.loader.state import check_lane_state
 from zephon_stream.operators.collate import source_tokens
 from zephon_stream.operators.shuffle import ShuffleState
@@ -132,6 +134,57 @@ def test_the_resumed_trainer_repeating_its_calls_changes_nothing(mixing, baselin
     repeat = [(9, w, b) for _, w, b in CALLS]  # a trainer that replays its whole log at start: b=6 is consumed
     rest, _ = run_calls(mixing, 3, STEPS, backend="threads", calls=repeat, resume=states)
     assert first + rest == baseline
+
+
+# decided for the very step being made: 3 and 8 (the call lands while batch 3 / 8 is in the making)
+WHILE_MADE = [(3, W1, 3), (8, W2, 8)]
+
+
+@pytest.mark.parametrize("backend", ["inline", "threads", "processes"])
+def test_set_weights_from_another_task_while_a_batch_is_made(mixing, backend):
+    """An async trainer whose other task decides the weights: the call lands while `__anext__` is
+    taking the samples of the very step decided. That batch is made again with the new weights
+    (it was made with the old ones, then the next batch failed or differed from the log's)."""
+    async def main() -> list:
+        loader, records = Loader(mixing, backend=backend), []
+        async with loader.open() as stream:
+            while loader.step < 12:
+                decided = [(w, b) for after, w, b in WHILE_MADE if after == loader.step]
+                wait = asyncio.ensure_future(stream.__anext__())
+                while decided and not stream.taken:  # the batch is being made: some samples taken
+                    assert not wait.done()
+                    await asyncio.sleep(0)
+                for weights, at in decided:
+                    loader.set_weights(weights, at_step=at)
+                records += batch_records(await wait)
+        return records
+
+    assert asyncio.run(main()) == _inline(_scheduled(mixing, WHILE_MADE), 12)
+
+
+@pytest.mark.parametrize("backend", ["threads", "processes"])
+def test_set_weights_from_another_thread_before_the_batch_is_handed_out(mixing, backend, monkeypatch):
+    """A `for` loop, and a call from another thread that lands after the batch of its step was made,
+    before the loop hands it out (the batch counts as consumed only then): it is made again."""
+    loader = Loader(mixing, backend=backend)
+    made = BatchStream.next_batch
+
+    async def made_then_decided(stream: BatchStream) -> dict:
+        batch = await made(stream)
+        for after, weights, at in WHILE_MADE:
+            if after == batch["step"] == loader.step and loader.decisions[-1:] != [ScheduleEntry(at, weights)]:
+                caller = threading.Thread(target=loader.set_weights, args=(weights,), kwargs={"at_step": at})
+                caller.start()
+                caller.join()
+        return batch
+
+    monkeypatch.setattr(BatchStream, "next_batch", made_then_decided)
+    records = []
+    for batch in loader:
+        records += batch_records(batch)
+        if loader.step == 12:
+            break
+    assert len(loader.decisions) == 2 and records == _inline(_scheduled(mixing, WHILE_MADE), 12)
 
 
 def test_decision_log_grows_one_entry_per_call(config):

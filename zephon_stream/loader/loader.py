@@ -6,6 +6,7 @@ import asyncio
 import atexit
 import collections
 import multiprocessing.util  # noqa: F401  (registers its exit handler before ours: see `_close_open_iterations`)
+import threading
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -87,6 +88,9 @@ class Frontier:
         self.source_tokens = [0] * n_sources  # real tokens consumed per source (realized shares)
         self.peak_buffered = 0  # sample batches held at once, lane buffers and the batch in hand
         self.history: collections.deque[tuple[int, dict[int, LaneState]]] = collections.deque(maxlen=HISTORY)
+        # held while a batch is consumed and while set_weights decides a step: a call from another
+        # thread or task then either comes first (the batch is made again) or is refused (too late)
+        self.deciding = threading.Lock()
 
     def advance(self) -> None:
         """One more global batch consumed: count it and remember the lane states there."""
@@ -210,11 +214,12 @@ class Loader:
         one of the last `HISTORY` steps: a trainer that fetched batches ahead of the one it trained
         on saves `state_dict(step=batch["step"] + 1)` of that batch.
         """
-        at = self.step if step is None else step
-        lanes = self.frontier.lanes_at(at)
+        with self.frontier.deciding:  # the step and the log as one
+            at = self.step if step is None else step
+            lanes = self.frontier.lanes_at(at)
+            decisions = list(self.decisions)
         header = StateHeader(FORMAT_VERSION, self.order_digest, self._fingerprint or self._data_fingerprint(),
-                             self.config.lanes, self.config.global_batch_size, at, self.order_settings,
-                             list(self.decisions))
+                             self.config.lanes, self.config.global_batch_size, at, self.order_settings, decisions)
         return LoaderState(header, [lanes[lane] for lane in self.lanes]).to_dict()
 
     def load_state_dict(self, state_dict: dict[str, bytes] | list[dict[str, bytes]]) -> None:
@@ -284,25 +289,32 @@ class Loader:
         `state_dict()`, so a resumed run, on any dp size, continues the same without repeating the
         calls. Repeating a logged decision does nothing; a step this rank has already consumed
         (`at_step < loader.step`) is refused.
+
+        It may be called from another thread or asyncio task while a batch is being made: a call
+        for that batch's step (or an earlier one not yet consumed) has it made again with the new
+        weights before it is handed out.
         """
         if isinstance(at_step, bool) or not isinstance(at_step, int) or at_step < 0:
             raise ConfigError(f"set_weights at_step = {at_step!r}: must be a global step, an int >= 0")
         entry = ScheduleEntry(at_step, dict(weights))
         self.config.check_weights(entry.weights, f"set_weights(at_step={at_step}) weights")
-        if [d for d in self.decisions if d.step == at_step][-1:] == [entry]:
-            return
-        if at_step < self.step:
-            raise ConfigError(f"set_weights(at_step={at_step}): step {at_step} was already consumed (this rank has "
-                              f"handed out batches 0..{self.step - 1}); decide for a step >= {self.step}, the next "
-                              "batch's")
-        self.decisions.append(entry)
-        for stream in self._batch_streams:
-            # before its next batch, its lanes go back to their state at the earliest step decided
-            stream.rewind = at_step if stream.rewind is None else min(stream.rewind, at_step)
+        with self.frontier.deciding:  # against a batch consumed meanwhile in another thread or task
+            if [d for d in self.decisions if d.step == at_step][-1:] == [entry]:
+                return
+            if at_step < self.step:
+                raise ConfigError(f"set_weights(at_step={at_step}): step {at_step} was already consumed (this rank "
+                                  f"has handed out batches 0..{self.step - 1}); decide for a step >= {self.step}, the "
+                                  "next batch's")
+            self.decisions.append(entry)
+            for stream in list(self._batch_streams):
+                # before its next batch, its lanes go back to their state at the earliest step decided
+                stream.rewind = at_step if stream.rewind is None else min(stream.rewind, at_step)
 
     def lane_config(self) -> Config:
         """The config the lanes run: this loader's, with the set_weights log merged into its schedule."""
-        return self.config.with_decisions(self.decisions) if self.decisions else self.config
+        with self.frontier.deciding:
+            decisions = list(self.decisions)
+        return self.config.with_decisions(decisions) if decisions else self.config
 
     def _merge_lanes(self, decoded: list[LoaderState]) -> dict[int, LaneState]:
         """The lane states of every part, each checked against the config; a lane given twice must agree."""
@@ -448,8 +460,8 @@ class Loader:
                     except BaseException:  # Ctrl-C while waiting: the batch is not consumed, so the
                         call.cancel()  # state (saved next, say) still names it as the next one
                         raise
-                    stream.commit()  # handed out: only now the rank's state moves past it
-                    yield batch
+                    if stream.commit():  # handed out: only now the rank's state moves past it
+                        yield batch  # (else set_weights decided its step meanwhile: it is made again)
             finally:  # an early `break` closes the generator: stop the lanes without an error
                 cm.__exit__(None, None, None)
 
@@ -565,18 +577,21 @@ class BatchStream:
         """The next batch. Cancelling it (a timeout around it, say) loses nothing: the samples taken
         so far stay in `taken` and their collate runs on, and the next call goes on from there to the
         same batch."""
-        batch = await self.next_batch()
-        self.commit()
-        return batch
+        while True:
+            batch = await self.next_batch()
+            if self.commit():
+                return batch
 
     async def next_batch(self) -> dict[str, Any]:
         """The next batch, not yet consumed: until `commit()`, the rank's state is before it and
         another call makes the same batch again (from the samples kept in `taken`)."""
         if self.stopped:
             raise StopAsyncIteration
-        if self.rewind is not None:
+        with self.frontier.deciding:
+            rewind, self.rewind = self.rewind, None
+        if rewind is not None:
             with anyio.CancelScope(shield=True):  # half a relaunch would leave lanes of two states
-                await self._rewind(self.rewind)
+                await self._rewind(rewind)
         cfg, frontier = self.config, self.frontier
         slots = rank_slots(frontier.step, cfg.global_batch_size, self.dp_size, self.dp_rank)
         while len(self.taken) < len(slots):
@@ -594,17 +609,22 @@ class BatchStream:
             batch = await self.collating.result(threads.run_sync, collate, samples, frontier.step, slots, cfg)
         return batch
 
-    def commit(self) -> None:
-        """Consume the batch `next_batch` made: the rank's state moves past it."""
-        for s in self.taken:
-            self.frontier.consume(s)
-        self.frontier.advance()
-        self.taken = []
+    def commit(self) -> bool:
+        """Consume the batch `next_batch` made: the rank's state moves past it. False (nothing
+        consumed) if `set_weights` decided its step, or an earlier one, while it was made (from
+        another thread, or another task while this one waited): `next_batch` makes it again."""
+        with self.frontier.deciding:
+            if self.rewind is not None and self.rewind <= self.frontier.step:
+                return False
+            for s in self.taken:
+                self.frontier.consume(s)
+            self.frontier.advance()
+            self.taken = []
+            return True
 
     async def _rewind(self, step: int) -> None:
         """set_weights for `step`: keep the samples the lanes made for earlier steps, drop the rest,
         and run the lanes again from their state after the last sample kept (the consumed one if none)."""
-        self.rewind = None
         cfg, states = self.config, {}
         for sample in reversed(self.taken):  # taken by a cancelled __anext__: back in line (padding is made anew)
             if sample.state is not None:
