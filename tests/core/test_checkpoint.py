@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 from collections import Counter
 
@@ -10,10 +11,10 @@ import msgspec
 import pytest
 
 from zephon_stream import IncompatibleState
-from zephon_stream.loader.loader import Loader
+from zephon_stream.loader.loader import Frontier, Loader
 from zephon_stream.loader.state import LoaderState, state_to_bytes
 from zephon_stream.operators.tokenize import Tokenize
-from zephon_stream.testing.determinism import lane_documents, lane_token_streams
+from zephon_stream.testing.determinism import batch_records, lane_documents, lane_token_streams
 
 
 @pytest.mark.parametrize("dp_size, global_batch_size", [(1, 24), (3, 24), (1, 6), (3, 6)])
@@ -142,3 +143,36 @@ def test_an_unknown_format_is_refused_naming_it(config):
     state["meta"] = msgspec.msgpack.encode(msgspec.structs.replace(head, format_version=9))
     with pytest.raises(CheckpointError, match=r"format_version 9 is not supported: .* reads formats \(1, 2\)"):
         Loader(config, backend="inline").load_state_dict(state)
+
+
+def test_state_dict_from_another_thread_is_a_batch_boundary(config, monkeypatch):
+    """A checkpoint thread that calls state_dict() while the loop consumes a batch gets the state
+    before or after that batch, never lanes past it with the step before it (which resumed past
+    samples never handed out)."""
+    want = [batch_records(b) for b in _batches(Loader(config, backend="threads"), 8)]
+    loader, consume, saved, savers = Loader(config, backend="threads"), Frontier.consume, {}, []
+
+    def consume_with_a_save_beside(frontier: Frontier, sample) -> None:
+        consume(frontier, sample)
+        if frontier.step == 3 and not savers:  # halfway through batch 3: a save from another thread
+            savers.append(threading.Thread(target=lambda: saved.update(state=loader.state_dict())))
+            savers[0].start()
+            savers[0].join(timeout=0.5)  # the save waits for the batch, or it would have taken this one half done
+
+    monkeypatch.setattr(Frontier, "consume", consume_with_a_save_beside)
+    got = [batch_records(b) for b in _batches(loader, 8)]
+    savers[0].join()
+    state = saved["state"]
+    resumed = Loader(config, backend="threads")
+    resumed.load_state_dict(state)
+    assert resumed.step == 4 and got == want
+    assert [batch_records(b) for b in _batches(resumed, 8)] == want[4:]
+
+
+def _batches(loader: Loader, steps: int) -> list:
+    out = []
+    for batch in loader:
+        out.append(batch)
+        if loader.step == steps:
+            break
+    return out
