@@ -1,13 +1,18 @@
-"""The command line as a new user meets it: help, --version, refused numbers, --save-at, inspect
-from a checkpoint, plain progress lines off a terminal, data that ends before --steps, and the
-relay's and refit's edges."""
+"""The command line as a new user meets it: help, --version, refused numbers, --save-at, --save-state
+alone and on Ctrl-C, inspect from a checkpoint, plain progress lines off a terminal, data that ends
+before --steps, and the relay's and refit's edges."""
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
 import logging
+import os
 import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +20,8 @@ import pytest
 from zephon_stream import __version__
 from zephon_stream.cli.main import build_parser, main
 from zephon_stream.loader.config import Config, SourceConfig
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture()
@@ -101,6 +108,43 @@ def test_save_at_before_the_resumed_step_refused(capsys, cfg, tmp_path) -> None:
     err = _one_line_error(capsys, ["stream", str(cfg), "--steps", "4", "--resume", str(saved), "--save-at", "1",
                                    "--save-state", str(tmp_path / "again.state")])
     assert "--save-at 1 is before the resumed step 2" in err, err
+
+
+def _digests(capsys: pytest.CaptureFixture[str], argv: list[str]) -> list[dict]:
+    assert main(argv + ["--digests"]) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+def test_save_state_alone_saves_where_the_stream_stops(capsys, cfg, tmp_path) -> None:
+    saved = tmp_path / "end.state"
+    whole = _digests(capsys, ["stream", str(cfg), "--steps", "5"])
+    assert _digests(capsys, ["stream", str(cfg), "--steps", "3", "--save-state", str(saved)]) == whole[:3 * 24]
+    assert _digests(capsys, ["stream", str(cfg), "--steps", "5", "--resume", str(saved)]) == whole[3 * 24:]
+    err = _one_line_error(capsys, ["stream", str(cfg), "--steps", "2", "--resume", str(saved)])
+    assert "--steps 2 is before the resumed step 3" in err, err
+    err = _one_line_error(capsys, ["stream", str(cfg), "--save-at", "2"])
+    assert "--save-at needs --save-state FILE" in err, err
+
+
+def test_ctrl_c_says_where_it_stopped_and_saves_the_state_there(cfg, tmp_path, capsys) -> None:
+    """The state saved on Ctrl-C is that of the last batch handed out: a resumed run goes on from it."""
+    saved = tmp_path / "ctrl-c.state"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.Popen([sys.executable, "-m", "zephon_stream.cli", "stream", str(cfg), "--save-state", str(saved),
+                            "--digests"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # not ignored under &
+    for _ in range(24 * 3):  # three batches out
+        assert run.stdout.readline()
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 130, err
+    m = re.search(r"zephon stream: interrupted at global step (\d+); its state is in '.*ctrl-c.state' "
+                  r"\(--resume it to go on\)\n$", err)
+    assert m, err
+    step = int(m.group(1))
+    assert step >= 3
+    whole = _digests(capsys, ["stream", str(cfg), "--steps", str(step + 2)])
+    assert _digests(capsys, ["stream", str(cfg), "--steps", str(step + 2), "--resume", str(saved)]) == whole[step * 24:]
 
 
 @pytest.fixture()

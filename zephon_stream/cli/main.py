@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print one JSON line per sample this rank receives (step, slot, lane, tokens, sha256) "
                         "instead of progress")
     p.add_argument("--save-state", type=Path, metavar="FILE",
-                   help="write this rank's state_dict() to FILE once --save-at global steps are consumed")
+                   help="write this rank's state_dict() to FILE once --save-at global steps are consumed; "
+                        "without --save-at, where the stream stops (--steps, the end of the data, or Ctrl-C)")
     p.add_argument("--save-at", type=_count, metavar="STEP",
                    help="the global step at which --save-state is written (at most --steps)")
     p.add_argument("--resume", type=Path, nargs="+", metavar="FILE",
@@ -188,6 +189,9 @@ def _save_state(loader: Any, path: Path) -> None:
 def _stream(args: argparse.Namespace) -> int:
     _check_save_options(args)
     loader = _loader(args, args.dp_rank, args.dp_size)
+    if args.steps is not None and loader.step > args.steps:
+        raise ZephonError(f"--steps {args.steps} is before the resumed step {loader.step}: --steps is the global step "
+                          f"to stop at, counted from the start of training; give --steps >= {loader.step}")
     if args.save_at is not None and loader.step > args.save_at:
         raise ZephonError(f"--save-at {args.save_at} is before the resumed step {loader.step}: the state there is "
                           f"already the one you resumed from; give --save-at >= {loader.step}")
@@ -199,13 +203,25 @@ def _stream(args: argparse.Namespace) -> int:
 
         progress = StreamProgress(loader.statistics, total=args.steps, start=loader.step)
         batches = progress.track(batches)
-    for batch in batches:
-        if args.digests:
-            _write_digests(batch, sys.stdout, [s.name for s in loader.config.sources])
-        saved = _maybe_save(loader, args) or saved
+    try:
+        for batch in batches:
+            if args.digests:
+                _write_digests(batch, sys.stdout, [s.name for s in loader.config.sources])
+            saved = _maybe_save(loader, args) or saved
+    except KeyboardInterrupt:
+        if progress:
+            progress.close()
+        where = f"zephon stream: interrupted at global step {loader.step}"
+        if args.save_state is not None and args.save_at is None:  # the batches handed out, and no more
+            _save_state(loader, args.save_state)
+            where += f"; its state is in {str(args.save_state)!r} (--resume it to go on)"
+        print(where, file=sys.stderr)
+        raise
     if progress:
         progress.close()
-    if args.save_at is not None and not saved:
+    if args.save_state is not None and args.save_at is None:
+        _save_state(loader, args.save_state)
+    elif args.save_at is not None and not saved:
         raise ZephonError(f"the data ended at global step {loader.step}, before --save-at {args.save_at}: "
                           f"{str(args.save_state)!r} was not written; give a smaller --save-at")
     if args.steps is not None and loader.step < args.steps:
@@ -216,8 +232,8 @@ def _stream(args: argparse.Namespace) -> int:
 
 def _check_save_options(args: argparse.Namespace) -> None:
     """Refuse --save-state/--save-at that could never write, before any work."""
-    if (args.save_state is None) != (args.save_at is None):
-        raise ZephonError("--save-state and --save-at go together")
+    if args.save_at is not None and args.save_state is None:
+        raise ZephonError("--save-at needs --save-state FILE: the file the state at that step is written to")
     if args.save_at is not None and args.steps is not None and args.save_at > args.steps:
         raise ZephonError(f"--save-at {args.save_at} is past --steps {args.steps}: the run stops at global step "
                           f"{args.steps} and would save nothing; give --save-at <= --steps")
