@@ -189,7 +189,7 @@ class Loader:
         self._restarts_before = 0
         self._opened = 0  # streams open now (an `open()` block, a `for` loop in progress)
         self._batch_streams: set[BatchStream] = set()
-        self._iterators: weakref.WeakSet[Iterator[dict[str, Any]]] = weakref.WeakSet()
+        self._iterators: weakref.WeakSet[_Iteration] = weakref.WeakSet()
         self._closed = False
         _register_iterable_dataset()
 
@@ -441,7 +441,7 @@ class Loader:
         _check_not_in_torch_worker()
         if self.config.backend == "processes":
             check_spawn_allowed()
-        it = self._iterate()
+        it = _Iteration(self._iterate())
         self._iterators.add(it)
         _OPEN_ITERATIONS.add(it)
         return it
@@ -475,8 +475,9 @@ class Loader:
         """Stop this loader for good; calling it again does nothing.
 
         A `for batch in loader` loop that is paused between batches is closed now (its lanes and
-        worker processes stop); one running in another thread, and an `open()` stream, end at their
-        next batch (`StopIteration` / `StopAsyncIteration`). The state stays readable:
+        worker processes stop; a `next` that comes meanwhile, from the loop's own thread, waits for
+        that and ends the loop); one waiting for a batch in another thread, and an `open()` stream,
+        end at their next batch (`StopIteration` / `StopAsyncIteration`). The state stays readable:
         `state_dict()` after `close()` is the position of the last batch handed out. Iterating or
         opening a closed loader raises `ZephonError`.
         """
@@ -484,8 +485,7 @@ class Loader:
         for stream in list(self._batch_streams):
             stream.stop()
         for it in list(self._iterators):
-            if not getattr(it, "gi_running", False):  # a generator running in another thread stops at its next batch
-                it.close()
+            it.close_if_paused()  # one waiting for a batch (in another thread) stops at its next batch
 
     def __enter__(self) -> Loader:
         return self
@@ -719,6 +719,41 @@ class _KeptCall:
             task.cancel()
 
 
+class _Iteration:
+    """A `for batch in loader` iteration: the `_iterate` generator, which one thread runs at a time.
+
+    `Loader.close()` from another thread closes a paused iteration there (its lanes stop at once).
+    A plain generator closed there while its own thread called `next` made that `next` raise
+    "ValueError: generator already executing"; here the `next` waits for the close, then ends the
+    loop (`StopIteration`), and a close that finds a `next` in progress leaves the iteration to end
+    at its next batch.
+    """
+
+    def __init__(self, generator: Iterator[dict[str, Any]]) -> None:
+        self._generator = generator
+        self._running = threading.Lock()
+
+    def __iter__(self) -> _Iteration:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        with self._running:
+            return next(self._generator)
+
+    def close(self) -> None:
+        """Stop the lanes now; a later `next` raises StopIteration (the generator protocol's `close`)."""
+        with self._running:
+            self._generator.close()  # type: ignore[attr-defined]
+
+    def close_if_paused(self) -> None:
+        """`close()`, unless a `next` is in progress (in another thread, or at exit a daemon thread's)."""
+        if self._running.acquire(blocking=False):
+            try:
+                self._generator.close()  # type: ignore[attr-defined]
+            finally:
+                self._running.release()
+
+
 class _ThreadedAsyncIterator:
     """`async for` over a `for` iteration, each `next` in a worker thread; a cancelled `__anext__`
     loses no batch (see `_KeptCall`): the next one hands it out."""
@@ -740,7 +775,7 @@ class _ThreadedAsyncIterator:
 _END: Any = object()
 
 #: Every `for` iteration (`Loader.__iter__`'s generator) not yet collected, of every Loader.
-_OPEN_ITERATIONS: weakref.WeakSet[Iterator[dict[str, Any]]] = weakref.WeakSet()
+_OPEN_ITERATIONS: weakref.WeakSet[_Iteration] = weakref.WeakSet()
 
 
 @atexit.register
@@ -757,8 +792,7 @@ def _close_open_iterations() -> None:
     An iteration running in a thread at exit (a daemon thread's) is left alone: it cannot be closed.
     """
     for it in list(_OPEN_ITERATIONS):
-        if not getattr(it, "gi_running", False):
-            it.close()
+        it.close_if_paused()
 
 
 def _register_iterable_dataset() -> None:
