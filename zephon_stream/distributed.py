@@ -6,12 +6,15 @@ feed = ToDevice(loader, "cuda")               # pinned, copied on a side stream,
 for batch in feed:
     loss = model(batch["input_ids"]) ...
     dcp.save({"model": ..., "loader": feed}, checkpoint_id=...)   # checkpoint `feed`, not `loader`
+    feed.set_weights({"web": 0.7, "code": 0.3}, at_step=batch["step"] + 1)   # `feed`'s, not `loader`'s
     digest = global_batch_digest(batch)       # a collective: every DP rank calls it; rank 0 gets it
 ```
 
 Read-ahead and checkpoints: `ToDevice` takes batch n+1 out of the loader before it hands out
 batch n, so the loader's own state is one batch ahead of the trainer. `ToDevice.state_dict()`
 is the loader's state right after the last batch it handed out, which is what a resume needs.
+`ToDevice.set_weights()` likewise takes any step not yet handed out: for a step read ahead, it
+puts the loader back where the trainer is and reads those batches again with the new weights.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from zephon_stream.errors import ConfigError
 
 __all__ = ["ToDevice", "batch_digest", "global_batch_digest"]
 
@@ -52,6 +57,9 @@ class ToDevice:
             raise ValueError(f"ahead={ahead}: must be >= 0 (batches copied before the current one is used)")
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._state: dict[str, bytes] | None = None  # the loader's state after the last batch handed out
+        # while iterating: the loader's iteration, and the batches read ahead (with the state after each)
+        self._batches: Iterator[Batch] | None = None
+        self._window: collections.deque[tuple[Batch, Any, dict[str, bytes]]] = collections.deque()
 
     def __repr__(self) -> str:
         return f"ToDevice({self.loader!r}, device={str(self.device)!r}, ahead={self.ahead})"
@@ -63,20 +71,47 @@ class ToDevice:
         self.loader.load_state_dict(state_dict)
         self._state = None
 
+    def set_weights(self, weights: Any, at_step: int) -> None:
+        """`Loader.set_weights` from the trainer's point of view: `at_step` may be any step not yet
+        handed out, also one this feed has read ahead (`loader.set_weights` refuses those: the
+        loader has consumed them). The batches read ahead are then dropped and read again from the
+        last one handed out, with the decision (and any made since) in the loader's log. Call it
+        from the loop's thread, between batches."""
+        if self._batches is not None and self._window:
+            self.loader._decision(weights, at_step)  # a bad call changes nothing
+            handed = self._window[0][0]["step"]  # the next batch to hand out
+            if at_step < handed:
+                raise ConfigError(f"set_weights(at_step={at_step}): step {at_step} was already handed out (this "
+                                  f"feed has handed out batches 0..{handed - 1}); decide for a step >= {handed}, "
+                                  "the next batch's")
+            if at_step < self.loader.step:  # read ahead: read again from the last batch handed out
+                log = list(self.loader.decisions)
+                self._batches.close()
+                self._window.clear()
+                assert self._state is not None
+                self.loader.load_state_dict(self._state)
+                assert log[:len(self.loader.decisions)] == self.loader.decisions  # the log then, and since
+                for entry in log[len(self.loader.decisions):]:  # decided after that batch was read
+                    self.loader.set_weights(entry.weights, at_step=entry.step)
+                self._batches = iter(self.loader)
+        self.loader.set_weights(weights, at_step=at_step)
+
     def __iter__(self) -> Iterator[Batch]:
         self._state = self.loader.state_dict()
-        window: collections.deque[tuple[Batch, Any, dict[str, bytes]]] = collections.deque()
-        batches = iter(self.loader)
+        self._window.clear()
+        self._batches = iter(self.loader)
         try:
-            for batch in batches:
-                window.append((*self._start_copy(batch), self.loader.state_dict()))
-                if len(window) > self.ahead:
-                    yield self._hand_out(*window.popleft())
-            while window:
-                yield self._hand_out(*window.popleft())
+            while True:
+                while len(self._window) <= self.ahead and (batch := next(self._batches, None)) is not None:
+                    self._window.append((*self._start_copy(batch), self.loader.state_dict()))
+                if not self._window:
+                    return
+                yield self._hand_out(*self._window.popleft())
         finally:
-            batches.close()
-            if window:  # read ahead but never handed out: rewind so the next iteration resends them
+            self._batches.close()
+            self._batches = None
+            if self._window:  # read ahead but never handed out: rewind so the next iteration resends them
+                self._window.clear()
                 self.loader.load_state_dict(self._state)
 
     def _start_copy(self, batch: Batch) -> tuple[Batch, Any]:

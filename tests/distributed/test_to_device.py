@@ -10,8 +10,9 @@ import itertools
 import pytest
 import torch
 
-from zephon_stream import Loader
+from zephon_stream import ConfigError, Loader
 from zephon_stream.distributed import ToDevice, batch_digest, global_batch_digest
+from zephon_stream.loader.config import ScheduleEntry
 
 
 def digests(batches, n):
@@ -44,6 +45,39 @@ def test_read_ahead_checkpoints_the_handed_out_frontier(stream_config, baseline,
     fresh = ToDevice(Loader(stream_config[0], dp_rank=0, dp_size=1), "cpu", ahead=ahead)
     fresh.load_state_dict(state)
     assert digests(iter(fresh), 5) == baseline[4:9]
+
+
+W1, W2, W3 = {"a": 0.1, "b": 0.9}, {"a": 0.9, "b": 0.1}, {"a": 0.5, "b": 0.5}
+
+
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_set_weights_for_a_step_read_ahead(stream_config, ahead):
+    """The trainer decides for its next step, which the loader has consumed already (read ahead):
+    ToDevice reads it again with the new weights. The batches, and a resume from the feed's state,
+    are those of the run whose config schedules the same decisions (loader.set_weights refused it:
+    'step 4 was already consumed')."""
+    config = stream_config[0]
+    calls = {3: [(W1, 4), (W3, 30)], 6: [(W2, 6 + ahead)], 9: [(W1, 10)]}  # after step -> (weights, at_step)
+    scheduled = config.with_decisions([ScheduleEntry(at, w) for made in calls.values() for w, at in made])
+    want = digests(Loader(scheduled, dp_rank=0, dp_size=1), 16)
+    feed = ToDevice(Loader(config, dp_rank=0, dp_size=1), "cpu", ahead=ahead)
+    got, state = [], None
+    for batch in feed:
+        got += digests([batch], 1)
+        for weights, at in calls.get(batch["step"], []):
+            feed.set_weights(weights, at_step=at)
+        if batch["step"] == 11:
+            state = feed.state_dict()
+            with pytest.raises(ConfigError, match=r"step 11 was already handed out .* step >= 12"):
+                feed.set_weights(W2, at_step=11)
+            with pytest.raises(ConfigError, match="must give a weight to each source"):
+                feed.set_weights({"a": 1.0}, at_step=12)
+        if batch["step"] == 13:
+            break
+    assert got == want[:14]
+    resumed = ToDevice(Loader(config, dp_rank=0, dp_size=1), "cpu", ahead=ahead)
+    resumed.load_state_dict(state)
+    assert digests(iter(resumed), 4) == want[12:16]
 
 
 def test_digests(stream_config, baseline):

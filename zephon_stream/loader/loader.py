@@ -294,10 +294,7 @@ class Loader:
         for that batch's step (or an earlier one not yet consumed) has it made again with the new
         weights before it is handed out.
         """
-        if isinstance(at_step, bool) or not isinstance(at_step, int) or at_step < 0:
-            raise ConfigError(f"set_weights at_step = {at_step!r}: must be a global step, an int >= 0")
-        entry = ScheduleEntry(at_step, dict(weights))
-        self.config.check_weights(entry.weights, f"set_weights(at_step={at_step}) weights")
+        entry = self._decision(weights, at_step)
         with self.frontier.deciding:  # against a batch consumed meanwhile in another thread or task
             if [d for d in self.decisions if d.step == at_step][-1:] == [entry]:
                 return
@@ -309,6 +306,14 @@ class Loader:
             for stream in list(self._batch_streams):
                 # before its next batch, its lanes go back to their state at the earliest step decided
                 stream.rewind = at_step if stream.rewind is None else min(stream.rewind, at_step)
+
+    def _decision(self, weights: Mapping[str, float], at_step: int) -> ScheduleEntry:
+        """The log entry of `set_weights(weights, at_step)`, checked (ConfigError if bad)."""
+        if isinstance(at_step, bool) or not isinstance(at_step, int) or at_step < 0:
+            raise ConfigError(f"set_weights at_step = {at_step!r}: must be a global step, an int >= 0")
+        entry = ScheduleEntry(at_step, dict(weights))
+        self.config.check_weights(entry.weights, f"set_weights(at_step={at_step}) weights")
+        return entry
 
     def lane_config(self) -> Config:
         """The config the lanes run: this loader's, with the set_weights log merged into its schedule."""
