@@ -223,6 +223,24 @@ def test_relay_without_a_parent_is_a_plain_error(capsys, monkeypatch) -> None:
     assert err == "zephon relay: error: a relay needs a parent (--from URI) and at least one child (--to URI)\n"
 
 
+def test_relay_metrics_on_a_port_in_use_is_one_error(tmp_path) -> None:
+    """It was a traceback of an exception group (an OSError in the daemon's task group)."""
+    import socket
+
+    (tmp_path / "parent").mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.run([sys.executable, "-m", "zephon_stream.cli", "relay", "--from",
+                              (tmp_path / "parent").as_uri() + "/", "--to", (tmp_path / "child").as_uri() + "/",
+                              "--metrics-port", str(port), "--log-format", "text"], capture_output=True, text=True,
+                             timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr and run.stderr.count("\n") == 1, run.stderr
+    assert f"metrics on 127.0.0.1:{port}: cannot listen there (Address already in use)" in run.stderr, run.stderr
+
+
 def test_refit_publish_creates_a_missing_file_prefix(capsys, tmp_path) -> None:
     import torch
 

@@ -219,9 +219,11 @@ def test_bad_settings_refused() -> None:
     assert "secret" not in repr(Prefix("s3://b/p/", endpoint_url="http://u:secret@h:1", secret_access_key="secret"))
 
 
-def test_metrics_endpoint() -> None:
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_metrics_endpoint(host) -> None:
+    """On 127.0.0.1 by default; --metrics-host (here ::1, the other loopback) for other listeners."""
     async def get(port: int, path: str) -> tuple[str, str]:
-        async with await anyio.connect_tcp("127.0.0.1", port) as s:
+        async with await anyio.connect_tcp(host, port) as s:
             await s.send(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
             data = b""
             try:
@@ -240,7 +242,8 @@ def test_metrics_endpoint() -> None:
             async with Relay(Prefix("p/", store=parent), [Prefix("c/", store=child)]) as relay, \
                     anyio.create_task_group() as tg:
                 assert (await relay.sync()).ok
-                port = await tg.start(serve_metrics, relay, 0)
+                port = await (tg.start(serve_metrics, relay, 0, host) if host != "127.0.0.1" else
+                              tg.start(serve_metrics, relay, 0))
                 status, body = await get(port, "/metrics")
                 assert status == "HTTP/1.1 200 OK"
                 assert 'zephon_relay_versions_relayed_total{child="c/"} 2' in body

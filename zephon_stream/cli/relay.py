@@ -22,8 +22,9 @@ config file names them, literally or by environment variable (keep such a file p
 
 Logs are JSON lines on stderr (`--log-format text` for people). With `--metrics-port`, GET
 http://127.0.0.1:P/metrics serves Prometheus text and /healthz says whether the last sync was
-clean. SIGTERM or SIGINT stops the daemon between syncs (a sync still running after
-`--grace` seconds is cancelled: every write it left is invisible or complete).
+clean (`--metrics-host 0.0.0.0`, or `metrics_host`, serves them to other hosts too). SIGTERM or
+SIGINT stops the daemon between syncs (a sync still running after `--grace` seconds is cancelled:
+every write it left is invisible or complete).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import anyio
 import anyio.abc
 import msgspec
 
-from zephon_stream.errors import ConfigError, ZephonError
+from zephon_stream.errors import ConfigError, ZephonError, unwrap_groups
 from zephon_stream.relay import Prefix, Relay, prometheus_text
 
 __all__ = ["PrefixConfig", "RelayConfig", "add_subparser", "serve_metrics"]
@@ -90,6 +91,7 @@ class RelayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, rena
     poll_interval: float = 1.0
     workers: int = 8
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     keep_versions: int | None = None
     verify_existing: bool = True
     stream_ahead: bool = False
@@ -109,7 +111,10 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
                            help=f"S3 {option} of the preceding --{side}")
     p.add_argument("--once", action="store_true", help="copy everything pending, then exit (cron, tests)")
     p.add_argument("--poll-interval", type=float, metavar="S", help="seconds between polls (default 1)")
-    p.add_argument("--metrics-port", type=int, metavar="P", help="serve /metrics and /healthz on 127.0.0.1:P")
+    p.add_argument("--metrics-port", type=int, metavar="P", help="serve /metrics and /healthz on port P")
+    p.add_argument("--metrics-host", metavar="ADDR",
+                   help="the address they listen on (default 127.0.0.1: this machine only; 0.0.0.0 or an "
+                        "interface's address for a scraper on another host)")
     p.add_argument("--workers", type=int, metavar="N", help="objects copied concurrently (default 8)")
     p.add_argument("--lanes", dest="workers", type=int, action=_Lanes, help=argparse.SUPPRESS)
     p.add_argument("--keep-versions", type=int, metavar="N",
@@ -173,7 +178,8 @@ def load_config(args: argparse.Namespace) -> RelayConfig:
         raw["from"] = args.parent
     if args.children:
         raw["to"] = [*raw.get("to", []), *args.children]
-    for name in ("poll_interval", "metrics_port", "workers", "keep_versions", "grace", "stream_ahead"):
+    for name in ("poll_interval", "metrics_port", "metrics_host", "workers", "keep_versions", "grace",
+                 "stream_ahead"):
         if getattr(args, name) is not None:
             raw[name] = getattr(args, name)
     try:
@@ -208,7 +214,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"zephon relay: error: {exc}", file=sys.stderr)
         return 2
     try:
-        return anyio.run(_once if args.once else _daemon, relay, cfg)
+        with unwrap_groups():  # a failure in the daemon's task group is one error, not a group
+            return anyio.run(_once if args.once else _daemon, relay, cfg)
     except ZephonError as exc:
         log.error("%s", exc, extra={"event": "fatal"})
         return 2
@@ -229,7 +236,7 @@ async def _daemon(relay: Relay, cfg: RelayConfig) -> int:
     async with relay, anyio.create_task_group() as tg:
         tg.start_soon(_on_signal, stop, tg.cancel_scope, cfg.grace)
         if cfg.metrics_port is not None:
-            await tg.start(serve_metrics, relay, cfg.metrics_port)
+            await tg.start(serve_metrics, relay, cfg.metrics_port, cfg.metrics_host)
         log.info("relay started", extra={"event": "started", "parent": relay.parent.name,
                                          "children": [c.name for c in relay.child_prefixes]})
         await relay.run(stop)
@@ -248,13 +255,17 @@ async def _on_signal(stop: anyio.Event, scope: anyio.CancelScope, grace: float) 
     scope.cancel()
 
 
-async def serve_metrics(relay: Relay, port: int, *,
+async def serve_metrics(relay: Relay, port: int, host: str = "127.0.0.1", *,
                         task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
-    """Serve GET /metrics (Prometheus text) and /healthz on 127.0.0.1:`port` (0: any free port,
+    """Serve GET /metrics (Prometheus text) and /healthz on `host`:`port` (0: any free port,
     reported through `task_status`), until cancelled."""
-    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=port)
+    try:
+        listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
+    except OSError as exc:
+        raise ConfigError(f"metrics on {host}:{port}: cannot listen there ({exc.strerror or exc}): give another "
+                          "--metrics-port, or a --metrics-host that is an address of this machine") from exc
     bound = listener.extra(anyio.abc.SocketAttribute.local_port)
-    log.info("metrics listening", extra={"event": "metrics_listening", "port": bound})
+    log.info("metrics listening", extra={"event": "metrics_listening", "host": host, "port": bound})
     task_status.started(bound)
 
     async def handle(stream: anyio.abc.SocketStream) -> None:
