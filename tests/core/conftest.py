@@ -49,6 +49,16 @@ def build_dataset(root: Path) -> dict[str, list[str]]:
     return docs
 
 
+def batches_to(loader, steps: int) -> list:
+    """The batches of a `for` loop over `loader` until it has consumed `steps` global batches."""
+    out = []
+    for batch in loader:
+        out.append(batch)
+        if loader.step == steps:
+            break
+    return out
+
+
 @pytest.fixture(scope="session")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[str]]]:
     root = tmp_path_factory.mktemp("data")

@@ -20,6 +20,8 @@ from zephon_stream.loader.config import Config, SourceConfig
 from zephon_stream.loader.loader import BatchStream
 from zephon_stream.testing.determinism import batch_records
 
+from .conftest import batches_to
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -34,15 +36,6 @@ def _run_script(tmp_path: Path, config: Config, body: str, timeout: int) -> subp
     script.write_text(body)
     return subprocess.run([sys.executable, str(script), str(toml)], capture_output=True, text=True, timeout=timeout,
                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
-
-
-def _first(loader: Loader, steps: int) -> list:
-    out = []
-    for batch in loader:
-        out.append(batch)
-        if loader.step == steps:
-            break
-    return out
 
 
 def test_load_state_dict_while_a_loop_is_open_is_refused_at_the_call(config) -> None:
@@ -135,7 +128,7 @@ def test_close_from_another_thread_while_the_loop_calls_next(config, backend, mo
 def test_a_torch_dataloader_iterates_the_loader(config) -> None:
     from torch.utils.data import DataLoader, IterableDataset
 
-    direct = _records(_first(Loader(config, backend="threads"), 5))
+    direct = _records(batches_to(Loader(config, backend="threads"), 5))
     loader = Loader(config, backend="threads")
     assert isinstance(loader, IterableDataset)
     via_torch = []
@@ -147,7 +140,7 @@ def test_a_torch_dataloader_iterates_the_loader(config) -> None:
     state = loader.state_dict()  # num_workers=0 fetches nothing ahead: this is the state after batch 2
     resumed = Loader(config, backend="threads")
     resumed.load_state_dict(state)
-    assert _records(_first(resumed, 5)) == direct[3 * config.global_batch_size:]
+    assert _records(batches_to(resumed, 5)) == direct[3 * config.global_batch_size:]
 
 
 def test_torch_dataloader_workers_are_refused_with_what_to_do(config, monkeypatch) -> None:
@@ -316,7 +309,7 @@ def test_ctrl_c_while_waiting_for_a_batch_consumes_nothing(config, backend, monk
 
     steps = 6
     with Loader(config, backend=backend) as loader:
-        expected = _records(_first(loader, steps))
+        expected = _records(batches_to(loader, steps))
     original, calls, interrupted = BatchStream.next_batch, [0], threading.Event()
 
     def ctrl_c(signum, frame):
@@ -343,8 +336,8 @@ def test_ctrl_c_while_waiting_for_a_batch_consumes_nothing(config, backend, monk
         signal.signal(signal.SIGINT, previous)
     assert loader.step == 2
     state = loader.state_dict()
-    got += _first(loader, steps)  # to global step `steps`
+    got += batches_to(loader, steps)  # to global step `steps`
     assert _records(got) == expected
     resumed = Loader(config, backend=backend)
     resumed.load_state_dict(state)
-    assert _records(got[:2] + _first(resumed, steps)) == expected
+    assert _records(got[:2] + batches_to(resumed, steps)) == expected

@@ -16,6 +16,8 @@ from zephon_stream.loader.state import LoaderState, state_to_bytes
 from zephon_stream.operators.tokenize import Tokenize
 from zephon_stream.testing.determinism import batch_records, lane_documents, lane_token_streams
 
+from .conftest import batches_to
+
 
 @pytest.mark.parametrize("dp_size, global_batch_size", [(1, 24), (3, 24), (1, 6), (3, 6)])
 def test_exactly_once_over_one_epoch(config, dataset, dp_size, global_batch_size):
@@ -149,7 +151,7 @@ def test_state_dict_from_another_thread_is_a_batch_boundary(config, monkeypatch)
     """A checkpoint thread that calls state_dict() while the loop consumes a batch gets the state
     before or after that batch, never lanes past it with the step before it (which resumed past
     samples never handed out)."""
-    want = [batch_records(b) for b in _batches(Loader(config, backend="threads"), 8)]
+    want = [batch_records(b) for b in batches_to(Loader(config, backend="threads"), 8)]
     loader, consume, saved, savers = Loader(config, backend="threads"), Frontier.consume, {}, []
 
     def consume_with_a_save_beside(frontier: Frontier, sample) -> None:
@@ -160,19 +162,11 @@ def test_state_dict_from_another_thread_is_a_batch_boundary(config, monkeypatch)
             savers[0].join(timeout=0.5)  # the save waits for the batch, or it would have taken this one half done
 
     monkeypatch.setattr(Frontier, "consume", consume_with_a_save_beside)
-    got = [batch_records(b) for b in _batches(loader, 8)]
+    got = [batch_records(b) for b in batches_to(loader, 8)]
     savers[0].join()
     state = saved["state"]
     resumed = Loader(config, backend="threads")
     resumed.load_state_dict(state)
     assert resumed.step == 4 and got == want
-    assert [batch_records(b) for b in _batches(resumed, 8)] == want[4:]
+    assert [batch_records(b) for b in batches_to(resumed, 8)] == want[4:]
 
-
-def _batches(loader: Loader, steps: int) -> list:
-    out = []
-    for batch in loader:
-        out.append(batch)
-        if loader.step == steps:
-            break
-    return out
