@@ -779,7 +779,7 @@ class _ThreadedAsyncIterator:
 
 _END: Any = object()
 
-#: Every `for` iteration (`Loader.__iter__`'s generator) not yet collected, of every Loader.
+#: Every `for` iteration (`Loader.__iter__`'s `_Iteration`) not yet collected, of every Loader.
 _OPEN_ITERATIONS: weakref.WeakSet[_Iteration] = weakref.WeakSet()
 
 
