@@ -147,26 +147,30 @@ def test_an_unknown_format_is_refused_naming_it(config):
         Loader(config, backend="inline").load_state_dict(state)
 
 
-def test_state_dict_from_another_thread_is_a_batch_boundary(config, monkeypatch):
-    """A checkpoint thread that calls state_dict() while the loop consumes a batch gets the state
-    before or after that batch, never lanes past it with the step before it (which resumed past
-    samples never handed out)."""
+def test_state_dict_while_a_batch_is_consumed_is_a_batch_boundary(config, monkeypatch):
+    """state_dict() while the loop consumes a batch, from a checkpoint thread or from a signal handler
+    in the loop's own thread (a preemption handler that saves), gives the state after or before
+    that batch: never lanes past it with the step before it (that resumed past samples never
+    handed out, 'lane 0 state field samples = 7: step 3 means 6'), and the handler does not hang
+    on the lock the consuming thread holds."""
     want = [batch_records(b) for b in batches_to(Loader(config, backend="threads"), 8)]
     loader, consume, saved, savers = Loader(config, backend="threads"), Frontier.consume, {}, []
 
-    def consume_with_a_save_beside(frontier: Frontier, sample) -> None:
-        consume(frontier, sample)
-        if frontier.step == 3 and not savers:  # halfway through batch 3: a save from another thread
-            savers.append(threading.Thread(target=lambda: saved.update(state=loader.state_dict())))
+    def consume_with_saves_beside(frontier: Frontier, lanes, sample) -> None:
+        consume(frontier, lanes, sample)
+        if frontier.step == 3 and not savers:  # halfway through batch 3
+            saved["handler"] = loader.state_dict()  # as a signal handler in this thread would
+            savers.append(threading.Thread(target=lambda: saved.update(thread=loader.state_dict())))
             savers[0].start()
             savers[0].join(timeout=0.5)  # the save waits for the batch, or it would have taken this one half done
 
-    monkeypatch.setattr(Frontier, "consume", consume_with_a_save_beside)
+    monkeypatch.setattr(Frontier, "consume", consume_with_saves_beside)
     got = [batch_records(b) for b in batches_to(loader, 8)]
     savers[0].join()
-    state = saved["state"]
-    resumed = Loader(config, backend="threads")
-    resumed.load_state_dict(state)
-    assert resumed.step == 4 and got == want
-    assert [batch_records(b) for b in batches_to(resumed, 8)] == want[4:]
+    assert got == want
+    for who, step in (("thread", 4), ("handler", 3)):
+        resumed = Loader(config, backend="threads")
+        resumed.load_state_dict(saved[who])
+        assert resumed.step == step, who
+        assert [batch_records(b) for b in batches_to(resumed, 8)] == want[step:], who
 

@@ -82,20 +82,42 @@ class Frontier:
     """
 
     def __init__(self, lanes: list[int], n_sources: int) -> None:
-        self.step = 0
-        self.lanes = {lane: LaneState.initial(lane, n_sources) for lane in lanes}
+        # (step, lane states) in one attribute: a batch is consumed by one assignment, so a reader in
+        # this thread (a signal handler's state_dict) sees the batch wholly or not at all
+        self.position: tuple[int, dict[int, LaneState]] = (0, {lane: LaneState.initial(lane, n_sources)
+                                                               for lane in lanes})
         self.samples = self.tokens = 0
         self.source_tokens = [0] * n_sources  # real tokens consumed per source (realized shares)
         self.peak_buffered = 0  # sample batches held at once, lane buffers and the batch in hand
         self.history: collections.deque[tuple[int, dict[int, LaneState]]] = collections.deque(maxlen=HISTORY)
         # held while a batch is consumed and while set_weights decides a step: a call from another
-        # thread or task then either comes first (the batch is made again) or is refused (too late)
-        self.deciding = threading.Lock()
+        # thread or task then either comes first (the batch is made again) or is refused (too late).
+        # Reentrant: a signal handler that saves the state in the thread consuming a batch must not hang
+        self.deciding = threading.RLock()
 
-    def advance(self) -> None:
-        """One more global batch consumed: count it and remember the lane states there."""
-        self.step += 1
-        self.history.append((self.step, dict(self.lanes)))
+    @property
+    def step(self) -> int:
+        return self.position[0]
+
+    @step.setter
+    def step(self, step: int) -> None:
+        self.position = (step, self.position[1])
+
+    @property
+    def lanes(self) -> dict[int, LaneState]:
+        return self.position[1]
+
+    @lanes.setter
+    def lanes(self, lanes: dict[int, LaneState]) -> None:
+        self.position = (self.position[0], lanes)
+
+    def commit(self, samples: list[Sample]) -> None:
+        """Consume one global batch: count it and remember the lane states there."""
+        lanes = dict(self.lanes)
+        for sample in samples:
+            self.consume(lanes, sample)
+        self.position = (self.step + 1, lanes)
+        self.history.append((self.step, dict(lanes)))
 
     def lanes_at(self, step: int) -> dict[int, LaneState]:
         """The lane states once `step` global batches were consumed (the current step or a recent one)."""
@@ -109,12 +131,12 @@ class Frontier:
                               f"{recent[0]}..{self.step} only; ask for a step in that range (the step after the "
                               "batch you trained on last: batch[\"step\"] + 1)")
 
-    def consume(self, sample: Sample) -> None:
-        """Advance past `sample`; a padding sample (no state) means its lane has ended."""
+    def consume(self, lanes: dict[int, LaneState], sample: Sample) -> None:
+        """Advance `lanes` past `sample` and count it; a padding sample (no state) means its lane has ended."""
         if sample.state is not None:
-            self.lanes[sample.lane] = sample.state
-        else:
-            self.end(sample.lane)
+            lanes[sample.lane] = sample.state
+        elif not lanes[sample.lane].done:
+            lanes[sample.lane] = msgspec.structs.replace(lanes[sample.lane], done=True)
         self.samples += 1
         self.tokens += sample.num_tokens
         for n, source in zip(sample.segments, sample.sources):
@@ -621,9 +643,7 @@ class BatchStream:
         with self.frontier.deciding:
             if self.rewind is not None and self.rewind <= self.frontier.step:
                 return False
-            for s in self.taken:
-                self.frontier.consume(s)
-            self.frontier.advance()
+            self.frontier.commit(self.taken)
             self.taken = []
             return True
 
