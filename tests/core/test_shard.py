@@ -186,6 +186,11 @@ def test_cli_errors_name_its_flags_not_the_config_keys(tmp_path, capsys):
                  "--max-record-bytes", "100", "--on-bad-record", "skip"]) == 0
     out = capsys.readouterr().out
     assert "0 documents from 1 input (208 bytes) into 0 shards (0 bytes), 1 bad record skipped" in out, out
+    (tmp_path / "in" / "b.jsonl.gz").write_bytes(b"")
+    (tmp_path / "in" / "a.jsonl").write_bytes(b'{"text": "ok"}\n')
+    assert main(["shard", str(tmp_path / "in"), str(tmp_path / "o5")]) == 1
+    err = capsys.readouterr().err
+    assert "error: empty input 'b.jsonl.gz' (0 bytes): remove it or pass --on-bad-record skip" in err, err
 
 
 def test_progress_bar_on_a_terminal_and_lines_elsewhere():

@@ -83,8 +83,10 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-# The library's errors name its settings; on this command line they are flags.
-_FLAGS = ((re.compile(r'\bset on_bad_record = "skip"'), "pass --on-bad-record skip"),
+# The library's errors name its settings; on this command line they are flags. (And the readers
+# call what they read a shard; here it is an input.)
+_FLAGS = ((re.compile(r"^empty shard "), "empty input "),
+          (re.compile(r'\bset on_bad_record = "skip"'), "pass --on-bad-record skip"),
           (re.compile(r'\bon_bad_record = "(\w+)"'), r"--on-bad-record \1"),
           (re.compile(r"\braise max_record_bytes\b"), "raise --max-record-bytes"),
           (re.compile(r"\bmax_record_bytes ?= ?(\d+)"), r"--max-record-bytes \1"),
