@@ -86,10 +86,7 @@ class ToDevice:
                                   "the next batch's")
             if at_step < self.loader.step:  # read ahead: read again from the last batch handed out
                 log = list(self.loader.decisions)
-                self._batches.close()
-                self._window.clear()
-                assert self._state is not None
-                self.loader.load_state_dict(self._state)
+                self._put_back()
                 assert log[:len(self.loader.decisions)] == self.loader.decisions  # the log then, and since
                 for entry in log[len(self.loader.decisions):]:  # decided after that batch was read
                     self.loader.set_weights(entry.weights, at_step=entry.step)
@@ -108,11 +105,17 @@ class ToDevice:
                     return
                 yield self._hand_out(*self._window.popleft())
         finally:
-            self._batches.close()
+            self._put_back()  # what was read ahead, never handed out, the next iteration sends again
             self._batches = None
-            if self._window:  # read ahead but never handed out: rewind so the next iteration resends them
-                self._window.clear()
-                self.loader.load_state_dict(self._state)
+
+    def _put_back(self) -> None:
+        """Close the loader's iteration and drop the read-ahead: the loader is back after the last
+        batch handed out."""
+        assert self._batches is not None and self._state is not None
+        self._batches.close()
+        if self._window:
+            self._window.clear()
+            self.loader.load_state_dict(self._state)
 
     def _start_copy(self, batch: Batch) -> tuple[Batch, Any]:
         if not self.cuda:

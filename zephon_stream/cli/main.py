@@ -203,6 +203,7 @@ def _stream(args: argparse.Namespace) -> int:
 
         progress = StreamProgress(loader.statistics, total=args.steps, start=loader.step)
         batches = progress.track(batches)
+    at_the_end = args.save_state is not None and args.save_at is None  # save where the stream stops
     try:
         for batch in batches:
             if args.digests:
@@ -212,14 +213,14 @@ def _stream(args: argparse.Namespace) -> int:
         if progress:
             progress.close()
         where = f"zephon stream: interrupted at global step {loader.step}"
-        if args.save_state is not None and args.save_at is None:  # the batches handed out, and no more
+        if at_the_end:  # the batches handed out, and no more
             _save_state(loader, args.save_state)
             where += f"; its state is in {str(args.save_state)!r} (--resume it to go on)"
         print(where, file=sys.stderr)
         raise
     if progress:
         progress.close()
-    if args.save_state is not None and args.save_at is None:
+    if at_the_end:
         _save_state(loader, args.save_state)
     elif args.save_at is not None and not saved:
         raise ZephonError(f"the data ended at global step {loader.step}, before --save-at {args.save_at}: "
