@@ -252,6 +252,38 @@ def test_bad_subscriber_setting_refused() -> None:
             Subscriber("memory://x/", **{option: value})
 
 
+def _meta(shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.empty(shape, device="meta")
+
+
+@pytest.mark.parametrize(("make", "says"), [
+    (_meta, "on the meta device and holds no data"),
+    (lambda shape: torch.zeros(shape).to_sparse(), "is sparse_coo: a refit moves dense tensors"),
+    (lambda shape: torch.zeros(shape[::-1]).t(), "is not contiguous"),
+])
+def test_a_tensor_with_no_dense_data_is_refused_at_publish_and_at_pull(make, says: str) -> None:
+    """A meta tensor (a model built under torch.device("meta") and not yet allocated) was
+    published through a task group's error, and a pull into one said it had applied the
+    version while writing nowhere."""
+    store = MemoryStore()
+    with pytest.raises(ConfigError, match=says):
+        run(publish, "bad/", [{"weight": make((4, 8))}], store)
+    assert store.objects == {}
+    run(publish, "good/", [{"weight": torch.randn(4, 8)}], store)
+
+    async def pull(state: dict[str, torch.Tensor] | None, module: torch.nn.Module | None = None) -> int:
+        async with Subscriber("good/", store=store, module=module) as sub:
+            return await sub.pull(state)
+
+    with pytest.raises(ConfigError, match=says):
+        run(pull, {"weight": make((4, 8))})
+    if make is _meta:
+        with torch.device("meta"):
+            module = torch.nn.Linear(8, 4, bias=False)
+        with pytest.raises(ConfigError, match=says):
+            run(pull, None, module)
+
+
 def test_cli_chunk_bytes_over_the_limit_exits_2_and_writes_nothing(tmp_path: Path, capsys) -> None:
     weights = tmp_path / "w.safetensors"
     safetensors.save(weights, model(1))

@@ -62,6 +62,12 @@ class LocalState:
                 raise ConfigError(
                     f"tensor {spec.name!r} is {t.dtype} {tuple(shape)}, expected torch.{spec.dtype} {want}"
                 )
+            if t.layout != torch.strided:
+                raise ConfigError(f"tensor {spec.name!r} is {str(t.layout).removeprefix('torch.')}: a refit moves "
+                                  "dense tensors: call .to_dense() before it")
+            if t.device.type == "meta":  # it has no memory: a pull would write nowhere and say it had
+                raise ConfigError(f"tensor {spec.name!r} is on the meta device and holds no data: allocate it "
+                                  "first (e.g. module.to_empty(device=...))")
             if not t.is_contiguous():
                 raise ConfigError(f"tensor {spec.name!r} is not contiguous: call .contiguous() before a refit")
             flat = t.detach().reshape(-1).view(_TORCH_WORD[spec.itemsize])

@@ -32,7 +32,15 @@ import torch
 from zephon_stream.connectors.base import Store
 from zephon_stream.engine.cpu import CpuPolicy, default_threads
 from zephon_stream.engine.ordered import resolve_workers, run_ordered
-from zephon_stream.errors import AlreadyExists, ConfigError, DataError, DigestMismatch, ObjectNotFound, RefitError
+from zephon_stream.errors import (
+    AlreadyExists,
+    ConfigError,
+    DataError,
+    DigestMismatch,
+    ObjectNotFound,
+    RefitError,
+    unwrap_groups,
+)
 from zephon_stream.refit import codec
 from zephon_stream.refit import manifest as _manifest
 from zephon_stream.refit.hashing import MASK
@@ -330,14 +338,15 @@ async def copy_state(state: Mapping[str, torch.Tensor], into: dict[str, torch.Te
         if dst is None or dst.shape != t.shape or dst.dtype != t.dtype:
             dst = torch.empty(t.shape, dtype=t.dtype)  # pages are touched by the copy, in a thread
         out[name] = dst
-    async with anyio.create_task_group() as tg:
-        for name, t in state.items():
-            src, dst = t.detach(), out[name]
-            if not src.is_contiguous() or src.numel() == 0:
-                tg.start_soon(cpu, dst.copy_, src)
-                continue
-            flat_src, flat_dst = src.reshape(-1), dst.view(-1)
-            step = max(1, piece_bytes // src.element_size())
-            for lo in range(0, src.numel(), step):
-                tg.start_soon(cpu, flat_dst[lo : lo + step].copy_, flat_src[lo : lo + step])
+    with unwrap_groups():  # a failed copy is raised as itself, not as a group
+        async with anyio.create_task_group() as tg:
+            for name, t in state.items():
+                src, dst = t.detach(), out[name]
+                if not src.is_contiguous() or src.numel() == 0:
+                    tg.start_soon(cpu, dst.copy_, src)
+                    continue
+                flat_src, flat_dst = src.reshape(-1), dst.view(-1)
+                step = max(1, piece_bytes // src.element_size())
+                for lo in range(0, src.numel(), step):
+                    tg.start_soon(cpu, flat_dst[lo : lo + step].copy_, flat_src[lo : lo + step])
     return out
