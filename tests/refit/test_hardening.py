@@ -524,10 +524,51 @@ def test_cli_missing_or_directory_weights_exit_2(tmp_path: Path, what: str, caps
     path = tmp_path / "w.safetensors"
     if what == "directory":
         path.mkdir()
-    for command in ("publish", "pull"):
+    commands = ("publish", "pull") if what == "directory" else ("publish",)  # pull creates a missing file
+    for command in commands:
         assert zephon("refit", command, "--prefix", f"file://{tmp_path}/p/", "--weights", str(path)) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and str(path) in err[0] and ("no such file" in err[0] or "is a directory" in err[0])
+
+
+def test_cli_pull_creates_a_missing_weights_file_whole_and_bound(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A new rollout worker has no weights file yet: `pull` makes one from the newest version's
+    tensor table, fills it under another name and gives it the name once it is whole. The
+    record is bound to it, so the next pull trusts it without re-hashing."""
+    states = [model(5), step(model(5), 6, frac=0.3)]
+    prefix, path = f"file://{tmp_path}/p/", tmp_path / "w.safetensors"
+    assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(path)) == 1  # nothing published yet
+    assert "nothing was pulled" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == []
+    digests = run(publish, prefix, states[:1])
+    real = Subscriber.pull
+
+    async def cut(self, state, **kw):  # a pull that fails halfway leaves no file at the name
+        raise RefitError("cut")
+
+    monkeypatch.setattr(Subscriber, "pull", cut)
+    assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(path)) == 1
+    assert sorted(os.listdir(tmp_path)) == ["p"]
+    monkeypatch.setattr(Subscriber, "pull", real)
+    capsys.readouterr()
+    assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(path)) == 0
+    assert capsys.readouterr().out.split() == ["version", "1", "digest", f"{digests[0]:016x}", "(created", f"{path})"]
+    assert sorted(os.listdir(tmp_path)) == ["p", "w.safetensors", "w.safetensors.refit"]
+    assert_same(states[0], loaded(path))
+    hashed = 0
+    real_digest = local_mod.ChunkPlan.digest
+
+    def counting(self, words):
+        nonlocal hashed
+        hashed += 1
+        return real_digest(self, words)
+
+    monkeypatch.setattr(local_mod.ChunkPlan, "digest", counting)
+    assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(path)) == 0
+    assert hashed == 0  # the record was bound to the file under its own name
+    run(publish, prefix, states[1:])
+    assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(path)) == 0
+    assert_same(states[1], loaded(path))
 
 
 def test_cli_record_directory_exits_2(tmp_path: Path, capsys) -> None:

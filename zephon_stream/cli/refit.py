@@ -1,7 +1,8 @@
 """`zephon refit publish|pull|status`: the refit relay from the command line.
 
     zephon refit publish --prefix URI --weights FILE.safetensors [--keyframe-every K] [--workers N]
-    zephon refit pull    --prefix URI --weights FILE.safetensors [--workers N]   (updates FILE in place)
+    zephon refit pull    --prefix URI --weights FILE.safetensors [--workers N]   (updates FILE in place,
+                                                                           or creates it whole)
     zephon refit status  --prefix URI
 
 Building the parser imports no torch (`zephon relay --help` stays fast); `publish` and `pull`
@@ -11,6 +12,7 @@ load it when they run.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +46,8 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     pub.set_defaults(func=_publish)
     pull = sub.add_parser("pull", help="update a safetensors file in place to the latest version")
     pull.add_argument("--prefix", required=True, metavar="URI", help="where the versions were published")
-    pull.add_argument("--weights", required=True, metavar="FILE", help="the .safetensors file to update in place")
+    pull.add_argument("--weights", required=True, metavar="FILE",
+                      help="the .safetensors file to update in place; a missing one is created from the newest version")
     pull.add_argument("--record", metavar="FILE", help="local version record (default: FILE.refit beside the weights)")
     pull.add_argument("--workers", type=int, default=4, metavar="N", help="chunks fetched and checked concurrently")
     pull.set_defaults(func=_pull)
@@ -97,15 +100,55 @@ async def _publish(args: argparse.Namespace) -> int:
 async def _pull(args: argparse.Namespace) -> int:
     from zephon_stream.refit.subscriber import Subscriber  # torch
 
-    state = _weights(args.weights, writable=True)
-    async with Subscriber(args.prefix, record=args.record or f"{args.weights}.refit", weights=args.weights,
-                          workers=args.workers) as sub:
-        version = await sub.pull(state, sync=state.flush)
+    new = not os.path.lexists(args.weights)  # a new rollout worker: the file is made from the version's table
+    record = args.record or f"{args.weights}.refit"
+    if new:
+        weights = await _new_weights(args)
+        if weights is None:
+            raise RefitError(f"no version is published under {args.prefix}: nothing was pulled, {args.weights} was "
+                             "not created")
+    else:
+        weights = args.weights
+    try:
+        state = _weights(weights, writable=True)
+        async with Subscriber(args.prefix, record=record, weights=weights, workers=args.workers) as sub:
+            version = await sub.pull(state, sync=state.flush)
+            if new:  # complete: it takes its name, and the record is bound to the file under it
+                del state
+                os.replace(weights, args.weights)
+                await sub._rebind(args.weights)
+    finally:
+        if new and os.path.lexists(weights):
+            os.unlink(weights)
     if version == 0:
         raise RefitError(f"no version is published under {args.prefix}: nothing was pulled, {args.weights} is "
                          "unchanged")
-    print(f"version {version} digest {sub.record.model_digest:016x}")
+    made = f" (created {args.weights})" if new else ""
+    print(f"version {version} digest {sub.record.model_digest:016x}{made}")
     return 0
+
+
+async def _new_weights(args: argparse.Namespace) -> str | None:
+    """A zero-filled safetensors file beside `--weights` that holds the newest version's tensors
+    (None: no version is published). A pull fills it; it takes the file's name when complete,
+    so a file at that name is always a whole version."""
+    import torch
+
+    from zephon_stream.refit import safetensors
+
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.weights))):
+        raise ConfigError(f"--weights {args.weights}: directory {os.path.dirname(args.weights)!r} does not exist")
+    store, prefix = open_store(args.prefix)
+    async with store:
+        latest = await find_latest(store, prefix)
+        got = await read_manifest(store, prefix, latest) if latest else None
+    if got is None:
+        return None
+    table = got[1]
+    tensors = {spec.name: (getattr(torch, spec.dtype), spec.shape) for spec in table.specs}
+    partial = f"{args.weights}.partial"
+    safetensors.allocate(partial, tensors)
+    return partial
 
 
 @_guard

@@ -17,7 +17,7 @@ import torch
 
 from zephon_stream.errors import AccessDenied, ConfigError, DataError, ObjectNotFound, ZephonError
 
-__all__ = ["Mapped", "load", "save"]
+__all__ = ["Mapped", "allocate", "load", "save"]
 
 _DTYPES = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
@@ -168,23 +168,52 @@ def load(path: str | os.PathLike[str], *, writable: bool = False) -> Mapped:
 def save(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor],
          metadata: dict[str, str] | None = None) -> None:
     """Write tensors to `path` atomically, widest elements first so every tensor stays aligned."""
-    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
-    offset, blobs = 0, []
-    for name in sorted(tensors, key=lambda k: (-tensors[k].element_size(), k)):
-        t = tensors[name].detach().contiguous().cpu()
-        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    for name, t in tensors.items():
         if t.dtype not in _NAMES:
             raise ConfigError(f"tensor {name!r} is {t.dtype}, which safetensors cannot hold: use one of "
                               f"{sorted(_DTYPES)}")
-        header[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
-        offset += len(raw)
-        blobs.append(raw)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # keeps tensor data 8-byte aligned
+    text, order, _ = _layout({name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}, metadata)
     tmp = f"{os.fspath(path)}.tmp"
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
-        for raw in blobs:
-            f.write(raw)
+        for name in order:
+            t = tensors[name].detach().contiguous().cpu()
+            if t.numel():
+                f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     os.replace(tmp, path)
+
+
+def allocate(path: str | os.PathLike[str], tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+             metadata: dict[str, str] | None = None) -> None:
+    """Create `path` holding zero-filled tensors of these dtypes and shapes, laid out as `save`
+    lays them out, without writing the zeros (a sparse file where the filesystem has them).
+    An existing file at `path` is replaced."""
+    for name, (dtype, _) in tensors.items():
+        if dtype not in _NAMES:
+            raise ConfigError(f"tensor {name!r} is {dtype}, which safetensors cannot hold: use one of "
+                              f"{sorted(_DTYPES)}")
+    text, _, total = _layout(tensors, metadata)
+    try:
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(text)))
+            f.write(text)
+            f.truncate(8 + len(text) + total)
+    except OSError as exc:
+        raise _os_error(os.fspath(path), exc) from exc
+
+
+def _layout(tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None
+            ) -> tuple[bytes, list[str], int]:
+    """(the padded JSON header, the names in file order, the data bytes) for these tensors."""
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    order = sorted(tensors, key=lambda k: (-tensors[k][0].itemsize, k))
+    offset = 0
+    for name in order:
+        dtype, shape = tensors[name]
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # keeps tensor data 8-byte aligned
+    return text, order, offset
