@@ -93,6 +93,8 @@ BAD_SETTINGS = [
     ({"global_batch_size": "1048560", "seq_len": "16777216"}, "tokens per batch"),
     ({"max_record_bytes": "0"}, "max_record_bytes = 0: must be >= 1"),
     ({"max_record_bytes": "-5"}, "max_record_bytes = -5"),
+    ({"shufle_window": "8"}, "unknown field `shufle_window`; did you mean `shuffle_window`?"),
+    ({"xyzzy": "8"}, "unknown field `xyzzy`\n"),  # nothing close: no guess
 ]
 
 
@@ -104,6 +106,20 @@ def test_a_bad_setting(capsys, toml, changes, needle) -> None:
             continue  # the vocabulary is known once the tokenizer is loaded, not by `zephon config`
         err = _one_line_error(capsys, argv)
         assert needle in err, err
+
+
+@pytest.mark.parametrize("table, typo, key", [
+    ("[[sources]]", "txt_field", "text_field"),
+    ("[vision]", "min_pixel", "min_pixels"),
+    ("[[schedule]]", "stpe", "step"),
+])
+def test_a_misspelt_key_in_a_table_names_the_key_of_that_table(capsys, toml, table, typo, key) -> None:
+    path = toml()
+    text = path.read_text()
+    text = text.replace(table, f"{table}\n{typo} = 1", 1) if table in text else f"{text}\n{table}\n{typo} = 1\n"
+    path.write_text(text)
+    err = _one_line_error(capsys, ["config", str(path)])
+    assert f"unknown field `{typo}`" in err and err.endswith(f"; did you mean `{key}`?\n"), err
 
 
 def test_source_settings_are_checked_when_built_in_python() -> None:

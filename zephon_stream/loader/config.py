@@ -9,8 +9,10 @@ the same sequence is produced.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import math
+import re
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -321,10 +323,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
 
     @classmethod
     def from_toml(cls, path: str | Path) -> Config:
-        """Read a config from a TOML file: the top-level keys, a `[[sources]]` table per source and
-        an optional `[vision]` table. A relative `tokenizer` path or a plain (scheme-less) source
-        path is taken relative to the config file's directory."""
-        """Read a config from a TOML file: top-level settings, then one `[[sources]]` table per source.
+        """Read a config from a TOML file: top-level settings, one `[[sources]]` table per source, an
+        optional `[vision]` table and `[[schedule]]` tables.
 
         ```
         seed = 1234
@@ -337,9 +337,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         uri = "file:///data/web/"
         weight = 0.7
         ```
-        Unset settings take their defaults (`zephon config FILE` prints them all). A file that
-        cannot be read, is not TOML, or holds an unknown key or a bad value raises `ConfigError`
-        naming the file, the key and the value.
+        A relative `tokenizer` path or a plain (scheme-less) source path is taken relative to the
+        config file's directory. Unset settings take their defaults (`zephon config FILE` prints
+        them all). A file that cannot be read, is not TOML, or holds an unknown key or a bad value
+        raises `ConfigError` naming the file, the key and the value (and, for a misspelt key, the
+        key it is closest to).
         """
         try:
             data = Path(path).read_bytes()
@@ -349,7 +351,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         try:
             return msgspec.toml.decode(data, type=cls).with_paths_from(Path(path).parent)
         except msgspec.ValidationError as exc:
-            raise ConfigError(f"invalid config {path}: {exc}") from exc
+            raise ConfigError(f"invalid config {path}: {exc}{_did_you_mean(str(exc))}") from exc
         except msgspec.DecodeError as exc:
             raise ConfigError(f"config {path} is not valid TOML: {exc}") from exc
 
@@ -435,6 +437,21 @@ def _chat_order(s: SourceConfig, tokenizer: str) -> list[Any]:
 
 def _file_uri(path: Path) -> str:
     return path.resolve().as_uri().rstrip("/") + "/"
+
+
+_UNKNOWN = re.compile(r"unknown field `([^`]*)`(?: - at `\$([^`]*)`)?")
+
+
+def _did_you_mean(message: str) -> str:
+    """'; did you mean `x`?' for msgspec's unknown-field error, from the keys of the table it is in."""
+    m = _UNKNOWN.search(message)
+    if m is None:
+        return ""
+    where = re.sub(r"\[\d+\]", "", m.group(2) or "").rsplit(".", 1)[-1]
+    table = {"": Config, "sources": SourceConfig, "transforms": TransformStep, "vision": VisionConfig,
+             "schedule": ScheduleEntry}.get(where)
+    close = difflib.get_close_matches(m.group(1), table.__struct_fields__ if table else (), n=1, cutoff=0.7)
+    return f"; did you mean `{close[0]}`?" if close else ""
 
 
 def _toml_value(v: object) -> str:
