@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -112,7 +113,26 @@ def test_refuses_changed_data_or_config(config, dataset, tmp_path):
     srcs = [msgspec.structs.replace(config.sources[0], uri=f"file://{moved}/"), config.sources[1]]
     other = Loader(config.replace(sources=srcs), backend="inline")
     other.load_state_dict(state)
-    with pytest.raises(IncompatibleState, match="other data"):
+    shards = sorted((root / "a").iterdir())
+    was, now = sum(p.stat().st_size for p in shards), sum(p.stat().st_size for p in moved.iterdir())
+    with pytest.raises(IncompatibleState, match=rf"other data .*: source 'a' had {len(shards)} shards of {was:,} "
+                                                rf"bytes, now {len(shards) + 1} shards of {now:,} bytes; resume"):
+        next(iter(other))
+    (moved / "a-9.jsonl").unlink()
+    first = moved / shards[0].name
+    data = first.read_bytes()
+    first.write_bytes(data[::-1])  # the same size: the ETag tells
+    os.utime(first, ns=(0, first.stat().st_mtime_ns + 10**9))
+    other = Loader(config.replace(sources=srcs), backend="inline")
+    other.load_state_dict(state)
+    with pytest.raises(IncompatibleState, match=rf"source 'a' had {len(shards)} shards of {was:,} bytes, now "
+                                                rf"{len(shards)} shards of {was:,} bytes \(a shard was replaced"):
+        next(iter(other))
+    older = LoaderState.from_dict(state)  # a checkpoint from before the sources' part was kept
+    older = {**state, "meta": msgspec.msgpack.encode(msgspec.structs.replace(older.header, data_sources={}))}
+    other = Loader(config.replace(sources=srcs), backend="inline")
+    other.load_state_dict(older)
+    with pytest.raises(IncompatibleState, match="other data .*: shards were added, removed or rewritten"):
         next(iter(other))
 
 

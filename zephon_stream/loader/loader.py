@@ -25,7 +25,7 @@ from zephon_stream.loader.config import Config, ScheduleEntry
 from zephon_stream.loader.plan import DataPlan, open_stores, plan_data
 from zephon_stream.loader.relaunch import LaneRuns
 from zephon_stream.loader.sequencer import check_world, consumed, rank_lanes, rank_slots
-from zephon_stream.loader.state import FORMAT_VERSION, LaneState, LoaderState, StateHeader, check_lane_state
+from zephon_stream.loader.state import FORMAT_VERSION, LaneState, LoaderState, SourceData, StateHeader, check_lane_state
 from zephon_stream.operators.collate import collate, padding_sample
 from zephon_stream.operators.mix import Schedule
 from zephon_stream.operators.read import RecordCounts
@@ -202,6 +202,7 @@ class Loader:
         self.frontier = Frontier(self.lanes, len(config.sources))
         self.decisions: list[ScheduleEntry] = []  # the set_weights log, in call order (see set_weights)
         self._fingerprint: str | None = None  # of the loaded checkpoint, checked against the data
+        self._data_sources: dict[str, SourceData] = {}  # its sources' part of it, to name what changed
         self._plan: DataPlan | None = None
         self._streams: dict[int, Any] = {}
         self._store_stats: list[Any] = []
@@ -240,8 +241,10 @@ class Loader:
             at = self.step if step is None else step
             lanes = self.frontier.lanes_at(at)
             decisions = list(self.decisions)
-        header = StateHeader(FORMAT_VERSION, self.order_digest, self._fingerprint or self._data_fingerprint(),
-                             self.config.lanes, self.config.global_batch_size, at, self.order_settings, decisions)
+        data = (self._fingerprint, self._data_sources) if self._fingerprint else (
+            (self._plan.fingerprint, self._plan.by_source) if self._plan else ("", {}))
+        header = StateHeader(FORMAT_VERSION, self.order_digest, data[0], self.config.lanes,
+                             self.config.global_batch_size, at, self.order_settings, decisions, data[1])
         return LoaderState(header, [lanes[lane] for lane in self.lanes]).to_dict()
 
     def load_state_dict(self, state_dict: dict[str, bytes] | list[dict[str, bytes]]) -> None:
@@ -276,7 +279,7 @@ class Loader:
                                         "inconsistent: resume from the files of one checkpoint, as saved")
         self.decisions = self._merge_decisions(decoded)
         self.frontier.step = head.step
-        self._fingerprint = head.data_fingerprint
+        self._fingerprint, self._data_sources = head.data_fingerprint, head.data_sources
         self.frontier.lanes = {lane: lanes[lane] for lane in self.lanes}
         self.frontier.history.clear()
 
@@ -389,8 +392,15 @@ class Loader:
         """
         return self.frontier.step
 
-    def _data_fingerprint(self) -> str:
-        return self._plan.fingerprint if self._plan else ""
+    def _data_change(self) -> str:
+        """Which sources' shards changed since the checkpoint, as far as it says."""
+        assert self._plan is not None
+        was, now = self._data_sources, self._plan.by_source
+        changed = [f"source {name!r} had {was[name].describe()}, now {now[name].describe()}"
+                   + ("" if (was[name].shards, was[name].nbytes) != (now[name].shards, now[name].nbytes)
+                      else " (a shard was replaced or rewritten: another key, size or ETag)")
+                   for name in now if name in was and was[name].digest != now[name].digest]
+        return "; ".join(changed) if changed else "shards were added, removed or rewritten"
 
     # ---- planning -----------------------------------------------------------------------------
 
@@ -401,8 +411,7 @@ class Loader:
         if self._fingerprint and self._fingerprint != self._plan.fingerprint:
             raise IncompatibleState(
                 f"checkpoint was written for other data (fingerprint {self._fingerprint}, the sources now give "
-                f"{self._plan.fingerprint}): shards were added, removed or rewritten; resume against the same "
-                "data or start fresh")
+                f"{self._plan.fingerprint}): {self._data_change()}; resume against the same data or start fresh")
         for ls in self.frontier.lanes.values():  # the loaded (or reached) states, now against the data
             check_lane_state(ls, self.config, self._plan)
         return self._plan

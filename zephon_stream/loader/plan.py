@@ -12,16 +12,18 @@ import msgspec
 from zephon_stream.connectors import open_store, parse_uri
 from zephon_stream.connectors.base import Store
 from zephon_stream.loader.config import Config
+from zephon_stream.loader.state import SourceData
 from zephon_stream.operators.read import SourcePlan, plan_source
 
 __all__ = ["DataPlan", "open_stores", "plan_data"]
 
 
 class DataPlan(msgspec.Struct, frozen=True):
-    """Every source's shards and splits, and the data fingerprint."""
+    """Every source's shards and splits, and the data fingerprint (with each source's part)."""
 
     sources: list[SourcePlan]
     fingerprint: str
+    by_source: dict[str, SourceData] = {}
 
 
 async def plan_data(config: Config, stores: list[Store]) -> DataPlan:
@@ -33,10 +35,13 @@ async def plan_data(config: Config, stores: list[Store]) -> DataPlan:
                                          config.lanes, config.split_bytes, config.on_bad_record,
                                          images=src.image_field is not None, max_record=config.max_record_bytes,
                                          image_field=src.image_field, text_kind=kind))
-    h = hashlib.sha256()
+    h, by_source = hashlib.sha256(), {}
     for sp in sources:
-        h.update(msgspec.msgpack.encode([sp.name, [(s.key, s.size, s.etag) for s in sp.shards]]))
-    return DataPlan(sources, h.hexdigest()[:32])
+        listing = msgspec.msgpack.encode([sp.name, [(s.key, s.size, s.etag) for s in sp.shards]])
+        h.update(listing)
+        by_source[sp.name] = SourceData(len(sp.shards), sum(s.size for s in sp.shards),
+                                        hashlib.sha256(listing).hexdigest()[:16])
+    return DataPlan(sources, h.hexdigest()[:32], by_source)
 
 
 async def open_stores(config: Config, stack: AsyncExitStack, wrap: Any = None) -> list[Store]:

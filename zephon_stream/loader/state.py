@@ -85,6 +85,18 @@ class _LaneStateV1(msgspec.Struct, frozen=True, array_like=True):
                          PackState(self.carry, self.carry_offset))
 
 
+class SourceData(msgspec.Struct, frozen=True, array_like=True):
+    """One source's data as a checkpoint remembers it, to name what changed: its shards, their
+    bytes, and the digest of their keys, sizes and ETags."""
+
+    shards: int
+    nbytes: int
+    digest: str
+
+    def describe(self) -> str:
+        return f"{self.shards} shard{'s' if self.shards != 1 else ''} of {self.nbytes:,} bytes"
+
+
 class StateHeader(msgspec.Struct, frozen=True):
     """What every rank's state carries: the format, what the state is valid for, and the position."""
 
@@ -97,6 +109,7 @@ class StateHeader(msgspec.Struct, frozen=True):
     order: dict[str, Any] = {}  # the settings `order_digest` covers (Config.order_settings), to name a change
     # the Loader.set_weights log, in call order: one entry per call that changed it (every rank holds all of it)
     decisions: list[ScheduleEntry] = []
+    data_sources: dict[str, SourceData] = {}  # by source name; absent in checkpoints before it
 
 
 class LoaderState(msgspec.Struct, frozen=True):
