@@ -7,7 +7,7 @@ import logging
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
 
-from zephon_stream import AccessDenied, AlreadyExists, ConnectorError, ObjectNotFound, Throttled
+from zephon_stream import AccessDenied, AlreadyExists, ConfigError, ConnectorError, ObjectNotFound, Throttled
 from zephon_stream.connectors.s3 import S3Store, translate_error
 
 pytestmark = [pytest.mark.anyio, pytest.mark.s3, pytest.mark.timeout(60)]
@@ -73,6 +73,21 @@ async def test_no_credentials_at_all(s3, monkeypatch: pytest.MonkeyPatch, tmp_pa
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     async with S3Store(s3.bucket, endpoint_url=s3.options["endpoint_url"]) as store:
         with pytest.raises(AccessDenied, match="no AWS credentials found"):
+            await store.read("k")
+
+
+@pytest.mark.parametrize("given", ["option", "env"])
+async def test_a_profile_not_in_the_aws_files_is_one_config_error(s3, monkeypatch: pytest.MonkeyPatch, tmp_path,
+                                                                   given: str) -> None:
+    """botocore's ProfileNotFound came out raw: a traceback from `zephon relay --to-profile typo`."""
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    options = {"profile": "nosuch"} if given == "option" else {}
+    if given == "env":
+        monkeypatch.setenv("AWS_PROFILE", "nosuch")
+    async with S3Store(s3.bucket, endpoint_url=s3.options["endpoint_url"], **options) as store:
+        with pytest.raises(ConfigError, match=rf"AWS profile 'nosuch' is in neither {tmp_path}/config nor "
+                                              rf"{tmp_path}/credentials: check its name"):
             await store.read("k")
 
 

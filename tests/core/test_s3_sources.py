@@ -7,7 +7,7 @@ import anyio
 import msgspec
 import pytest
 
-from zephon_stream import AccessDenied, ObjectNotFound
+from zephon_stream import AccessDenied, ConfigError, ObjectNotFound
 from zephon_stream.loader.loader import Loader
 from zephon_stream.testing.determinism import batch_records, run_world
 from zephon_stream.testing.proxy import FAULT_KINDS, Faults
@@ -141,3 +141,25 @@ def test_sources_on_one_endpoint_share_one_client(s3_config):
 
     pools, clients = anyio.run(main)
     assert len(s3_config.sources) == 2 and len(pools) == 1 and clients == [1, 1]
+
+
+@pytest.mark.parametrize("backend", ["threads", "processes"])
+def test_a_source_reads_with_the_credentials_of_its_profile(s3_config, local_baseline, s3, seaweed, monkeypatch,
+                                                             tmp_path, backend):
+    """The keys that may read the bucket are only in a profile of the AWS files; the environment's
+    are refused by the server. A source with the profile reads with its keys, one without does not."""
+    credentials = tmp_path / "credentials"
+    credentials.write_text(f"[corpus-reader]\naws_access_key_id = {s3.options['access_key_id']}\n"
+                           f"aws_secret_access_key = {s3.options['secret_access_key']}\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", seaweed.limited_access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", seaweed.limited_secret_key)
+    a, b = (msgspec.structs.replace(src, profile="corpus-reader") for src in s3_config.sources)
+    assert run_world(s3_config.replace(sources=[a, b]), 1, STEPS, backend=backend)[0] == local_baseline
+    with pytest.raises(AccessDenied, match=r"s3://.*/data/b/"):  # b with the environment's keys
+        run_world(s3_config.replace(sources=[a, msgspec.structs.replace(b, profile=None)]), 1, STEPS,
+                  backend=backend)
+    misspelt = s3_config.replace(sources=[msgspec.structs.replace(a, profile="corpus-reder"), b])
+    with pytest.raises(ConfigError, match=r"AWS profile 'corpus-reder' is in neither .*config nor .*credentials"):
+        run_world(misspelt, 1, STEPS, backend=backend)

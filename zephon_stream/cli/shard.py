@@ -59,6 +59,7 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--endpoint-url", help="S3 endpoint (default: AWS); credentials come from the environment")
     p.add_argument("--region", help="S3 region")
     p.add_argument("--addressing-style", choices=["auto", "path", "virtual"], help="S3 addressing style")
+    p.add_argument("--profile", help="S3: a profile of the AWS config files (default: the environment's)")
     p.set_defaults(func=_run)
     return p
 
@@ -67,7 +68,8 @@ def _run(args: argparse.Namespace) -> int:
     from zephon_stream.shard import shard
 
     options = {k: v for k, v in (("endpoint_url", args.endpoint_url), ("region", args.region),
-                                 ("addressing_style", args.addressing_style)) if v is not None}
+                                 ("addressing_style", args.addressing_style), ("profile", args.profile))
+               if v is not None}
     try:
         report = shard(args.src, args.dst, target_bytes=args.target_size, frame_bytes=args.frame_size,
                        text_field=args.text_field, image_field=args.image_field, name=args.name,

@@ -65,6 +65,7 @@ from botocore.exceptions import (
     HTTPClientError,
     IncompleteReadError,
     NoCredentialsError,
+    ProfileNotFound,
     ReadTimeoutError,
     ResponseStreamingError,
 )
@@ -250,7 +251,7 @@ def translate_error(
     if isinstance(exc, NoCredentialsError):
         return AccessDenied(
             f"{operation} {where}: no AWS credentials found; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
-            "AWS_PROFILE, or pass access_key_id=/secret_access_key= or profile="
+            "AWS_PROFILE, or name a profile (a source's `profile`, `--to-profile`, or profile= in Python)"
         )
     if not isinstance(exc, ClientError):
         return ConnectorError(
@@ -332,8 +333,14 @@ class S3ClientPool:
                 raise ConnectorError(f"{self!r} is closed: open a new store or pool")
             if key not in self._clients:
                 self._loop = loop
-                client = _create_client(key, self.limiter.total_tokens)
-                self._clients[key] = await self._stack.enter_async_context(client)
+                try:
+                    client = _create_client(key, self.limiter.total_tokens)
+                    self._clients[key] = await self._stack.enter_async_context(client)
+                except ProfileNotFound as exc:  # a name given here, or in AWS_PROFILE
+                    files = " nor ".join(os.environ.get(var, default) for var, default in (
+                        ("AWS_CONFIG_FILE", "~/.aws/config"), ("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials")))
+                    raise ConfigError(f"AWS profile {exc.kwargs.get('profile')!r} is in neither {files}: check "
+                                      "its name (the profile setting, or AWS_PROFILE)") from None
             return self._clients[key]
 
     async def aclose(self) -> None:

@@ -122,9 +122,10 @@ class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
     as 7 and 3 do, and they need not sum to 1). With `mix = "tokens"` a source's share of the
     tokens tracks `weight / sum(weights)`; with `mix = "documents"`, its share of the documents.
 
-    `endpoint_url`, `region`, `addressing_style` and the timeouts (seconds, per request: to
-    connect, and between bytes of a response) apply to `s3://` sources only. They are
-    execution settings: they never change the order.
+    `endpoint_url`, `region`, `addressing_style`, `profile` (a profile of the AWS config
+    files, for a source whose credentials are not the environment's) and the timeouts
+    (seconds, per request: to connect, and between bytes of a response) apply to `s3://`
+    sources only. They are execution settings: they never change the order.
     """
 
     name: str
@@ -135,6 +136,7 @@ class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
     endpoint_url: str | None = None
     region: str | None = None
     addressing_style: Literal["auto", "path", "virtual"] | None = None
+    profile: str | None = None
     connect_timeout: float = 10.0
     read_timeout: float = 30.0
     messages_field: str | None = None  # makes it a chat source: the field holding a list of {role, content}
@@ -150,6 +152,8 @@ class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
         if self.image_field is not None:
             _check(bool(self.image_extensions), f"{where}.image_field", self.image_field,
                    'must list member extensions, e.g. "png" or "jpg;jpeg;png;webp"')
+        if self.profile is not None:
+            _check(bool(self.profile.strip()), f"{where}.profile", self.profile, "must name a profile")
         if self.endpoint_url is not None:
             _check(_is_http_url(self.endpoint_url), f"{where}.endpoint_url", self.endpoint_url,
                    "is not a URL: use http://host:port or https://host")

@@ -54,7 +54,8 @@ async def open_stores(config: Config, stack: AsyncExitStack, wrap: Any = None) -
     pool = None
     for src in config.sources:
         opts: dict[str, Any] = {k: v for k, v in (("endpoint_url", src.endpoint_url), ("region", src.region),
-                                                  ("addressing_style", src.addressing_style)) if v is not None}
+                                                  ("addressing_style", src.addressing_style),
+                                                  ("profile", src.profile)) if v is not None}
         if parse_uri(src.uri)[0] == "s3":
             opts.update(connect_timeout=src.connect_timeout, read_timeout=src.read_timeout)
             if pool is None:

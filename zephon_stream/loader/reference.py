@@ -20,7 +20,8 @@ __all__ = ["EXECUTION", "MEANINGS", "config_reference", "undocumented"]
 EXECUTION = {("", k) for k in ("backend", "workers", "cpu_threads", "max_restarts", "ray_address", "ray_actors",
                                "ray_num_cpus", "tokenize_batch", "doc_buffer", "sample_buffer", "sample_batch",
                                "read_ahead")} | {("sources", k) for k in ("endpoint_url", "region", "addressing_style",
-                                                                         "connect_timeout", "read_timeout")} | {
+                                                                         "profile", "connect_timeout",
+                                                                         "read_timeout")} | {
     ("vision", "decode_batch"), ("vision", "decode_ahead"), ("vision", "decode_threads")}
 
 #: (table, key) -> meaning. `table` is "" for top-level keys.
@@ -98,6 +99,9 @@ MEANINGS: dict[tuple[str, str], str] = {
     ("sources", "endpoint_url"): "S3: the endpoint (http://host:port). ",
     ("sources", "region"): "S3: the region. ",
     ("sources", "addressing_style"): 'S3: `"auto"`, `"path"` or `"virtual"`. ',
+    ("sources", "profile"): "S3: a profile of the AWS config files (`~/.aws/config`, `~/.aws/credentials`) "
+                            "for this source's credentials; unset: the environment's (AWS_PROFILE, keys, "
+                            "instance role). ",
     ("sources", "connect_timeout"): "S3: seconds to connect, per request. ",
     ("sources", "read_timeout"): "S3: seconds between bytes of a response. ",
     ("vision", "patch_size"): "Pixels on a patch side. ",
