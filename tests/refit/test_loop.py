@@ -184,3 +184,27 @@ def test_a_failed_publish_ends_the_loop_with_its_error() -> None:
 
     with pytest.raises(OSError, match="disk full"):
         anyio.run(main)
+
+
+def test_a_publisher_not_entered_is_opened_and_closed_by_the_loop(tmp_path: Path) -> None:
+    """`PublishLoop(Publisher(uri))`, as the docstring writes it, failed in the background
+    publish with 'Publisher is not open'; one the caller entered stays the caller's."""
+    states = [make_model(1 << 14), make_model(1 << 14)]
+    train_step(states[1], 1)
+    prefix = f"file://{tmp_path}/p/"
+
+    async def main() -> None:
+        publisher = Publisher(prefix)
+        async with PublishLoop(publisher) as publishing:
+            await publishing.submit(states[0])
+        assert not publisher.is_open  # the store it opened is closed
+        async with publisher, PublishLoop(publisher) as publishing:
+            await publishing.submit(states[1])
+            assert (await publishing.drain()).version == 2
+            assert publisher.is_open
+        replica = {k: torch.zeros_like(v) for k, v in states[1].items()}
+        async with Subscriber(prefix) as sub:
+            assert await sub.pull(replica) == 2
+        assert_same(states[1], replica)
+
+    anyio.run(main)

@@ -5,7 +5,7 @@ to take its next step at once. `PublishLoop` takes a snapshot of the state (a co
 reused CPU buffer, in worker threads, `piece_bytes` at a time) and publishes the snapshot in
 the background, on the trainer's own loop::
 
-    async with PublishLoop(publisher) as publishing:
+    async with PublishLoop(Publisher(uri)) as publishing:   # or a publisher already entered
         async for batch in stream:                      # the loader, on the same loop
             await anyio.to_thread.run_sync(train_step, batch)
             if step % k == 0:
@@ -56,6 +56,7 @@ class PublishLoop:
         check_count("piece_bytes", piece_bytes, 1)
         self.publisher, self.piece_bytes, self.on_published = publisher, piece_bytes, on_published
         self._tg: TaskGroup | None = None
+        self._opened = False
         self._idle = anyio.Event()
         self._idle.set()
         self._buffer: dict[str, torch.Tensor] = {}
@@ -66,6 +67,9 @@ class PublishLoop:
         return f"PublishLoop({self.publisher!r}, piece_bytes={self.piece_bytes})"
 
     async def __aenter__(self) -> PublishLoop:
+        self._opened = not self.publisher.is_open  # a publisher the caller has not entered: ours to open and close
+        if self._opened:
+            await self.publisher.__aenter__()
         self._tg = await anyio.create_task_group().__aenter__()
         return self
 
@@ -73,8 +77,12 @@ class PublishLoop:
                         tb: TracebackType | None) -> bool | None:
         tg, self._tg = self._tg, None
         assert tg is not None
-        with unwrap_groups():  # a failed publish raises as itself
-            return await tg.__aexit__(et, e, tb)  # waits for the publish in flight
+        try:
+            with unwrap_groups():  # a failed publish raises as itself
+                return await tg.__aexit__(et, e, tb)  # waits for the publish in flight
+        finally:
+            if self._opened:
+                await self.publisher.__aexit__(None, None, None)
 
     async def submit(self, state: Mapping[str, torch.Tensor]) -> None:
         """Snapshot `state` and start publishing it; returns once `state` may change again."""

@@ -32,7 +32,13 @@ class StoreOwner:
 
     async def __aexit__(self, *exc: object) -> None:
         if self._owned and self._store is not None:
-            await self._store.aclose()
+            store, self._store, self._owned = self._store, None, False  # closed: entering again reopens it
+            await store.aclose()
+
+    @property
+    def is_open(self) -> bool:
+        """Whether it has a store: entered, or given one."""
+        return self._store is not None
 
     @property
     def store(self) -> Store:
