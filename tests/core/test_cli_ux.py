@@ -126,6 +126,35 @@ def test_save_state_alone_saves_where_the_stream_stops(capsys, cfg, tmp_path) ->
     assert "--save-at needs --save-state FILE" in err, err
 
 
+def test_a_save_that_fails_keeps_the_state_it_resumed_from(capsys, cfg, tmp_path, monkeypatch) -> None:
+    """`--resume F --save-state F` rolls one file forward. It was rewritten in place: a full
+    disk during the write left F cut short, and the run's only checkpoint was gone."""
+    saved = tmp_path / "rolling.state"
+    _digests(capsys, ["stream", str(cfg), "--steps", "2", "--save-state", str(saved)])
+    before = saved.read_bytes()
+
+    real_open = io.open
+
+    class FullDisk(io.FileIO):
+        def write(self, data) -> int:
+            raise OSError(28, "No space left on device")
+
+    def open_on_a_full_disk(file, mode="r", *args, **kwargs):  # a file opened for writing here takes nothing
+        if "w" in mode and str(tmp_path) in os.fsdecode(file):
+            return FullDisk(file, "w")
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", open_on_a_full_disk)
+    monkeypatch.setattr("builtins.open", open_on_a_full_disk)
+    assert main(["stream", str(cfg), "--steps", "4", "--resume", str(saved), "--save-state", str(saved)]) != 0
+    assert "No space left on device" in capsys.readouterr().err
+    assert saved.read_bytes() == before
+    assert not [name for name in os.listdir(tmp_path) if name.endswith(".tmp")]
+    monkeypatch.undo()
+    whole = _digests(capsys, ["stream", str(cfg), "--steps", "4"])
+    assert _digests(capsys, ["stream", str(cfg), "--steps", "4", "--resume", str(saved)]) == whole[2 * 24:]
+
+
 def test_ctrl_c_says_where_it_stopped_and_saves_the_state_there(cfg, tmp_path, capsys) -> None:
     """The state saved on Ctrl-C is that of the last batch handed out: a resumed run goes on from it."""
     saved = tmp_path / "ctrl-c.state"

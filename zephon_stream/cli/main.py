@@ -180,10 +180,11 @@ def _check_output(option: str, path: Path) -> None:
 
 
 def _save_state(loader: Any, path: Path) -> None:
+    from zephon_stream.engine.files import atomic_write
     from zephon_stream.loader.state import state_to_bytes
 
-    with _user_path("--save-state", path):
-        path.write_bytes(state_to_bytes(loader.state_dict()))
+    with _user_path("--save-state", path):  # whole or not at all: it may be the file resumed from
+        atomic_write(path, [state_to_bytes(loader.state_dict())])
 
 
 def _stream(args: argparse.Namespace) -> int:

@@ -7,7 +7,8 @@
 - `operator`: the protocol of a lane's stateful stages (`Operator`: next / state / refs / restore);
 - `rng`: counter-based randomness (`mix64`, `permutation`), so no RNG object is ever checkpointed;
 - `threads`: blocking calls in worker threads that the event loop never waits to start (`run_sync`);
-- `memory`: glibc arenas trimmed on a timer, off the loop (`managed_memory`, `ZEPHON_MALLOC`).
+- `memory`: glibc arenas trimmed on a timer, off the loop (`managed_memory`, `ZEPHON_MALLOC`);
+- `files`: files written whole or not at all (`atomic_write`: checkpoints, shards, version records).
 
 Error groups from task groups are unwrapped by one function, `zephon_stream.errors.unwrap_groups`.
 """

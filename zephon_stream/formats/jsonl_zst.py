@@ -28,6 +28,7 @@ import zstandard
 
 from zephon_stream.connectors.base import Store
 from zephon_stream.engine import threads
+from zephon_stream.engine.files import atomic_write
 from zephon_stream.errors import DataError
 
 __all__ = ["DECODE_PIECE", "ZstdStream", "read_seek_entries", "read_seek_table", "seek_table", "walk_frames",
@@ -358,17 +359,6 @@ def write_jsonl_shards(
         atomic_write(path, _zst_frames(block, frame_bytes) if compress == "zst" else block)
         paths.append(path)
     return paths
-
-
-def atomic_write(path: Path, chunks: Iterable[bytes]) -> None:
-    """Write `chunks` to `path` through a temporary file in the same directory and a rename."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.writelines(chunks)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _blocks(sizes: Sequence[int], shards: int) -> list[tuple[int, int]]:

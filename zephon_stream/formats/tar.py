@@ -38,8 +38,8 @@ import msgspec
 
 from zephon_stream.connectors.base import Store
 from zephon_stream.engine import threads
+from zephon_stream.engine.files import atomic_write
 from zephon_stream.errors import DataError
-from zephon_stream.formats.jsonl_zst import atomic_write
 
 __all__ = ["INDEX_READ", "TarIndex", "TarSample", "parse_samples", "tar_index", "write_tar_shards"]
 

@@ -55,6 +55,7 @@ from zephon_stream.connectors.base import Store
 from zephon_stream.connectors.location import location
 from zephon_stream.engine import threads
 from zephon_stream.engine.cpu import CpuPolicy, default_threads
+from zephon_stream.engine.files import atomic_write
 from zephon_stream.engine.ordered import resolve_workers, run_ordered
 from zephon_stream.errors import (
     BaseVersionMismatch,
@@ -246,7 +247,7 @@ class Subscriber(StoreOwner):
     async def _save(self, record: LocalRecord) -> None:
         self.record = record
         if self.record_path is not None:
-            await threads.run_sync(_write_atomic, self.record_path, msgspec.msgpack.encode(record))
+            await threads.run_sync(atomic_write, self.record_path, [msgspec.msgpack.encode(record)])
 
     # -- pull -----------------------------------------------------------------------------
 
@@ -388,15 +389,6 @@ def _record_path(record: str | os.PathLike[str]) -> Path:
     if not path.parent.is_dir():
         raise ConfigError(f"record {os.fspath(record)!r}: directory {str(path.parent)!r} does not exist")
     return path
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class _Object(NamedTuple):
