@@ -22,10 +22,10 @@ from zephon_stream.engine.memory import managed_memory
 from zephon_stream.errors import CheckpointError, ConfigError, IncompatibleState, ZephonError, unwrap_groups
 from zephon_stream.loader.backends import check_spawn_allowed, run_lanes
 from zephon_stream.loader.config import Config, ScheduleEntry
-from zephon_stream.loader.plan import DataPlan, open_stores, plan_data
+from zephon_stream.loader.plan import DataPlan, SourceData, open_stores, plan_data
 from zephon_stream.loader.relaunch import LaneRuns
 from zephon_stream.loader.sequencer import check_world, consumed, rank_lanes, rank_slots
-from zephon_stream.loader.state import FORMAT_VERSION, LaneState, LoaderState, SourceData, StateHeader, check_lane_state
+from zephon_stream.loader.state import FORMAT_VERSION, LaneState, LoaderState, StateHeader, check_lane_state
 from zephon_stream.operators.collate import collate, padding_sample
 from zephon_stream.operators.mix import Schedule
 from zephon_stream.operators.read import RecordCounts

@@ -12,10 +12,21 @@ import msgspec
 from zephon_stream.connectors import open_store, parse_uri
 from zephon_stream.connectors.base import Store
 from zephon_stream.loader.config import Config
-from zephon_stream.loader.state import SourceData
 from zephon_stream.operators.read import SourcePlan, plan_source
 
-__all__ = ["DataPlan", "open_stores", "plan_data"]
+__all__ = ["DataPlan", "SourceData", "open_stores", "plan_data"]
+
+
+class SourceData(msgspec.Struct, frozen=True, array_like=True):
+    """One source's data as a checkpoint remembers it, to name what changed: its shards, their
+    bytes, and the digest of their keys, sizes and ETags."""
+
+    shards: int
+    nbytes: int
+    digest: str
+
+    def describe(self) -> str:
+        return f"{self.shards} shard{'s' if self.shards != 1 else ''} of {self.nbytes:,} bytes"
 
 
 class DataPlan(msgspec.Struct, frozen=True):

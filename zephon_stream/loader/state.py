@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import msgspec
 
 from zephon_stream.engine.rng import permutation
 from zephon_stream.errors import CheckpointError, IncompatibleState
 from zephon_stream.loader.config import Config, ScheduleEntry
+from zephon_stream.loader.plan import DataPlan, SourceData
 from zephon_stream.operators.feed import FeedState
 from zephon_stream.operators.mix import MixState
 from zephon_stream.operators.pack import PackState
@@ -38,9 +39,6 @@ __all__ = [
     "FORMAT_VERSION", "LaneState", "LoaderState", "Refusal", "StateHeader", "check_lane_state", "lane_key",
     "split_at", "state_from_bytes", "state_to_bytes",
 ]
-
-if TYPE_CHECKING:
-    from zephon_stream.loader.plan import DataPlan
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -83,18 +81,6 @@ class _LaneStateV1(msgspec.Struct, frozen=True, array_like=True):
         return LaneState(self.lane, self.samples, self.done, [FeedState(p, o) for p, o in self.cursors],
                          MixState(self.counts, self.position), ShuffleState(self.window, self.pulls),
                          PackState(self.carry, self.carry_offset))
-
-
-class SourceData(msgspec.Struct, frozen=True, array_like=True):
-    """One source's data as a checkpoint remembers it, to name what changed: its shards, their
-    bytes, and the digest of their keys, sizes and ETags."""
-
-    shards: int
-    nbytes: int
-    digest: str
-
-    def describe(self) -> str:
-        return f"{self.shards} shard{'s' if self.shards != 1 else ''} of {self.nbytes:,} bytes"
 
 
 class StateHeader(msgspec.Struct, frozen=True):
