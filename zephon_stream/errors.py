@@ -22,15 +22,18 @@ Every message says what was wrong, the offending value, and what to do.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import difflib
+import re
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import anyio
+import msgspec
 
 __all__ = [
     "AccessDenied", "AlreadyExists", "BaseVersionMismatch", "CheckpointError", "ConfigError",
     "ConnectorError", "DataError", "DigestMismatch", "IncompatibleState", "ObjectNotFound", "RefitError",
-    "Throttled", "ZephonError", "root_error", "unwrap_groups",
+    "Throttled", "ZephonError", "closest_key", "root_error", "unwrap_groups",
 ]
 
 
@@ -140,3 +143,29 @@ def _leaves(exc: BaseException) -> list[BaseException]:
     if isinstance(exc, BaseExceptionGroup):
         return [leaf for e in exc.exceptions for leaf in _leaves(e)]
     return [exc]
+
+
+_UNKNOWN = re.compile(r"unknown field `([^`]*)`(?: - at `\$([^`]*)`)?")
+
+
+def closest_key(message: str, tables: Mapping[str, type]) -> str:
+    """'; did you mean `x`?' for msgspec's unknown-field error in `message`, from the keys of the
+    table it names: `tables` maps a table's name in the error's path ("" for the top level,
+    "sources" for `$.sources[0]`) to its Struct. A top-level key found inside a table (written
+    below a TOML table header) is said to be one. Empty when nothing is close."""
+    m = _UNKNOWN.search(message)
+    if m is None:
+        return ""
+    def keys(name: str) -> list[str]:
+        table = tables.get(name)
+        return [f.encode_name for f in msgspec.structs.fields(table)] if table is not None else []
+
+    key, where = m.group(1), re.sub(r"\[\d+\]", "", m.group(2) or "").rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(key, keys(where), n=1, cutoff=0.7)
+    if close:
+        return f"; did you mean `{close[0]}`?"
+    top = difflib.get_close_matches(key, keys(""), n=1, cutoff=0.7) if where else []
+    if top:  # TOML puts a key written below a [table] header in that table
+        said = f"`{key}` is" if top[0] == key else f"did you mean `{top[0]}`? It is"
+        return f"; {said} a top-level key: put it above the first [table]"
+    return ""

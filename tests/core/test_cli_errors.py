@@ -108,6 +108,14 @@ def test_a_bad_setting(capsys, toml, changes, needle) -> None:
         assert needle in err, err
 
 
+def test_a_top_level_key_below_a_table_says_so(capsys, toml) -> None:
+    path = toml()
+    path.write_text(path.read_text() + "\nshuffle_window = 4\n")  # TOML: a key of the last [[sources]]
+    err = _one_line_error(capsys, ["config", str(path)])
+    assert err.endswith("unknown field `shuffle_window` - at `$.sources[1]`; `shuffle_window` is a top-level key: "
+                        "put it above the first [table]\n"), err
+
+
 @pytest.mark.parametrize("table, typo, key", [
     ("[[sources]]", "txt_field", "text_field"),
     ("[vision]", "min_pixel", "min_pixels"),

@@ -58,6 +58,22 @@ def test_config_file_with_credentials_from_env(tmp_path, monkeypatch) -> None:
         load_config(parse("--config", str(tmp_path / "bad.toml"), "--to", "s3://a/"))
 
 
+@pytest.mark.parametrize(("text", "hint"), [
+    ('[form]\nuri = "s3://t/"\n', "unknown field `form`; did you mean `from`?"),
+    ('[[to]]\nuri = "s3://a/"\nprofil = "x"\n', "`profil` - at `$.to[0]`; did you mean `profile`?"),
+    ('[[to]]\nuri = "s3://a/"\npoll_interval = 3\n',
+     "`poll_interval` is a top-level key: put it above the first [table]"),
+    ('[[to]]\nuri = "s3://a/"\npoll_intervall = 3\n',
+     "did you mean `poll_interval`? It is a top-level key: put it above the first [table]"),
+    ('[[to]]\nuri = "s3://a/"\nxyzzy = 3\n', "unknown field `xyzzy` - at `$.to[0]`"),
+])
+def test_a_misspelt_or_misplaced_key_names_the_one_meant(tmp_path, text: str, hint: str) -> None:
+    (tmp_path / "r.toml").write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(parse("--config", str(tmp_path / "r.toml"), "--from", "s3://t/", "--to", "s3://b/"))
+    assert str(err.value).endswith(hint), err.value
+
+
 def test_workers_and_its_deprecated_spellings(tmp_path, capsys, caplog) -> None:
     assert load_config(parse("--from", "s3://t/", "--to", "s3://a/", "--workers", "3")).workers == 3
     assert load_config(parse("--from", "s3://t/", "--to", "s3://a/")).workers == 8

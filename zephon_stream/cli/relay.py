@@ -43,7 +43,7 @@ import anyio
 import anyio.abc
 import msgspec
 
-from zephon_stream.errors import ConfigError, ZephonError, unwrap_groups
+from zephon_stream.errors import ConfigError, ZephonError, closest_key, unwrap_groups
 from zephon_stream.relay import Prefix, Relay, prometheus_text
 
 __all__ = ["PrefixConfig", "RelayConfig", "add_subparser", "serve_metrics"]
@@ -185,7 +185,8 @@ def load_config(args: argparse.Namespace) -> RelayConfig:
     try:
         cfg = msgspec.convert(raw, RelayConfig)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{args.config or 'command line'}: invalid relay config: {exc}") from exc
+        hint = closest_key(str(exc), {"": RelayConfig, "from": PrefixConfig, "to": PrefixConfig})
+        raise ConfigError(f"{args.config or 'command line'}: invalid relay config: {exc}{hint}") from exc
     if cfg.parent is None or not cfg.to:
         raise ConfigError("a relay needs a parent (--from URI) and at least one child (--to URI)")
     return cfg

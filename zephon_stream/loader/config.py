@@ -9,17 +9,15 @@ the same sequence is produced.
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import math
-import re
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import msgspec
 
-from zephon_stream.errors import ConfigError
+from zephon_stream.errors import ConfigError, closest_key
 from zephon_stream.vision.image import ImageSpec
 
 __all__ = ["Backend", "Config", "ScheduleEntry", "SourceConfig", "TransformStep", "VisionConfig"]
@@ -355,7 +353,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         try:
             return msgspec.toml.decode(data, type=cls).with_paths_from(Path(path).parent)
         except msgspec.ValidationError as exc:
-            raise ConfigError(f"invalid config {path}: {exc}{_did_you_mean(str(exc))}") from exc
+            hint = closest_key(str(exc), {"": cls, "sources": SourceConfig, "transforms": TransformStep,
+                                          "vision": VisionConfig, "schedule": ScheduleEntry})
+            raise ConfigError(f"invalid config {path}: {exc}{hint}") from exc
         except msgspec.DecodeError as exc:
             raise ConfigError(f"config {path} is not valid TOML: {exc}") from exc
 
@@ -441,21 +441,6 @@ def _chat_order(s: SourceConfig, tokenizer: str) -> list[Any]:
 
 def _file_uri(path: Path) -> str:
     return path.resolve().as_uri().rstrip("/") + "/"
-
-
-_UNKNOWN = re.compile(r"unknown field `([^`]*)`(?: - at `\$([^`]*)`)?")
-
-
-def _did_you_mean(message: str) -> str:
-    """'; did you mean `x`?' for msgspec's unknown-field error, from the keys of the table it is in."""
-    m = _UNKNOWN.search(message)
-    if m is None:
-        return ""
-    where = re.sub(r"\[\d+\]", "", m.group(2) or "").rsplit(".", 1)[-1]
-    table = {"": Config, "sources": SourceConfig, "transforms": TransformStep, "vision": VisionConfig,
-             "schedule": ScheduleEntry}.get(where)
-    close = difflib.get_close_matches(m.group(1), table.__struct_fields__ if table else (), n=1, cutoff=0.7)
-    return f"; did you mean `{close[0]}`?" if close else ""
 
 
 def _toml_value(v: object) -> str:
