@@ -6,6 +6,7 @@ its statistics, a second stream beside an open one, and Ctrl-C while a loop wait
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -341,3 +342,38 @@ def test_ctrl_c_while_waiting_for_a_batch_consumes_nothing(config, backend, monk
     resumed = Loader(config, backend=backend)
     resumed.load_state_dict(state)
     assert _records(got[:2] + batches_to(resumed, steps)) == expected
+
+
+@pytest.mark.parametrize("backend", ["threads", "inline"])
+def test_a_batch_that_waits_long_on_one_lane_says_so_and_when_it_ends(config, backend, monkeypatch, caplog) -> None:
+    """A store that stops answering (a stuck connection; a stopped worker alike) was a silent
+    hang: the trainer waited with nothing in its log. Now the wait, its lane, and its end are logged; the batches
+    are those of a run without it."""
+    from zephon_stream.loader import loader as loader_mod
+    from zephon_stream.testing.stores import WrappedStore
+
+    want = _records(batches_to(Loader(config, backend=backend), 20))
+    monkeypatch.setattr(loader_mod, "STALL_WARNING_S", 0.4)
+    reads = iter(range(10**9))
+
+    def warned() -> bool:
+        return any("has waited" in r.getMessage() for r in caplog.records)
+
+    class HangsOnce(WrappedStore):
+        async def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+            if next(reads) >= 45:  # past the start the store stops answering until the wait is logged
+                with anyio.fail_after(30):
+                    while not warned():
+                        await anyio.sleep(0.02)
+            return await super().read(key, start, end)
+
+    caplog.set_level("WARNING", logger="zephon_stream.loader")
+    got = _records(batches_to(Loader(config, backend=backend, wrap_store=HangsOnce), 20))
+    assert got == want
+    said = [r.getMessage() for r in caplog.records if r.name == "zephon_stream.loader"]
+    waited = [m for m in said if "has waited" in m]
+    assert waited and all(re.fullmatch(rf"batch \d+ has waited \d+ s for the samples of lane \d+ \(backend "
+                                       rf"'{backend}'\): a read, its retries or a lane worker is slow or stuck; "
+                                       r"still waiting", m) for m in waited), said
+    lane = re.search(r"lane (\d+)", waited[0]).group(1)
+    assert re.fullmatch(rf"lane {lane} answered after \d+ s; batch \d+ goes on", said[-1]), said

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import logging
 import multiprocessing.util  # noqa: F401  (registers its exit handler before ours: see `_close_open_iterations`)
 import threading
+import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -36,6 +38,13 @@ from zephon_stream.operators.types import Sample
 __all__ = ["BatchStream", "Frontier", "Loader", "LoaderStatistics"]
 
 StoreWrapper = Callable[[Store], Store]
+
+
+log = logging.getLogger("zephon_stream.loader")
+
+# A batch that waits this long for one lane's samples is logged (a warning, again at each multiple,
+# and once more when the samples come): a stuck read or worker is otherwise a silent hang.
+STALL_WARNING_S = 60.0
 
 
 class LoaderStatistics(msgspec.Struct, frozen=True):
@@ -463,9 +472,12 @@ class Loader:
                                      self.tokenizer.eos_id)
                 stream.relaunch = launch
                 self._batch_streams.add(stream)
+                ended = anyio.Event()
+                tg.start_soon(_watch_stalls, stream, ended)
                 try:
                     yield stream
                 finally:
+                    ended.set()
                     stream.forget()
                     self._batch_streams.discard(stream)
                     self._streams = {}
@@ -601,6 +613,8 @@ class BatchStream:
         # each lane's receive and the collate of `taken`, kept likewise (see `_KeptCall`)
         self.receiving = {lane: _KeptCall() for lane in streams}
         self.collating = _KeptCall()
+        self.waiting: tuple[int, float] | None = None  # (lane, since): the batch waits for that lane's samples
+        self.stalled = False  # a warning was logged for this wait (see `_watch_stalls`)
 
     def stop(self) -> None:
         """End the stream at its next batch (`Loader.close()`); the frontier stays where it is."""
@@ -687,11 +701,18 @@ class BatchStream:
     async def _sample(self, lane: int, index: int) -> Sample:
         queue = self.pending[lane]
         while not queue and not self.done[lane]:
+            self.waiting = (lane, time.monotonic())
             try:
                 queue.extend(await self.receiving[lane].result(self.streams[lane].receive))
             except anyio.EndOfStream:
                 self.done[lane] = True
                 break
+            finally:
+                if self.stalled:  # the watch said it waited: say it is over
+                    log.warning("lane %d answered after %.0f s; batch %d goes on", lane,
+                                time.monotonic() - self.waiting[1], self.frontier.step)
+                    self.stalled = False
+                self.waiting = None
             self.credit(lane)
             self.frontier.peak_buffered = max(self.frontier.peak_buffered, 1 + sum(  # + the batch just taken out
                 s.statistics().current_buffer_used for s in self.streams.values()))
@@ -702,6 +723,29 @@ class BatchStream:
             raise ZephonError(f"internal error: lane {lane} produced sample {sample.index}, sequencer expected "
                               f"{index}; please report this with your config")
         return sample
+
+
+async def _watch_stalls(stream: BatchStream, ended: anyio.Event) -> None:
+    """Log a batch that has waited `STALL_WARNING_S` for one lane's samples, at each multiple of
+    it (and `BatchStream._sample` once more when they come): what a hang waits on, where it would
+    be silent. It reads two attributes every few seconds; the batches' path only sets them."""
+    check = min(5.0, STALL_WARNING_S / 4)
+    wait, warned = None, 0  # the wait being watched, and the warnings given for it
+    while True:
+        with anyio.move_on_after(check):
+            await ended.wait()
+            return
+        if stream.waiting != wait:
+            wait, warned = stream.waiting, 0
+        if wait is None:
+            continue
+        waited = time.monotonic() - wait[1]
+        if waited >= (warned + 1) * STALL_WARNING_S:
+            warned += 1
+            stream.stalled = True
+            log.warning("batch %d has waited %.0f s for the samples of lane %d (backend %r): a read, its "
+                        "retries or a lane worker is slow or stuck; still waiting", stream.frontier.step, waited,
+                        wait[0], stream.config.backend)
 
 
 class _KeptCall:
