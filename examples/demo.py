@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import logging
 import sys
@@ -30,7 +31,9 @@ STEPS, CUT = 40, 20
 
 
 def main() -> int:
-    root = Path(sys.argv[1] if len(sys.argv) > 1 else "data/demo").resolve()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("root", nargs="?", default="data/demo", help="where the dataset is built (default data/demo)")
+    root = Path(parser.parse_args().root).resolve()
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the dataset build's steps, off a terminal
     notice = debian_fetch_notice()
     if notice:
