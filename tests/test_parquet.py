@@ -63,6 +63,43 @@ def test_row_groups_are_the_splits_and_rows_the_records():
     assert [(off, n) for off, n, _ in records[:12]] == [(i, 1) for i in range(10)] + [(0, 1), (1, 1)]
 
 
+def _with_empty_row_groups(texts: list[str]) -> bytes:
+    """`texts` in row groups of 10, with a row group of no rows first, in the middle and last
+    (pyarrow writes an empty table as one: its chunk lists no data page, at offset 0)."""
+    out = io.BytesIO()
+    schema = pa.schema([("text", pa.string())])
+    with pq.ParquetWriter(out, schema) as writer:
+        writer.write_table(pa.table({"text": pa.array([], pa.string())}))
+        writer.write_table(pa.table({"text": texts[:50]}), row_group_size=10)
+        writer.write_table(pa.table({"text": pa.array([], pa.string())}))
+        writer.write_table(pa.table({"text": texts[50:]}), row_group_size=10)
+        writer.write_table(pa.table({"text": pa.array([], pa.string())}))
+    return out.getvalue()
+
+
+def test_row_groups_of_no_rows_hold_nothing_and_files_of_none_are_named():
+    """An empty file that pyarrow wrote was refused as corrupt ("row group 0 column 'text' lists
+    bytes 0..15, outside the file's data"): its one row group has no data page."""
+    data = _with_empty_row_groups(TEXTS)
+    assert pq.ParquetFile(io.BytesIO(data)).metadata.row_group(0).column(0).data_page_offset == 0
+    empty = _parquet(pa.table({"text": pa.array([], pa.string())}))
+    records, _ = _read({"a.parquet": data, "b.parquet": empty}, lanes=3)
+    assert sorted(t for _, _, t in records) == sorted(TEXTS)
+    with pytest.raises(DataError, match=r"source 'src': the parquet shards under memory://x/ hold no rows"):
+        _plan({"b.parquet": empty})
+
+
+def test_a_dictionary_encoded_text_column_is_text():
+    """pandas writes a category column as an Arrow dictionary: it was refused as 'not a string'."""
+    data = _parquet(pa.table({"text": pa.array(TEXTS).dictionary_encode()}), row_group_size=10)
+    assert pa.types.is_dictionary(pq.read_schema(io.BytesIO(data)).field("text").type)
+    records, _ = _read({"a.parquet": data})
+    assert sorted(t for _, _, t in records) == sorted(TEXTS)
+    ints = _parquet(pa.table({"text": pa.array(range(100)).dictionary_encode()}))
+    with pytest.raises(DataError, match="column 'text' of Parquet file 'a.parquet' is int64, not a string"):
+        _plan({"a.parquet": ints})
+
+
 def test_restore_reads_from_a_row_inside_a_row_group():
     data = _parquet(pa.table({"text": TEXTS}), row_group_size=10)
     split = Split(0, 2, 5)  # row groups 2..4: rows 20..49, offsets 0..29

@@ -167,6 +167,11 @@ def resolve_column(footer: ParquetFooter, name: str, kind: str) -> Column:
 
 
 def _check_type(key: str, name: str, dtype: Any, kind: str) -> None:
+    import pyarrow as pa
+
+    shown = dtype
+    if pa.types.is_dictionary(dtype):  # dictionary-encoded (pandas' category): its values are what it holds
+        dtype = dtype.value_type
     ok = str(dtype) in _STRING
     if kind == "messages":  # a chat source's conversations: a list (of structs {role, content}, as HF writes them)
         ok = str(dtype).startswith(("list<", "large_list<"))
@@ -177,14 +182,16 @@ def _check_type(key: str, name: str, dtype: Any, kind: str) -> None:
         want = {"text": "a string", "messages": "a list of messages (list<struct<role, content>>)"}.get(
             kind, "binary, or a struct<bytes: binary, path: string> (HF Image)")
         setting = {"text": "text_field", "messages": "messages_field"}.get(kind, "image_field")
-        raise DataError(f"column {name!r} of Parquet file {key!r} is {dtype}, not {want}: name a {kind} column "
+        raise DataError(f"column {name!r} of Parquet file {key!r} is {shown}, not {want}: name a {kind} column "
                         f"({setting})", key=key, offset=0)
 
 
 def column_ranges(footer: ParquetFooter, group: int, columns: Sequence[Column]) -> list[tuple[int, int]]:
     """Byte ranges [start, end) of the chunks of `columns` in row group `group`, in file order."""
     rg = footer.metadata.row_group(group)
-    out = []
+    out: list[tuple[int, int]] = []
+    if rg.num_rows == 0:  # nothing to read: its chunks may list no data page at all (offset 0, as pyarrow writes)
+        return out
     for c in range(rg.num_columns):
         chunk = rg.column(c)
         path = chunk.path_in_schema

@@ -86,7 +86,7 @@ class ParquetSplitReader:
         first = bisect.bisect_right(rows, target, split.start, split.end) - 1
         footer = await read_footer(self.store, self.key, self.shard.size, self.shard.etag)
         columns = _resolve(footer, self.columns)
-        groups = [g for g in range(first, split.end) if rows[g + 1] > target]
+        groups = [g for g in range(first, split.end) if rows[g + 1] > max(rows[g], target)]  # rows left
         async for group, parts in self._chunks(footer, groups, columns):
             table = await self.run_cpu(decode_row_group, footer, group, columns, parts)
             if len(table) != rows[group + 1] - rows[group]:

@@ -135,7 +135,7 @@ async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field
                     "samples")
     if not splits:
         raise DataError(f"source {name!r}: the {fmt} shards under {uri} hold no " +
-                        {"tar": "sample", "parquet": "row group"}.get(fmt, "data"))
+                        {"tar": "samples", "parquet": "rows"}.get(fmt, "data"))
     return SourcePlan(name=name, uri=uri, prefix=prefix, text_field=text_field,
                       shards=shards, splits=splits, skipped_shards=skipped, format=fmt)
 
