@@ -7,6 +7,8 @@ import io
 import json
 
 import anyio
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import zstandard
 
@@ -165,7 +167,8 @@ def test_cli_shards_and_prints_a_summary(dataset, tmp_path, capsys):
 
 
 def test_cli_errors_name_its_flags_not_the_config_keys(tmp_path, capsys):
-    """The readers' errors name `on_bad_record` and `max_record_bytes`; the command says its flags."""
+    """The readers' errors name `on_bad_record`, `max_record_bytes` and `text_field`; the command says
+    its flags."""
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.jsonl").write_bytes(b'{"text": "ok"}\n{"text": \n')
     assert main(["shard", str(tmp_path / "in"), str(tmp_path / "o1")]) == 1
@@ -191,6 +194,14 @@ def test_cli_errors_name_its_flags_not_the_config_keys(tmp_path, capsys):
     assert main(["shard", str(tmp_path / "in"), str(tmp_path / "o5")]) == 1
     err = capsys.readouterr().err
     assert "error: empty input 'b.jsonl.gz' (0 bytes): remove it or pass --on-bad-record skip" in err, err
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"body": pa.array([b"bytes"], pa.binary())}), tmp_path / "pq" / "a.parquet")
+    assert main(["shard", str(tmp_path / "pq"), str(tmp_path / "o6")]) == 1
+    err = capsys.readouterr().err
+    assert "has no column 'text' (its columns: body): pass one of them to --text-field (or --image-field)" in err, err
+    assert main(["shard", str(tmp_path / "pq"), str(tmp_path / "o7"), "--text-field", "body"]) == 1
+    err = capsys.readouterr().err
+    assert "column 'body' of Parquet file 'a.parquet' is binary, not a string: name a text column (--text-field)" in err
 
 
 def test_progress_bar_on_a_terminal_and_lines_elsewhere():
