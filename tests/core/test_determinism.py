@@ -3,8 +3,8 @@ buffer sizes, injected latency and any sequence of checkpoint/resume (L = 12).
 
 Every test runs for the text config, for an image+text config (tar shards of images mixed
 with a text source), whose records digest the pixels too, and for a scheduled text config (weights
-that change at two steps, a shuffle window per source: tests/core/test_mixtures.py has the
-set_weights runs). Other modules collect these tests again for more configs (formats, packing,
+that change at two steps, the second pausing a source, a shuffle window per source:
+tests/core/test_mixtures.py has the set_weights runs). Other modules collect these tests again for more configs (formats, packing,
 transforms, chat); for those, tests/core/conftest.py leaves out two repeated runs through worker
 processes (`TEXT_ONLY_CASES`)."""
 
@@ -31,7 +31,7 @@ def config(request):
     if request.param == "scheduled":
         text = request.getfixturevalue("config")
         return text.replace(shuffle_scope="source", schedule=[ScheduleEntry(5, {"a": 0.2, "b": 0.8}),
-                                                              ScheduleEntry(13, {"a": 0.7, "b": 0.3})])
+                                                              ScheduleEntry(13, {"a": 0.0, "b": 0.3})])  # a paused
     return request.getfixturevalue("config" if request.param == "text" else "vision_config")
 
 

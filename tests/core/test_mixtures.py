@@ -24,13 +24,15 @@ from zephon_stream.operators.collate import source_tokens
 from zephon_stream.operators.shuffle import ShuffleState
 from zephon_stream.testing.determinism import batch_records, run_world
 
-from .conftest import write_jsonl
+from .conftest import batches_to, write_jsonl
 
 STEPS = 16
+W0 = {"a": 0.0, "b": 1.0}  # a paused
 W1 = {"a": 0.1, "b": 0.9}
 W2 = {"a": 0.5, "b": 0.5}
-# (after the rank consumed this many steps, weights, at_step): two decisions, one made long before its step
-CALLS = [(2, W1, 6), (7, W2, 11)]
+# (after the rank consumed this many steps, weights, at_step): two decisions, one made long before its
+# step; the first pauses source a, the second brings it back
+CALLS = [(2, W0, 6), (7, W2, 11)]
 
 
 def _scheduled(config: Config, calls=CALLS) -> Config:
@@ -215,8 +217,10 @@ def test_a_decision_for_a_consumed_step_is_refused(config):
 @pytest.mark.parametrize(("weights", "step", "match"), [
     ({"a": 1.0}, 3, r"must give a weight to each source, by name: \['a', 'b'\]"),
     ({"a": 1.0, "b": 1.0, "c": 1.0}, 3, "must give a weight to each source"),
-    ({"a": 0.0, "b": 1.0}, 3, r"weights.a = 0.0: must be a number > 0"),
-    ({"a": float("nan"), "b": 1.0}, 3, r"weights.a = nan: must be a number > 0"),
+    ({"a": 1.0, "c": 1.0}, 3, r"must give a weight to each source, by name: \['a', 'b'\] \('c' is not one\)"),
+    ({"a": 0.0, "b": 0.0}, 3, r"weights = \{'a': 0.0, 'b': 0.0\}: one source needs a weight > 0"),
+    ({"a": -1.0, "b": 1.0}, 3, r"weights.a = -1.0: must be a number >= 0 \(weights are relative; 0 pauses"),
+    ({"a": float("nan"), "b": 1.0}, 3, r"weights.a = nan: must be a number >= 0"),
     ({"a": 1.0, "b": 1.0}, -1, r"at_step = -1: must be a global step"),
     ({"a": 1.0, "b": 1.0}, True, r"at_step = True: must be a global step"),
 ])
@@ -252,7 +256,7 @@ def test_schedule_in_toml_round_trips_and_is_validated(config, tmp_path):
     path = tmp_path / "c.toml"
     path.write_text(cfg.to_toml())
     assert Config.from_toml(path) == cfg
-    assert "[[schedule]]\nstep = 6\nweights = { \"a\" = 0.1, \"b\" = 0.9 }" in cfg.to_toml()
+    assert "[[schedule]]\nstep = 6\nweights = { \"a\" = 0.0, \"b\" = 1.0 }" in cfg.to_toml()
     assert cfg.order_digest("t") != config.order_digest("t")
     path.write_text(config.to_toml() + "\n[[schedule]]\nstep = 4\nweights = { a = 1.0 }\n")
     with pytest.raises(ConfigError, match=r"schedule\[step=4\].weights = \{'a': 1.0\}: must give a weight"):
@@ -261,6 +265,25 @@ def test_schedule_in_toml_round_trips_and_is_validated(config, tmp_path):
                     "\n[[schedule]]\nstep = 4\nweights = { a = 2.0, b = 1 }\n")
     with pytest.raises(ConfigError, match=r"schedule = \[4, 4\]: steps must be strictly increasing"):
         Config.from_toml(path)
+
+
+def test_a_paused_source_draws_nothing_until_its_weight_comes_back(config):
+    """With one shuffle window per source (before the mix), no document of a paused source is
+    drawn: its tokens stop once the samples of the step before the pause are done; the config's
+    own weight 0 holds a source out from step 0; with max_epochs its documents come last."""
+    cfg = _scheduled(config.replace(shuffle_scope="source"))
+    per_step = [sum(row["a"] for row in source_tokens(b, ["a", "b"])) for b in batches_to(Loader(cfg), STEPS)]
+    assert all(per_step[:6]) and not any(per_step[8:11]) and all(per_step[12:]), per_step
+    a, b = config.sources
+    held = config.replace(shuffle_scope="source", sources=[msgspec.structs.replace(a, weight=0.0), b])
+    assert not any(sum(row["a"] for row in source_tokens(x, ["a", "b"])) for x in batches_to(Loader(held), 8))
+    once = held.replace(max_epochs=1)
+    tokens = [sum(row["a"] for row in source_tokens(x, ["a", "b"])) for x in Loader(once)]
+    first_a = next(i for i, n in enumerate(tokens) if n)
+    assert first_a > 0 and all(tokens[first_a + 1:-1]), tokens  # after b ended: a alone, to its end
+    weighted = config.replace(shuffle_scope="source", max_epochs=1)
+    assert sum(tokens) == sum(sum(row["a"] for row in source_tokens(x, ["a", "b"])) for x in Loader(weighted))
+    assert Loader(once).statistics().weights == {"a": 0.0, "b": 1.0}
 
 
 def test_source_tokens_and_realized_shares(config):
@@ -286,14 +309,14 @@ def test_cli_set_weights_digests_and_inspect(config, tmp_path, capsys):
     path.write_text(config.to_toml())
     state = tmp_path / "s.state"
     assert main(["stream", str(path), "--steps", "12", "--digests", "--save-state", str(state), "--save-at", "8",
-                 "--set-weights", "6:a=0.1,b=0.9", "--set-weights", "11:a=0.5,b=0.5"]) == 0
+                 "--set-weights", "6:a=0,b=1", "--set-weights", "11:a=0.5,b=0.5"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     want, _ = run_world(_scheduled(config), 1, 12, backend="inline")
     assert [(d["step"], d["slot"], d["lane"], d["tokens"], d["sha256"]) for d in lines] == want
     assert all(set(d["source_tokens"]) == {"a", "b"} and sum(d["source_tokens"].values()) == d["tokens"]
                for d in lines)
     # the checkpoint carries the log: a resumed run needs no --set-weights, and repeating them is a no-op
-    for extra in ([], ["--set-weights", "6:a=0.1,b=0.9"]):
+    for extra in ([], ["--set-weights", "6:a=0,b=1"]):
         assert main(["stream", str(path), "--steps", "12", "--digests", "--resume", str(state), *extra]) == 0
         assert [json.loads(x) for x in capsys.readouterr().out.splitlines()] == [d for d in lines if d["step"] >= 8]
     assert main(["inspect", str(path), "--step", "7", "--set-weights", "6:a=0.1,b=0.9"]) == 0

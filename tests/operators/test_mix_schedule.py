@@ -70,9 +70,10 @@ def test_schedule_drops_an_entry_that_changes_nothing() -> None:
 
 @pytest.mark.parametrize(("entries", "match"), [
     ([(3, [1, 1])], "needs weights at step 0"),
-    ([(0, [1, 1]), (4, [1])], "one finite weight > 0 per source"),
-    ([(0, [1, 0])], "one finite weight > 0 per source"),
-    ([(0, [1, float("inf")])], "one finite weight > 0 per source"),
+    ([(0, [1, 1]), (4, [1])], "one finite weight >= 0 per source, one of them > 0"),
+    ([(0, [0, 0])], "one finite weight >= 0 per source, one of them > 0"),
+    ([(0, [1, -1])], "one finite weight >= 0 per source, one of them > 0"),
+    ([(0, [1, float("inf")])], "one finite weight >= 0 per source, one of them > 0"),
 ])
 def test_schedule_refuses_bad_entries(entries, match) -> None:
     with pytest.raises(ValueError, match=match):
@@ -92,22 +93,37 @@ def test_counters_restart_at_a_change_and_the_new_weights_hold_from_there() -> N
         sum(len(d[1]) for d in docs[:40] if d[0][0] == s) for s in (0, 1)]
 
 
+def test_a_weight_of_0_pauses_a_source_until_the_weighted_ones_end() -> None:
+    """From the change on no document of the paused source is drawn while the others have some;
+    then its rest comes, so every document still appears once; and again after a restart."""
+    sources = [_docs(0, [10] * 30), _docs(1, [10] * 20), _docs(2, [10] * 10)]
+    mix = _chain(sources, Schedule([(0, [1, 1, 1]), (10, [0, 2, 1]), (40, [0, 0, 1])]), per_step=1)[-1]
+    got = [d[0][0] for d in anyio.run(_drain, mix)]
+    assert sorted(got) == [0] * 30 + [1] * 20 + [2] * 10
+    first_10 = got[:10]
+    assert set(first_10) == {0, 1, 2}
+    resumed = got[10:].index(0) + 10  # source 0 comes back only after 1 and 2 ended
+    assert 1 not in got[resumed:] and 2 not in got[resumed:] and set(got[resumed:]) == {0}
+    assert got.count(1) == 20 and got.count(2) == 10
+
+
 @pytest.mark.parametrize("per_step", [1, 2, 5])
 def test_roundtrip_at_every_point_across_changes(per_step: int) -> None:
     sources = [_docs(0, [5, 9, 2, 7, 3, 3, 8]), _docs(1, [30, 1, 4, 6]), _docs(2, [3] * 6)]
-    schedule = Schedule([(0, [1, 2, 0.5]), (2, [3, 1, 1]), (4, [0.2, 1, 5])])
+    schedule = Schedule([(0, [1, 2, 0.5]), (2, [3, 1, 1]), (4, [0.2, 0, 5])])
     n = anyio.run(lambda: assert_roundtrip(lambda: _chain(sources, schedule, per_step), resolve=lambda r: None))
     assert n == sum(map(len, sources))
 
 
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.lists(st.integers(1, 40), max_size=25), min_size=1, max_size=3),
-       st.lists(st.tuples(st.integers(1, 30), st.lists(st.floats(0.1, 10), min_size=3, max_size=3)), max_size=4),
+       st.lists(st.tuples(st.integers(1, 30), st.lists(st.floats(0.1, 10) | st.just(0.0), min_size=3, max_size=3)),
+                max_size=4),
        st.integers(1, 4))
 def test_every_document_once_whatever_the_schedule(lengths, changes, per_step) -> None:
     n = len(lengths)
     sources = [_docs(s, ls) for s, ls in enumerate(lengths)]
-    schedule = Schedule([(0, [1.0] * n)] + [(step, ws[:n]) for step, ws in changes])
+    schedule = Schedule([(0, [1.0] * n)] + [(step, ws[:n]) for step, ws in changes if any(ws[:n])])
     got = [d[0] for d in anyio.run(_drain, _chain(sources, schedule, per_step)[-1])]
     assert sorted(got) == sorted(d[0] for s in sources for d in s)
     for s in range(n):

@@ -167,7 +167,7 @@ class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 class ScheduleEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A `[[schedule]]` table: from global step `step` on, the sources mix by `weights`
-    (one relative weight > 0 per source, by name), until the next entry.
+    (one relative weight >= 0 per source, by name, one > 0), until the next entry.
 
     ```
     [[schedule]]
@@ -260,7 +260,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         names = [s.name for s in self.sources]
         _check(len(set(names)) == len(names), "sources", names, "source names must be unique")
         for s in self.sources:
-            _check(s.weight > 0 and math.isfinite(s.weight), f"sources[{s.name}].weight", s.weight, "must be > 0")
+            _check(s.weight >= 0 and math.isfinite(s.weight), f"sources[{s.name}].weight", s.weight,
+                   "must be >= 0 (0: paused until the others end)")
+        _check(any(s.weight > 0 for s in self.sources), "sources.weight", [s.weight for s in self.sources],
+               "one source needs a weight > 0")
         for field in ("workers", "cpu_threads", "tokenize_batch", "doc_buffer", "sample_buffer", "sample_batch",
                       "read_ahead"):
             _check(getattr(self, field) >= 1, field, getattr(self, field), "must be >= 1")
@@ -299,14 +302,18 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
 
     def check_weights(self, weights: object, where: str) -> list[float]:
         """`weights` (name -> relative weight) as a list in source order; ConfigError unless it
-        names every source exactly once with a finite weight > 0."""
+        names every source exactly once with a finite weight >= 0, one of them > 0."""
         names = [s.name for s in self.sources]
+        unknown = sorted(set(weights) - set(names)) if isinstance(weights, dict) else []
         _check(isinstance(weights, dict) and set(weights) == set(names), where, weights,
-               f"must give a weight to each source, by name: {names}")
+               f"must give a weight to each source, by name: {names}"
+               + (f" ({', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not one)"
+                  if unknown else ""))
         assert isinstance(weights, dict)
         for name, w in weights.items():
-            _check(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 and math.isfinite(w),
-                   f"{where}.{name}", w, "must be a number > 0 (weights are relative)")
+            _check(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 and math.isfinite(w),
+                   f"{where}.{name}", w, "must be a number >= 0 (weights are relative; 0 pauses the source)")
+        _check(any(weights.values()), where, weights, "one source needs a weight > 0")
         return [float(weights[n]) for n in names]
 
     def weights_by_step(self) -> list[tuple[int, list[float]]]:

@@ -83,7 +83,8 @@ MEANINGS: dict[tuple[str, str], str] = {
     ("sources", "name"): "The source's name, unique: in schedules, statistics and digests.",
     ("sources", "uri"): "`file:///abs/dir/`, `s3://bucket/prefix/`, or a plain path relative to the config "
                         "file: every shard under it, sorted by key. ",
-    ("sources", "weight"): "The source's share of the mix; weights are relative (0.7 and 0.3 = 7 and 3). ",
+    ("sources", "weight"): "The source's share of the mix; weights are relative (0.7 and 0.3 = 7 and 3); 0 "
+                           "pauses the source until every weighted one has ended. ",
     ("sources", "text_field"): "The JSON key (a dotted path in Parquet) or tar member (`txt`, `json:caption`) "
                                "that holds the text. ",
     ("sources", "image_field"): "Makes it an image+text source: the tar member extensions (`png`, "
@@ -126,7 +127,8 @@ MEANINGS: dict[tuple[str, str], str] = {
     ("transforms", "filter"): '`"pkg.module:function"`: keeps the records for which it is true; the others are '
                               "counted per source in statistics. ",
     ("schedule", "step"): "The global step from which `weights` apply. ",
-    ("schedule", "weights"): "New weights by source name (relative), e.g. `{ web = 0.3, code = 0.7 }`. ",
+    ("schedule", "weights"): "New weights by source name (relative), e.g. `{ web = 0.3, code = 0.7 }`; 0 "
+                             "pauses a source. ",
 }
 
 _TABLES: list[tuple[str, str, type[msgspec.Struct]]] = [

@@ -3,7 +3,9 @@
 Token-aware by default: the next document comes from the active source whose token count since
 the weights in force came into force is smallest relative to its weight
 (`(counts[s] - base[s]) / weight[s]`), so realized token shares track the weights to within one
-document. Ties break by `mix64(seed, lane, position, s)`. The choice is a pure function of
+document. A source of weight 0 is paused: it is drawn from only once every source with a weight
+has ended (with `max_epochs`, so that every document still appears), and then as if weighted 1.
+Ties break by `mix64(seed, lane, position, s)`. The choice is a pure function of
 (seed, lane, position) and the counters in the state; with `by_tokens=False` the counters count
 documents instead of tokens.
 
@@ -48,7 +50,7 @@ class Schedule:
     """Weights by global step: `[(step, weights)]`, the first at step 0.
 
     An entry whose weights equal the ones in force is dropped, so a repeated decision never
-    restarts the counters. Weights must be finite and > 0.
+    restarts the counters. Weights must be finite and >= 0, one of them > 0.
     """
 
     def __init__(self, entries: Sequence[tuple[int, Sequence[float]]]) -> None:
@@ -58,8 +60,10 @@ class Schedule:
         self.steps: list[int] = []
         self.weights: list[list[float]] = []
         for step, ws in by_step.items():
-            if not ws or len(ws) != len(by_step[0]) or not all(w > 0 and w != float("inf") for w in ws):
-                raise ValueError(f"Schedule weights at step {step} = {ws}: need one finite weight > 0 per source")
+            if (not ws or len(ws) != len(by_step[0]) or not all(0 <= w < float("inf") for w in ws)
+                    or not any(ws)):
+                raise ValueError(f"Schedule weights at step {step} = {ws}: need one finite weight >= 0 per source, "
+                                 "one of them > 0")
             if not self.weights or ws != self.weights[-1]:
                 self.steps.append(step)
                 self.weights.append(ws)
@@ -106,11 +110,14 @@ class Mix:
 
     async def next(self) -> Doc | None:
         while self._active:
-            if len(self._active) == 1:  # one source left (or only one): the draw has one outcome
-                s = self._active[0]
+            live = self._active
+            if 0.0 in self.weights:  # a source of weight 0 waits until every weighted one has ended
+                live = [s for s in live if self.weights[s] > 0] or live
+            if len(live) == 1:  # one source left (or only one): the draw has one outcome
+                s = live[0]
             else:
-                s = min(self._active, key=lambda s: ((self.counts[s] - self.base[s]) / self.weights[s],
-                                                    mix64(self.seed, self.lane, self.position, s)))
+                s = min(live, key=lambda s: ((self.counts[s] - self.base[s]) / (self.weights[s] or 1.0),
+                                             mix64(self.seed, self.lane, self.position, s)))
             doc = await self.upstreams[s].next()
             if doc is None:
                 self._active.remove(s)
