@@ -4,9 +4,9 @@ buffer sizes, injected latency and any sequence of checkpoint/resume (L = 12).
 Every test runs for the text config, for an image+text config (tar shards of images mixed
 with a text source), whose records digest the pixels too, and for a scheduled text config (weights
 that change at two steps, the second pausing a source, a shuffle window per source:
-tests/core/test_mixtures.py has the set_weights runs). Other modules collect these tests again for more configs (formats, packing,
-transforms, chat); for those, tests/core/conftest.py leaves out two repeated runs through worker
-processes (`TEXT_ONLY_CASES`)."""
+tests/core/test_mixtures.py has the set_weights runs). Other modules collect these tests again for
+more configs (formats, packing, transforms, chat); for those, tests/core/conftest.py leaves out
+two repeated runs through worker processes (`TEXT_ONLY_CASES`)."""
 
 from __future__ import annotations
 

@@ -703,16 +703,17 @@ class BatchStream:
         while not queue and not self.done[lane]:
             self.waiting = (lane, time.monotonic())
             try:
-                queue.extend(await self.receiving[lane].result(self.streams[lane].receive))
+                got = await self.receiving[lane].result(self.streams[lane].receive)
             except anyio.EndOfStream:
                 self.done[lane] = True
                 break
-            finally:
-                if self.stalled:  # the watch said it waited: say it is over
-                    log.warning("lane %d answered after %.0f s; batch %d goes on", lane,
-                                time.monotonic() - self.waiting[1], self.frontier.step)
-                    self.stalled = False
-                self.waiting = None
+            finally:  # a cancelled wait (a timeout around it) ends here too, and the next is watched anew
+                (_, since), self.waiting = self.waiting, None
+                stalled, self.stalled = self.stalled, False
+            if stalled:  # the watch said it waited: say it is over
+                log.warning("lane %d answered after %.0f s; batch %d goes on", lane, time.monotonic() - since,
+                            self.frontier.step)
+            queue.extend(got)
             self.credit(lane)
             self.frontier.peak_buffered = max(self.frontier.peak_buffered, 1 + sum(  # + the batch just taken out
                 s.statistics().current_buffer_used for s in self.streams.values()))
