@@ -571,6 +571,57 @@ def test_cli_pull_creates_a_missing_weights_file_whole_and_bound(tmp_path: Path,
     assert_same(states[1], loaded(path))
 
 
+def _sharded(root: Path, state: dict[str, torch.Tensor]) -> Path:
+    """`state` as a Hugging Face sharded checkpoint under `root`: two files and their index."""
+    names = sorted(state)
+    parts = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    root.mkdir(exist_ok=True)
+    for file, held in parts.items():
+        safetensors.save(root / file, {n: state[n] for n in held})
+    index = root / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {n: f for f, held in parts.items() for n in held}}))
+    return index
+
+
+def test_cli_publishes_and_pulls_a_sharded_checkpoint_by_its_index(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A model over 5 GB is saved by Hugging Face in shards with an index: the CLI took one file."""
+    states = [model(11), step(model(11), 12, frac=0.3)]
+    prefix = f"file://{tmp_path}/p/"
+    src, dst = _sharded(tmp_path / "src", states[0]), _sharded(tmp_path / "dst", zeros_like(states[0]))
+
+    def held(index: Path) -> dict[str, torch.Tensor]:
+        return {k: v for f in sorted(index.parent.glob("*.safetensors")) for k, v in loaded(f).items()}
+
+    for state in states:
+        _sharded(tmp_path / "src", state)
+        assert zephon("refit", "publish", "--prefix", prefix, "--weights", str(src)) == 0
+        assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(dst)) == 0
+        assert_same(state, held(dst))
+    hashed = 0
+    real = local_mod.ChunkPlan.digest
+
+    def counting(self, words):
+        nonlocal hashed
+        hashed += 1
+        return real(self, words)
+
+    monkeypatch.setattr(local_mod.ChunkPlan, "digest", counting)
+    assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(dst)) == 0
+    assert hashed == 0  # the record is bound to both files
+    second = dst.parent / "model-00002-of-00002.safetensors"
+    safetensors.save(second, {k: torch.zeros_like(v) for k, v in loaded(second).items()})  # rewritten: verified again
+    assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(dst)) == 0
+    assert hashed > 0
+    assert_same(states[1], held(dst))
+    capsys.readouterr()
+    index = json.loads(dst.read_text())
+    index["weight_map"].pop(sorted(index["weight_map"])[0])
+    dst.write_text(json.dumps(index))
+    assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(dst)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not hold the tensors its index gives it: 0 missing [], 1 not in the index" in err[0]
+
+
 def test_cli_record_directory_exits_2(tmp_path: Path, capsys) -> None:
     weights = tmp_path / "w.safetensors"
     safetensors.save(weights, model(1))

@@ -34,7 +34,8 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="refit_command", required=True)
     pub = sub.add_parser("publish", help="publish a safetensors file as the next version")
     pub.add_argument("--prefix", required=True, help="file:///dir/, s3://bucket/prefix/ or memory://name/")
-    pub.add_argument("--weights", required=True, metavar="FILE", help="the .safetensors file to publish")
+    pub.add_argument("--weights", required=True, metavar="FILE",
+                     help="the .safetensors file to publish, or a sharded checkpoint's model.safetensors.index.json")
     pub.add_argument("--keyframe-every", type=int, default=10, metavar="K",
                      help="publish a full keyframe every K versions, deltas between (default 10)")
     pub.add_argument("--keep-versions", type=int, default=8, metavar="N",
@@ -47,7 +48,8 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     pull = sub.add_parser("pull", help="update a safetensors file in place to the latest version")
     pull.add_argument("--prefix", required=True, metavar="URI", help="where the versions were published")
     pull.add_argument("--weights", required=True, metavar="FILE",
-                      help="the .safetensors file to update in place; a missing one is created from the newest version")
+                      help="the .safetensors file to update in place (a missing one is created from the newest "
+                           "version), or a sharded checkpoint's model.safetensors.index.json")
     pull.add_argument("--record", metavar="FILE", help="local version record (default: FILE.refit beside the weights)")
     pull.add_argument("--workers", type=int, default=4, metavar="N", help="chunks fetched and checked concurrently")
     pull.set_defaults(func=_pull)
@@ -73,13 +75,20 @@ def _guard(fn: Any) -> Any:
 
 
 def _weights(path: str, *, writable: bool = False) -> Mapped:
-    """The weights file, or ConfigError (exit 2): a missing, unreadable or malformed file is the user's to fix."""
+    """The weights file, or a sharded checkpoint's index (`*.index.json`: all its files as one
+    state), or ConfigError (exit 2): a missing, unreadable or malformed file is the user's to fix."""
     from zephon_stream.refit import safetensors  # torch
 
     try:
+        if _is_index(path):
+            return safetensors.load_index(path, writable=writable)
         return safetensors.load(path, writable=writable)
     except ZephonError as exc:
         raise ConfigError(f"--weights {path}: {exc}") from exc
+
+
+def _is_index(path: str) -> bool:
+    return path.endswith(".json")
 
 
 @_guard
@@ -100,7 +109,8 @@ async def _publish(args: argparse.Namespace) -> int:
 async def _pull(args: argparse.Namespace) -> int:
     from zephon_stream.refit.subscriber import Subscriber  # torch
 
-    new = not os.path.lexists(args.weights)  # a new rollout worker: the file is made from the version's table
+    # a new rollout worker: the file is made from the version's table (a sharded one's files are its own to lay out)
+    new = not os.path.lexists(args.weights) and not _is_index(args.weights)
     record = args.record or f"{args.weights}.refit"
     if new:
         weights = await _new_weights(args)
@@ -111,7 +121,8 @@ async def _pull(args: argparse.Namespace) -> int:
         weights = args.weights
     try:
         state = _weights(weights, writable=True)
-        async with Subscriber(args.prefix, record=record, weights=weights, workers=args.workers) as sub:
+        async with Subscriber(args.prefix, record=record, weights=state.files or weights,
+                              workers=args.workers) as sub:
             version = await sub.pull(state, sync=state.flush)
             if new:  # complete: it takes its name, and the record is bound to the file under it
                 del state

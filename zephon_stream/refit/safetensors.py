@@ -9,7 +9,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -17,7 +17,7 @@ import torch
 
 from zephon_stream.errors import AccessDenied, ConfigError, DataError, ObjectNotFound, ZephonError
 
-__all__ = ["Mapped", "allocate", "load", "save"]
+__all__ = ["Mapped", "allocate", "load", "load_index", "save"]
 
 _DTYPES = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
@@ -128,15 +128,51 @@ def _os_error(where: str, exc: OSError) -> ZephonError:
 
 
 class Mapped(dict[str, torch.Tensor]):
-    """Tensors memory-mapped from one file; `flush()` makes in-place writes durable."""
+    """Tensors memory-mapped from one file (or the files of a sharded checkpoint, `files`);
+    `flush()` makes in-place writes durable."""
 
-    def __init__(self, mm: np.memmap | None) -> None:
+    def __init__(self, mm: np.memmap | None, files: Sequence[str] = ()) -> None:
         super().__init__()
-        self._mm = mm
+        self._mms = [mm] if mm is not None else []
+        self.files = list(files)
 
     def flush(self) -> None:
-        if self._mm is not None:
-            self._mm.flush()
+        for mm in self._mms:
+            mm.flush()
+
+
+def load_index(path: str | os.PathLike[str], *, writable: bool = False) -> Mapped:
+    """The tensors of a sharded checkpoint, named by its Hugging Face index
+    (`model.safetensors.index.json`: `{"weight_map": {tensor: file}}`, files beside it), as one
+    mapping. Every file's tensors must be the ones the index gives it, each in one file only."""
+    where = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            index = json.loads(f.read(MAX_HEADER + 1))
+    except OSError as exc:
+        raise _os_error(where, exc) from exc
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DataError(f"{where}: not a safetensors index (JSON with a weight_map): {exc}", key=where) from exc
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise DataError(f"{where}: not a safetensors index: it needs a weight_map of tensor names to file names",
+                        key=where)
+    root = os.path.dirname(os.path.abspath(where))
+    files = sorted(set(weight_map.values()))
+    out = Mapped(None, [os.path.join(root, name) for name in files])
+    for name, full in zip(files, out.files, strict=True):
+        if os.path.basename(name) != name:
+            raise DataError(f"{where}: file {name!r} is not a file name beside the index", key=where)
+        part = load(full, writable=writable)
+        want = sorted(k for k, v in weight_map.items() if v == name)
+        if sorted(part) != want:
+            extra, missing = sorted(set(part) - set(want)), sorted(set(want) - set(part))
+            raise DataError(f"{full} does not hold the tensors its index gives it: {len(missing)} missing "
+                            f"{missing[:3]}, {len(extra)} not in the index {extra[:3]}", key=full)
+        out.update(part)
+        out._mms += part._mms
+    return out
 
 
 def load(path: str | os.PathLike[str], *, writable: bool = False) -> Mapped:

@@ -42,8 +42,9 @@ version the record or the target names is rebuilt from a keyframe, exactly as a 
 
 from __future__ import annotations
 
+import hashlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, NamedTuple
 
@@ -100,13 +101,20 @@ class FileIdentity(msgspec.Struct, frozen=True, array_like=True):
     ctime_ns: int
 
     @classmethod
-    def of(cls, path: str | os.PathLike[str]) -> FileIdentity:
-        try:
-            st = os.stat(path)
-        except OSError as exc:
-            raise ConfigError(f"weights file {os.fspath(path)!r} cannot be read ({exc.strerror}): give the file "
-                              "that holds the state being pulled") from exc
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    def of(cls, path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> FileIdentity:
+        """A file's identity; for several files (a sharded checkpoint), one identity that changes
+        when any of them is replaced or written: a digest of theirs in `ino`, their total size."""
+        if isinstance(path, (str, os.PathLike)):
+            try:
+                st = os.stat(path)
+            except OSError as exc:
+                raise ConfigError(f"weights file {os.fspath(path)!r} cannot be read ({exc.strerror}): give the "
+                                  "file that holds the state being pulled") from exc
+            return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        each = [cls.of(p) for p in path]
+        digest = hashlib.blake2b(msgspec.msgpack.encode([[os.fspath(p) for p in path], each]), digest_size=8)
+        return cls(0, int.from_bytes(digest.digest(), "little"), sum(f.size for f in each),
+                   max((f.mtime_ns for f in each), default=0), max((f.ctime_ns for f in each), default=0))
 
 
 class LocalRecord(msgspec.Struct):
@@ -154,8 +162,9 @@ class Subscriber(StoreOwner):
     `sharding` says which piece of each tensor this rank holds (default: everything).
     `record` is a file for the local version record; without it the record lives in memory and
     a restarted process starts as a joiner (from the newest keyframe). `weights` is the file
-    that holds the state (a memory-mapped safetensors file): the record is bound to its
-    identity, so a restarted process trusts an unchanged file without re-hashing it. A record
+    that holds the state (a memory-mapped safetensors file), or the files of a sharded one: the
+    record is bound to their identity, so a restarted process trusts them unchanged without
+    re-hashing them. A record
     loaded without `weights` is re-verified on the first pull. Every `pull` of one subscriber
     must be given the state the record describes (the same tensors, changed only by pulls).
 
@@ -171,7 +180,7 @@ class Subscriber(StoreOwner):
         store: Store | None = None,
         sharding: Sharding | None = None,
         record: str | os.PathLike[str] | None = None,
-        weights: str | os.PathLike[str] | None = None,
+        weights: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
         workers: int | None = None,
         threads: int | None = None,
         staged_bytes: int = 256 << 20,
@@ -190,7 +199,9 @@ class Subscriber(StoreOwner):
         self._where = str(location(prefix, store=store))  # what the record is bound to
         self.sharding = sharding or Sharding()
         self.record_path = _record_path(record) if record is not None else None
-        self.weights = Path(weights) if weights is not None else None
+        self.weights: Path | tuple[Path, ...] | None = (
+            None if weights is None else Path(weights) if isinstance(weights, (str, os.PathLike))
+            else tuple(Path(w) for w in weights))
         self.workers, self.staged_bytes = workers, staged_bytes
         self._cpu = CpuPolicy(default_threads(workers) if threads is None else threads)
         self.record = self._load_record()
