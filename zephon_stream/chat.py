@@ -252,7 +252,7 @@ class ChatTokens:
     def for_source(cls, config: Any, source: int, tokenizer: Any) -> ChatTokens:
         """The chat tokenizer of `config.sources[source]` (a chat source)."""
         src = config.sources[source]
-        template = load_template(src.chat_template, config.tokenizer, f"source {src.name!r}",
+        template = load_template(src.chat_template, config.tokenizer_file, f"source {src.name!r}",
                                  {"eos_token": config.eos_token, "bos_token": config.bos_token})
         return cls(template, tokenizer, src.loss_on)
 

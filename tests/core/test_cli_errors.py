@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 
-from zephon_stream import ConfigError
+from zephon_stream import ConfigError, Loader
 from zephon_stream.cli.main import main
 from zephon_stream.loader.config import Config, SourceConfig
 
@@ -67,6 +68,20 @@ def test_a_file_that_is_not_a_state(capsys, toml, tmp_path) -> None:
     bad.write_bytes(b"\x93\x01\x02")
     err = _one_line_error(capsys, ["stream", str(toml()), "--steps", "1", "--resume", str(bad)])
     assert "not a zephon-stream state file" in err, err
+
+
+def test_a_model_directory_names_its_tokenizer_json(capsys, config, toml, tmp_path) -> None:
+    """A Hugging Face model directory holds tokenizer.json: naming the directory was 'Is a directory'."""
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(config.tokenizer, model / "tokenizer.json")
+    assert main(["stream", str(toml(tokenizer=f'"{config.tokenizer}"')), "--steps", "2", "--digests"]) == 0
+    want = capsys.readouterr().out
+    assert main(["stream", str(toml("d.toml", tokenizer=f'"{model}"')), "--steps", "2", "--digests"]) == 0
+    assert capsys.readouterr().out == want
+    assert Loader(config.replace(tokenizer=str(model))).order_digest == Loader(config).order_digest
+    err = _one_line_error(capsys, ["stream", str(toml(tokenizer=f'"{tmp_path}"')), "--steps", "1"])
+    assert f"tokenizer {str(tmp_path)!r} is a directory with no tokenizer.json in it" in err, err
 
 
 @pytest.mark.parametrize("content", [b"", b"{}", b"not json", b'{"version": "1.0"}'],

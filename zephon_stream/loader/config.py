@@ -400,6 +400,13 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     def replace(self, **changes: object) -> Config:
         return msgspec.structs.replace(self, **changes)
 
+    @property
+    def tokenizer_file(self) -> str:
+        """The tokenizer.json that `tokenizer` names: the path itself, or the `tokenizer.json` of a
+        model directory (as Hugging Face lays them out, `tokenizer_config.json` beside it)."""
+        inside = Path(self.tokenizer) / "tokenizer.json"
+        return str(inside) if inside.is_file() else self.tokenizer
+
     def order_settings(self, tokenizer_sha: str) -> dict[str, Any]:
         """Every setting that shapes the sample sequence (not execution settings), as plain data."""
         order: dict[str, Any] = {
@@ -416,7 +423,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         if self.shuffle_window > 0:  # a window that grows draws other documents first: a new order
             order["shuffle_fill"] = SHUFFLE_FILL
         order["sources"] = [[s.name, s.weight, s.text_field] + ([s.image_field] if s.image_field else [])
-                            + (_chat_order(s, self.tokenizer) if s.messages_field is not None else [])
+                            + (_chat_order(s, self.tokenizer_file) if s.messages_field is not None else [])
                             + ([[[t.map, t.filter] for t in s.transforms]] if s.transforms else [])
                             for s in self.sources]
         if self.vision is not None:

@@ -31,8 +31,8 @@ MEANINGS: dict[tuple[str, str], str] = {
                    "(dp_size must divide it). ",
     ("", "seq_len"): "Tokens per sample. ",
     ("", "global_batch_size"): "Samples per optimizer step, all ranks together. ",
-    ("", "tokenizer"): "Path of a Hugging Face `tokenizers` JSON file (relative to the config file). Its "
-                       "SHA-256 is an order setting.",
+    ("", "tokenizer"): "Path of a Hugging Face `tokenizers` JSON file, or of a model directory that holds "
+                       "`tokenizer.json` (relative to the config file). Its SHA-256 is an order setting.",
     ("", "sources"): "The `[[sources]]` tables (below).",
     ("", "eos_token"): "Appended after every document. ",
     ("", "bos_token"): "Put before every document, for tokenizers that want one; off when unset. ",

@@ -96,7 +96,7 @@ class Tokenize:
 
     @classmethod
     def for_config(cls, config: Any) -> Tokenize:
-        return cls.shared(config.tokenizer, config.eos_token, config.bos_token)
+        return cls.shared(config.tokenizer_file, config.eos_token, config.bos_token)
 
     @classmethod
     def shared(cls, path: str, eos_token: str, bos_token: str | None = None) -> Tokenize:
@@ -168,5 +168,6 @@ def _read(path: str) -> bytes:
     except OSError as exc:
         hub = not Path(path).exists() and "/" not in path.strip("/") and not path.endswith(".json")
         why = ("is not a file; pass the path of a tokenizer.json (models on a hub are not downloaded)" if hub
-               else f"cannot be read: {exc}")
+               else "is a directory with no tokenizer.json in it: pass the path of a tokenizer.json"
+               if Path(path).is_dir() else f"cannot be read: {exc}")
         raise ConfigError(f"tokenizer {path!r} {why}") from exc
