@@ -79,6 +79,23 @@ def test_small_source_spreads_over_lanes():
     assert len(got) == 400
 
 
+def test_objects_of_another_format_are_named_not_left_out_silently(caplog):
+    """A folder of .jsonl with .jsonl.xz beside them read the .jsonl alone and said nothing."""
+    store = MemoryStore()
+    store.objects.update({"a.jsonl": _lines(["one", "two"]), "b.jsonl.xz": b"x", "c.jsonl.xz": b"x",
+                          "README.md": b"x", "_SUCCESS": b"", ".a.jsonl.crc": b"", "sub/LICENSE": b""})
+    caplog.set_level("WARNING", logger="zephon_stream.loader")
+    _, got = _run(store, 2, 1 << 20)
+    assert got == ["one", "two"]
+    said = [r.getMessage() for r in caplog.records if "not read" in r.getMessage()]
+    assert said == ["source 's': 4 objects under memory://x/ are not read, not being JSON-lines shards "
+                    "(*.jsonl.xz: 2, *.md: 1, LICENSE: 1)"], said
+    caplog.clear()
+    store.objects = {k: v for k, v in store.objects.items() if k in ("a.jsonl", "_SUCCESS", ".a.jsonl.crc")}
+    _run(store, 2, 1 << 20)
+    assert not [r for r in caplog.records if "not read" in r.getMessage()]
+
+
 def test_bad_inputs_name_object_and_offset():
     store = MemoryStore()
     store.objects["a.jsonl"] = b'{"text": "ok"}\n{"text": broken\n'

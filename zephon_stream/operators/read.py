@@ -152,7 +152,31 @@ def _list_shards(objects: list[ObjectInfo], name: str, uri: str, images: bool) -
         raise ConfigError(f"source {name!r}: {uri} holds both {present[0]} shards ({found[present[0]][0].key!r}) "
                           f"and {present[1]} shards ({found[present[1]][0].key!r}): a source reads one format; "
                           "put each under its own source (or convert them with `zephon shard`)")
-    return present[0], found[present[0]]
+    kind = present[0]
+    _warn_unread([o for o in objects if o not in found[kind]], name, uri, kind)
+    return kind, found[kind]
+
+
+def _warn_unread(objects: list[ObjectInfo], name: str, uri: str, kind: str) -> None:
+    """Say which objects under a source are not read (data of another format would otherwise be
+    left out silently); hidden and `_`-prefixed names (`.crc`, `_SUCCESS`) are not counted."""
+    names = [o.key.rsplit("/", 1)[-1] for o in objects]
+    unread = collections.Counter(_suffix(n) for n in names if not n.startswith((".", "_")))
+    if unread:
+        n = sum(unread.values())
+        log.warning("source %r: %d object%s under %s %s not read, not being %s shards (%s)", name, n,
+                    "" if n == 1 else "s", uri, "is" if n == 1 else "are",
+                    {"lines": "JSON-lines", "parquet": "Parquet", "tar": "tar"}[kind],
+                    ", ".join(f"{suffix}: {count}" for suffix, count in unread.most_common(5)))
+
+
+def _suffix(name: str) -> str:
+    """`*.jsonl.xz`, `*.md`, or the name itself when it has no suffix."""
+    parts = name.split(".")
+    if len(parts) < 2:
+        return name
+    keep = 2 if len(parts) > 2 and parts[-1] in ("gz", "zst", "xz", "bz2", "lz4", "zip") else 1
+    return "*." + ".".join(parts[-keep:])
 
 
 def _check_key(source: str, key: str) -> None:
