@@ -56,6 +56,19 @@ def loaded(path: Path) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in safetensors.load(path).items()}
 
 
+def count_digests(monkeypatch) -> list[int]:
+    """From now on, the chunks hashed (a one-item list, counting up): a trusted file hashes none."""
+    hashed = [0]
+    real = local_mod.ChunkPlan.digest
+
+    def counting(self, words):
+        hashed[0] += 1
+        return real(self, words)
+
+    monkeypatch.setattr(local_mod.ChunkPlan, "digest", counting)
+    return hashed
+
+
 # -- bug 4: a local record is bound to its weights file and its prefix ----------------------------
 
 @pytest.fixture
@@ -139,17 +152,9 @@ def test_own_writes_keep_the_record_bound(two_prefixes, monkeypatch) -> None:
     t = two_prefixes
     run(publish, t["pa"], [step(t["a"][1], 3)])
     assert run(pull_file, t["pa"], t["weights"])[0] == 3  # a delta applied in place
-    hashed = 0
-    real = local_mod.ChunkPlan.digest
-
-    def counting(self, words):
-        nonlocal hashed
-        hashed += 1
-        return real(self, words)
-
-    monkeypatch.setattr(local_mod.ChunkPlan, "digest", counting)
+    hashed = count_digests(monkeypatch)
     assert run(pull_file, t["pa"], t["weights"])[0] == 3
-    assert hashed == 0
+    assert hashed == [0]
 
 
 def test_record_loaded_without_weights_file_is_verified_once(tmp_path: Path) -> None:
@@ -555,17 +560,9 @@ def test_cli_pull_creates_a_missing_weights_file_whole_and_bound(tmp_path: Path,
     assert capsys.readouterr().out.split() == ["version", "1", "digest", f"{digests[0]:016x}", "(created", f"{path})"]
     assert sorted(os.listdir(tmp_path)) == ["p", "w.safetensors", "w.safetensors.refit"]
     assert_same(states[0], loaded(path))
-    hashed = 0
-    real_digest = local_mod.ChunkPlan.digest
-
-    def counting(self, words):
-        nonlocal hashed
-        hashed += 1
-        return real_digest(self, words)
-
-    monkeypatch.setattr(local_mod.ChunkPlan, "digest", counting)
+    hashed = count_digests(monkeypatch)
     assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(path)) == 0
-    assert hashed == 0  # the record was bound to the file under its own name
+    assert hashed == [0]  # the record was bound to the file under its own name
     run(publish, prefix, states[1:])
     assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(path)) == 0
     assert_same(states[1], loaded(path))
@@ -597,21 +594,13 @@ def test_cli_publishes_and_pulls_a_sharded_checkpoint_by_its_index(tmp_path: Pat
         assert zephon("refit", "publish", "--prefix", prefix, "--weights", str(src)) == 0
         assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(dst)) == 0
         assert_same(state, held(dst))
-    hashed = 0
-    real = local_mod.ChunkPlan.digest
-
-    def counting(self, words):
-        nonlocal hashed
-        hashed += 1
-        return real(self, words)
-
-    monkeypatch.setattr(local_mod.ChunkPlan, "digest", counting)
+    hashed = count_digests(monkeypatch)
     assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(dst)) == 0
-    assert hashed == 0  # the record is bound to both files
+    assert hashed == [0]  # the record is bound to both files
     second = dst.parent / "model-00002-of-00002.safetensors"
     safetensors.save(second, {k: torch.zeros_like(v) for k, v in loaded(second).items()})  # rewritten: verified again
     assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(dst)) == 0
-    assert hashed > 0
+    assert hashed[0] > 0
     assert_same(states[1], held(dst))
     capsys.readouterr()
     index = json.loads(dst.read_text())
