@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -95,7 +97,10 @@ async def run_lanes(config: Config, tokenizer: Tokenize, plan: DataPlan, stores:
         yield streams, lambda lane: None, shared.record_counts, StoreStatistics, lambda: 0
 
 
-_PRELOAD = ["zephon_stream.loader.backends"]  # what the fork server imports once, for every worker
+# What the fork server imports once, for every worker: first a module that makes it ignore Ctrl-C
+# (the server ignores it once its imports are done; one that took it while importing died, and the
+# trainer's next worker start failed), then the workers' code.
+_PRELOAD = ["zephon_stream._no_ctrl_c", "zephon_stream.loader.backends"]
 
 
 def _context() -> Any:
@@ -107,6 +112,33 @@ def _context() -> Any:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts: once per process
     return ctx
+
+
+def start_fork_server() -> None:
+    """Start the workers' fork server now, with Ctrl-C ignored from its first instruction, when
+    called from the main thread (where a signal's handler may be set; elsewhere the server starts
+    with the first worker, and is deaf to Ctrl-C once `_no_ctrl_c` is imported).
+
+    Ctrl-C in a terminal signals the whole process group: a fork server still starting took it,
+    died, and the trainer's first worker start failed with an EOFError. An ignored signal stays
+    ignored through fork and exec (a blocked one does not: subprocess unblocks it), so the parent
+    ignores it for the few milliseconds of the spawn."""
+    check_spawn_allowed()  # a worker running a script with no main guard starts nothing
+    if ("forkserver" not in multiprocessing.get_all_start_methods()
+            or threading.current_thread() is not threading.main_thread()):
+        return
+    from multiprocessing import forkserver
+
+    _context()  # its preload list
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is None:  # a handler set outside Python: leave it be
+        forkserver.ensure_running()
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def check_spawn_allowed() -> None:
@@ -355,6 +387,9 @@ async def _stop_worker(proc: Any, data_r: Any, ctrl_w: Any) -> None:
 
 def _worker_main(payload: bytes, data_w: Any, ctrl_r: Any, wrap_store: Callable[[Store], Store] | None,
                  counters: Any) -> None:
+    # Ctrl-C in a terminal signals the whole process group: the trainer's process takes it and stops
+    # the workers; a worker that took it too printed a KeyboardInterrupt traceback each
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     cfg_raw, plan_raw, states_raw, credits, environ = msgspec.msgpack.decode(payload)
     os.environ.clear()  # the parent's environment now (credentials, ZEPHON_*), not the fork server's
     os.environ.update(environ)

@@ -22,7 +22,7 @@ from zephon_stream.connectors.base import Store, StoreStatistics
 from zephon_stream.engine import threads
 from zephon_stream.engine.memory import managed_memory
 from zephon_stream.errors import CheckpointError, ConfigError, IncompatibleState, ZephonError, unwrap_groups
-from zephon_stream.loader.backends import check_spawn_allowed, run_lanes
+from zephon_stream.loader.backends import run_lanes, start_fork_server
 from zephon_stream.loader.config import Config, ScheduleEntry
 from zephon_stream.loader.plan import DataPlan, SourceData, open_stores, plan_data
 from zephon_stream.loader.relaunch import LaneRuns
@@ -441,6 +441,8 @@ class Loader:
                               "from the last batch handed out, so only one may be open; leave the other first "
                               "(break, or close the iterator: `it.close()`), or stream from another Loader")
         self._opened += 1
+        if self.config.backend == "processes":
+            start_fork_server()
         try:
             with unwrap_groups():
                 async with self._open() as stream:
@@ -488,7 +490,7 @@ class Loader:
         self._check_usable()
         _check_not_in_torch_worker()
         if self.config.backend == "processes":
-            check_spawn_allowed()
+            start_fork_server()  # from this thread (the helper thread cannot make it deaf to Ctrl-C)
         it = _Iteration(self._iterate())
         self._iterators.add(it)
         _OPEN_ITERATIONS.add(it)
