@@ -204,6 +204,29 @@ def test_safetensors_mutated_valid_file(draw: st.DataObject) -> None:
     _load_or_refuse(bytes(data[: draw.draw(st.integers(0, len(data)))]))
 
 
+@FUZZ_FILES
+@given(st.binary(max_size=128) | st.just(b"[" * 200_000 + b"]" * 200_000) | st.just(b"1" * 5000)
+       | st.builds(lambda v: json.dumps(v).encode(), _json_values) | st.builds(
+    lambda m: json.dumps({"weight_map": m}).encode(),
+    st.dictionaries(st.sampled_from(["a", "b", "c", ""]), st.sampled_from(
+        ["w.safetensors", "x.safetensors", "../w.safetensors", "", "w.safetensors/", "nope"]) | _json_values,
+        max_size=3)))
+def test_safetensors_index_of_any_bytes_loads_or_is_one_line(data: bytes) -> None:
+    """A sharded checkpoint's index names files beside it: whatever it holds, the load maps the
+    files it names (beside it, holding what it says) or raises one ZephonError line."""
+    with tempfile.TemporaryDirectory() as tmp:
+        safetensors.save(Path(tmp) / "w.safetensors", {"a": torch.arange(6, dtype=torch.float32),
+                                                        "b": torch.ones(3, dtype=torch.int8)})
+        index = Path(tmp) / "model.safetensors.index.json"
+        index.write_bytes(data)
+        try:
+            state = safetensors.load_index(index)
+        except ZephonError as exc:
+            assert "\n" not in str(exc)
+            return
+        assert sorted(state) == ["a", "b"] and state.files == [str(Path(tmp) / "w.safetensors")]
+
+
 # -- local .refit record -------------------------------------------------------------------------
 
 @functools.cache

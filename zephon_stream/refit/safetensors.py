@@ -151,8 +151,8 @@ def load_index(path: str | os.PathLike[str], *, writable: bool = False) -> Mappe
             index = json.loads(f.read(MAX_HEADER + 1))
     except OSError as exc:
         raise _os_error(where, exc) from exc
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise DataError(f"{where}: not a safetensors index (JSON with a weight_map): {exc}", key=where) from exc
+    except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, a 5000-digit int, deep nesting
+        raise DataError(f"{where}: not a safetensors index (JSON with a weight_map): {_short(exc)}", key=where) from exc
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
