@@ -9,8 +9,10 @@ import anyio
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from zephon_stream import ConfigError, DataError, IncompatibleState
+from zephon_stream import ConfigError, DataError, IncompatibleState, ZephonError
 from zephon_stream.connectors.memory import MemoryStore
 from zephon_stream.operators.images import ImageRecord
 from zephon_stream.operators.parquet import ParquetParser, ParquetSplitReader
@@ -205,3 +207,24 @@ def test_bad_image_rows():
     assert [r.text for _, _, r in records] == ["ok", "ok too"] and parser.skipped == 3
     with pytest.raises(DataError, match="column 'caption' of Parquet file 'a.parquet' is string, not binary"):
         _plan({"a.parquet": _parquet(table)}, text_field="caption", image_field="caption")
+
+
+_VALID = _parquet(pa.table({"id": range(60), "text": TEXTS[:60]}), row_group_size=10)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, len(_VALID) - 1), st.integers(0, 255)), min_size=1, max_size=6),
+       st.integers(0, len(_VALID)))
+def test_a_damaged_file_gives_its_rows_or_one_line_data_error(edits, cut) -> None:
+    """Bytes changed anywhere (footer, page headers, string pages) and the file cut short: the rows
+    come out, or one ZephonError line. A thrift error's message held a newline; a string page with
+    bytes that are not UTF-8 and a column name that is not were UnicodeDecodeError tracebacks."""
+    data = bytearray(_VALID)
+    for i, b in edits:
+        data[i] = b
+    try:
+        records, _ = _read({"a.parquet": bytes(data[:cut] if cut else data)})
+    except ZephonError as exc:
+        assert "\n" not in str(exc), str(exc)
+        return
+    assert len(records) <= 60

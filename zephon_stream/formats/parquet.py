@@ -142,7 +142,7 @@ async def _read_footer(store: Store, key: str, size: int) -> ParquetFooter:
     try:
         metadata = _open(key, size, {size - len(tail): tail}).metadata
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError, ArrowIOError an OSError
-        raise bad(f"the footer does not decode: {exc}") from exc
+        raise bad(f"the footer does not decode: {_one_line(exc)}") from exc
     return ParquetFooter(key, size, metadata)
 
 
@@ -194,7 +194,11 @@ def column_ranges(footer: ParquetFooter, group: int, columns: Sequence[Column]) 
         return out
     for c in range(rg.num_columns):
         chunk = rg.column(c)
-        path = chunk.path_in_schema
+        try:
+            path = chunk.path_in_schema
+        except UnicodeDecodeError as exc:  # decoded from the footer only here
+            raise DataError(f"corrupt Parquet file {footer.key!r}: row group {group} column {c} has a name that is "
+                            f"not UTF-8 ({exc.reason})", key=footer.key, offset=0) from exc
         if not any(path == col.dotted or path.startswith(col.dotted + ".") for col in columns):
             continue
         start = chunk.data_page_offset
@@ -220,5 +224,10 @@ def decode_row_group(footer: ParquetFooter, group: int, columns: Sequence[Column
         return _open(footer.key, footer.size, parts, footer.metadata).read_row_group(
             group, columns=[c.dotted for c in columns], use_threads=False)
     except (OSError, ValueError) as exc:
-        raise DataError(f"corrupt Parquet file {footer.key!r}: row group {group} does not decode: {exc}",
+        raise DataError(f"corrupt Parquet file {footer.key!r}: row group {group} does not decode: {_one_line(exc)}",
                         key=footer.key, offset=group) from exc
+
+
+def _one_line(exc: BaseException) -> str:
+    """pyarrow's message for `exc` on one line (its thrift errors end in a newline)."""
+    return " ".join(str(exc).split())

@@ -163,6 +163,13 @@ class ParquetParser:
                 f"on_bad={self.on_bad!r})")
 
     def parse(self, reader: ParquetSplitReader, block_pos: int, block: Any) -> list[tuple[int, int, Any]]:
+        try:
+            return self._parse(reader, block_pos, block)
+        except UnicodeDecodeError as exc:  # pyarrow reads string pages without checking them: a corrupt page
+            raise DataError(f"corrupt Parquet file {reader.key!r}: {reader.where(block_pos)} holds a string that is "
+                            f"not UTF-8 ({exc.reason})", key=reader.key, offset=block_pos) from exc
+
+    def _parse(self, reader: ParquetSplitReader, block_pos: int, block: Any) -> list[tuple[int, int, Any]]:
         if self.records is not None:
             return self._parse_records(reader, block_pos, block, self.records)
         texts = _values(block, self.text_field)
