@@ -12,6 +12,7 @@ import torch
 from tests.core.conftest import build_dataset
 from tests.core.test_async import gc_pauses
 from tests.refit._helpers import assert_same
+from zephon_stream import ConfigError
 from zephon_stream.connectors import MemoryStore
 from zephon_stream.loader.config import Config, SourceConfig
 from zephon_stream.loader.loader import Loader
@@ -206,5 +207,20 @@ def test_a_publisher_not_entered_is_opened_and_closed_by_the_loop(tmp_path: Path
         async with Subscriber(prefix) as sub:
             assert await sub.pull(replica) == 2
         assert_same(states[1], replica)
+
+    anyio.run(main)
+
+
+def test_a_state_no_version_can_hold_is_refused_by_submit_itself(tmp_path: Path) -> None:
+    """A tensor the codec cannot hold was found by the background publish, which then failed the
+    trainer's task group at its next await; submit now refuses it, and the loop goes on."""
+    good = make_model(1 << 14)
+
+    async def main() -> None:
+        async with PublishLoop(Publisher(f"file://{tmp_path}/p/")) as publishing:
+            with pytest.raises(ConfigError, match="dtype 'complex64' is not supported by the refit codec"):
+                await publishing.submit({**good, "rope": torch.zeros(4, dtype=torch.complex64)})
+            await publishing.submit(good)
+            assert (await publishing.drain()).version == 1
 
     anyio.run(main)

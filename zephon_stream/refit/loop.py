@@ -30,7 +30,8 @@ import torch
 from anyio.abc import TaskGroup
 
 from zephon_stream.errors import unwrap_groups
-from zephon_stream.refit.layout import check_count
+from zephon_stream.refit.layout import TensorTable, check_count
+from zephon_stream.refit.manifest import check_publishable
 from zephon_stream.refit.publisher import Publisher, VersionInfo, copy_state
 
 __all__ = ["PublishLoop", "PublishStatistics"]
@@ -88,6 +89,8 @@ class PublishLoop:
         """Snapshot `state` and start publishing it; returns once `state` may change again."""
         if self._tg is None:
             raise RuntimeError("PublishLoop.submit outside `async with PublishLoop(...)`")
+        pub = self.publisher  # a layout no version can hold is refused here, not in the background publish
+        check_publishable(TensorTable.from_local(state, pub.sharding), pub.sharding, pub.chunk_bytes)
         t = time.perf_counter()
         await self._idle.wait()
         self._idle = anyio.Event()
