@@ -9,6 +9,7 @@ Small generated conversations are built from the test corpus words (`tests.core.
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from pathlib import Path
@@ -68,6 +69,48 @@ QWEN_GEN = QWEN.replace("{{- '<|im_start|>' + message.role + '\\n' + message.con
                         "{{- '<|im_start|>' + message.role + '\\n' }}{% generation %}{{- message.content + "
                         "'<|im_end|>' }}{% endgeneration %}{{- '\\n' }}")
 
+# Qwen 2.5 with tools: the tools' specs in the system prompt, each tool call as a <tool_call> block
+# after the (optional) content, tool results as user turns of <tool_response> blocks
+QWEN_TOOLS = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}"
+    "{{- messages[0]['content'] }}"
+    "{%- else %}{{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}{%- endif %}"
+    "{{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are "
+    "provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}{%- for tool in tools %}"
+    "{{- \"\\n\" }}{{- tool | tojson }}{%- endfor %}{{- \"\\n</tools>\\n\\nFor each function call, return a json "
+    "object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": "
+    "<function-name>, \\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\" }}{%- else %}"
+    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + "
+    "'<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a "
+    "helpful assistant.<|im_end|>\\n' }}{%- endif %}{%- endif %}"
+    "{%- for message in messages %}{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) "
+    "or (message.role == 'assistant' and not message.tool_calls) %}{{- '<|im_start|>' + message.role + '\\n' + "
+    "message.content + '<|im_end|>' + '\\n' }}{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>' + message.role }}{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}{%- if tool_call.function is defined %}"
+    "{%- set tool_call = tool_call.function %}{%- endif %}{{- '\\n<tool_call>\\n{\"name\": \"' }}"
+    "{{- tool_call.name }}{{- '\", \"arguments\": ' }}{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}{%- elif message.role == 'tool' %}"
+    "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}"
+    "{%- endif %}{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+# the same text, with the assistant's content, calls and end of turn marked (after the role's newline)
+QWEN_TOOLS_GEN = (
+    QWEN_TOOLS
+    .replace("{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}{%- elif",
+             "{%- if message.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}{% generation %}"
+             "{{- message.content + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}{%- else %}"
+             "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}{%- endif %}"
+             "{%- elif", 1)
+    .replace("{{- '<|im_start|>' + message.role }}{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}",
+             "{{- '<|im_start|>' + message.role + '\\n' }}{% generation %}{%- if message.content %}"
+             "{{- message.content + '\\n' }}{%- endif %}", 1)
+    .replace("{{- '\\n<tool_call>\\n{\"name\": \"' }}",
+             "{%- if not loop.first %}{{- '\\n' }}{%- endif %}{{- '<tool_call>\\n{\"name\": \"' }}", 1)
+    .replace("{%- endfor %}{{- '<|im_end|>\\n' }}{%- elif message.role == 'tool' %}",
+             "{%- endfor %}{{- '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}{%- elif message.role == 'tool' %}", 1))
+
 # name: (plain template, marked template, eos_token, bos_token)
 TEMPLATES: dict[str, tuple[str, str, str, str | None]] = {
     "chatml": (CHATML, CHATML_GEN, "<|endoftext|>", None),
@@ -104,6 +147,38 @@ def word_conversations(seed: int, n: int, turns: int = 3) -> list[list[dict[str,
         out.append(conv)
     return out
 
+
+
+def tool_conversations(seed: int, n: int) -> list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]]:
+    """Generated (conversation, tools) pairs of tool use, in the forms datasets hold it: the tools
+    as function specs (or none); assistant messages that call tools with null content, with no
+    content key, or with content too, one or several calls (`function` wrapped or not, arguments
+    an object or a JSON string); one or more tool results in a row; then an answer."""
+    rng = random.Random(seed)
+    words = lambda k: make_docs(rng, 1, k)[0]  # noqa: E731
+    out = []
+    for _ in range(n):
+        names = [f"{words(1)}_{i}" for i in range(rng.randint(1, 3))]
+        tools = [{"type": "function", "function": {"name": name, "description": words(8), "parameters": {
+            "type": "object", "properties": {"query": {"type": "string", "description": words(4)}},
+            "required": ["query"]}}} for name in names] if rng.random() < 0.8 else None
+        conv = [{"role": "system", "content": words(6)}] if rng.random() < 0.4 else []
+        for _ in range(rng.randint(1, 2)):
+            conv.append({"role": "user", "content": words(20)})
+            calls = []
+            for _ in range(rng.randint(1, 3)):
+                args = {"query": words(3)} if rng.random() < 0.7 else json.dumps({"query": words(3)})
+                call = {"name": rng.choice(names), "arguments": args}
+                calls.append({"type": "function", "function": call} if rng.random() < 0.7 else call)
+            form = rng.choice(["null", "absent", "text"])
+            message = {"role": "assistant", "tool_calls": calls}
+            if form != "absent":
+                message["content"] = words(10) if form == "text" else None
+            conv.append(message)
+            conv += [{"role": "tool", "content": words(15)} for _ in calls]
+            conv.append({"role": "assistant", "content": words(25)})
+        out.append((conv, tools))
+    return out
 
 
 def write_word_chats(root: Path, n: int, shards: int) -> Path:

@@ -22,8 +22,11 @@ from tests._chat_data import (
     CHATML,
     CHATML_GEN,
     LLAMA2,
+    QWEN_TOOLS,
+    QWEN_TOOLS_GEN,
     TEMPLATES,
     faq_conversations,
+    tool_conversations,
     train_tokenizer,
     word_conversations,
 )
@@ -32,6 +35,7 @@ from zephon_stream.chat import FIXED_NOW, ROLES, ChatTemplate, ChatTokens, load_
 from zephon_stream.errors import ConfigError, DataError
 from zephon_stream.operators.read import BadRecords
 from zephon_stream.operators.tokenize import Tokenize
+from zephon_stream.operators.types import Conversation
 
 REF = (0, 0, 0, 1)
 
@@ -98,6 +102,35 @@ def test_python_faq_matches_transformers(tokenizer_path, name, marked):
 def test_generated_conversations_match_transformers(tokenizer_path, name, marked):
     conversations = word_conversations(seed=len(name), n=60)
     assert _check_equal(_tokens(tokenizer_path, name, marked), tokenizer_path, name, conversations) > 0
+
+
+@pytest.mark.parametrize("marked", [False, True], ids=["prefix-renders", "generation-markers"])
+def test_tool_use_matches_transformers(tokenizer_path, marked):
+    """Qwen 2.5's tool template: tools in the system prompt, calls with null, absent or real content,
+    results in a row. Trained: each assistant message's content, calls and end of turn, as
+    `transformers` marks them on the marked template (given the tools as `tools=`)."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+
+    pairs = tool_conversations(seed=3, n=120)
+    assert any(m.get("content") is None and m["role"] == "assistant" for c, _ in pairs for m in c)
+    plain, gen = ChatTemplate(QWEN_TOOLS, "qwen-tools"), ChatTemplate(QWEN_TOOLS_GEN, "qwen-tools-gen")
+    assert all(plain.render(c, t) == gen.render(c, t) for c, t in pairs)  # the marks change no text
+    tok = Tokenize(str(tokenizer_path), "<|endoftext|>")
+    tokens = ChatTokens(gen if marked else plain, tok, "assistant")
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(tokenizer_path)),
+                                              eos_token="<|endoftext|>")
+    docs = tokens([(REF, Conversation(c, t)) for c, t in pairs], BadRecords(), "test.jsonl")
+    assert len(docs) == len(pairs)
+    for (_, doc), (conv, tools) in zip(docs, pairs):
+        got = hf.apply_chat_template(conv, tools=tools, tokenize=True, return_dict=True,
+                                     return_assistant_tokens_mask=True, chat_template=QWEN_TOOLS_GEN)
+        want_ids, want_mask = _expected(tok, list(got["input_ids"]), list(got["assistant_masks"]))
+        assert doc.ids.tolist() == want_ids
+        assert doc.trained.astype(int).tolist() == want_mask
+    # a JSON string of the tools is the same tools
+    as_json = tokens([(REF, Conversation(c, json.dumps(t))) for c, t in pairs[:20]], None, "k")
+    assert [d.ids.tolist() for _, d in as_json] == [d.ids.tolist() for _, d in docs[:20]]
 
 
 @pytest.mark.parametrize("marked", [False, True])

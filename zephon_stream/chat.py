@@ -38,10 +38,15 @@ first; EOS unless the template wrote it last). BOS is never trained, the EOS the
 trained under `"all"` only: under the assistant scopes the template's own end of turn, inside the
 trained span, is what the model learns to stop on.
 
-Messages: `role` is one of `ROLES` (system, user, assistant, tool); `content` a string; other
-keys go to the template as they are. A bad conversation (no role, an unknown role, content that
-is not a string, no messages, a template that raises) is a `DataError` naming the shard and the
-record, or a counted skip under `on_bad_record = "skip"`.
+Messages: `role` is one of `ROLES` (system, user, assistant, tool); `content` a string, or null
+(or absent) in an assistant message that only calls tools (`tool_calls`, a list of objects); other
+keys go to the template as they are. A source's `tools_field` gives each conversation its tools
+(a list of function specs, or a JSON string of one), the template's `tools`. For the sentinel
+render a tool-calling message loses its calls: the sentinel stands for all that the assistant
+wrote, so the calls are trained with the content. A bad conversation (no role, an unknown role,
+content that is not a string, tools that are not a list of objects, no messages, a template that
+raises) is a `DataError` naming the shard and the record, or a counted skip under
+`on_bad_record = "skip"`.
 """
 
 from __future__ import annotations
@@ -61,10 +66,10 @@ import msgspec
 import numpy as np
 
 from zephon_stream.errors import ConfigError, DataError
-from zephon_stream.operators.types import ChatDoc
+from zephon_stream.operators.types import ChatDoc, Conversation
 
-__all__ = ["FIXED_NOW", "ROLES", "ChatTemplate", "ChatTokens", "LossOn", "check_messages", "load_template",
-           "token_mask"]
+__all__ = ["FIXED_NOW", "ROLES", "ChatTemplate", "ChatTokens", "LossOn", "check_messages", "check_tools",
+           "load_template", "token_mask"]
 
 ROLES = ("system", "user", "assistant", "tool")
 LossOn = Literal["assistant", "last_assistant", "all"]
@@ -92,37 +97,41 @@ class ChatTemplate:
     def __repr__(self) -> str:
         return f"ChatTemplate({self.origin}, {'generation markers' if self.marked else 'prefix renders'})"
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
-        """The text of `messages` (checked with `check_messages`); a DataError if the template raises."""
+    def render(self, messages: list[dict[str, Any]], tools: Any = None) -> str:
+        """The text of `messages` offered `tools` (both checked: `check_messages`, `check_tools`);
+        a DataError if the template raises."""
         check_messages(messages)
-        return self._render(messages)
+        return self._render(messages, check_tools(tools))
 
-    def spans(self, messages: list[dict[str, Any]], loss_on: LossOn) -> tuple[str, list[tuple[int, int]]]:
-        """The text of `messages` and the `[start, end)` character spans trained under `loss_on`."""
+    def spans(self, messages: list[dict[str, Any]], loss_on: LossOn,
+              tools: Any = None) -> tuple[str, list[tuple[int, int]]]:
+        """The text of `messages` (offered `tools`) and the `[start, end)` character spans trained
+        under `loss_on`."""
         check_messages(messages)
+        tools = check_tools(tools)
         if loss_on == "all":
-            text = self._render(messages)
+            text = self._render(messages, tools)
             return text, [(0, len(text))]
         if self.marked:
-            text, spans = self._marked(messages)
+            text, spans = self._marked(messages, tools)
             return text, spans[-1:] if loss_on == "last_assistant" else spans
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        return self._by_prefixes(messages, turns[-1:] if loss_on == "last_assistant" else turns)
+        return self._by_prefixes(messages, tools, turns[-1:] if loss_on == "last_assistant" else turns)
 
-    def _render(self, messages: list[dict[str, Any]], upto: int | None = None) -> str:
+    def _render(self, messages: list[dict[str, Any]], tools: list[Any] | None, upto: int | None = None) -> str:
         part = messages if upto is None else messages[:upto]
         try:
-            return self._template.render(messages=part, tools=None, documents=None, add_generation_prompt=False,
+            return self._template.render(messages=part, tools=tools, documents=None, add_generation_prompt=False,
                                          **self.variables)
         except Exception as exc:  # a template is user code: whatever it raises is this conversation's failure
             what = "the whole conversation" if upto is None or upto == len(messages) else f"its first {upto} messages"
             raise DataError(f"chat template {self.origin} raised on {what}: {type(exc).__name__}: {exc}") from exc
 
-    def _marked(self, messages: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
+    def _marked(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> tuple[str, list[tuple[int, int]]]:
         """Render with every generation block between two marks, then take the marks out."""
-        begin, end = _unused(messages, self._seen, 2)
+        begin, end = _unused([messages, tools], self._seen, 2)
         with _marking(begin, end):
-            raw = self._render(messages)
+            raw = self._render(messages, tools)
         text, spans, open_at, pos = [], [], None, 0
         for piece in re.split(f"([{begin}{end}])", raw):
             if piece == begin or piece == end:
@@ -143,20 +152,24 @@ class ChatTemplate:
                          "(a block inside another, or inside a string that is then cut or filtered): mark each "
                          "assistant message once, at the top level")
 
-    def _by_prefixes(self, messages: list[dict[str, Any]], turns: list[int]) -> tuple[str, list[tuple[int, int]]]:
+    def _by_prefixes(self, messages: list[dict[str, Any]], tools: list[Any] | None,
+                     turns: list[int]) -> tuple[str, list[tuple[int, int]]]:
         """Each turn's span from renders of the prefixes that end just before and just after it (each
-        render a prefix of the next); its content from a render with a sentinel content."""
+        render a prefix of the next); its content from a render with a sentinel content (and no tool
+        calls: the sentinel stands for all that the assistant wrote, and the template renders it as
+        it renders any assistant message)."""
         renders, last = {0: ""}, 0
         for k in sorted({len(messages), *turns, *(i + 1 for i in turns)} - {0}):
-            renders[k] = self._render(messages, k)
+            renders[k] = self._render(messages, tools, k)
             if not renders[k].startswith(renders[last]):
                 raise DataError(self._not_prefix(last, k, renders[last], renders[k]))
             last = k
         text, spans = renders[len(messages)], []
-        (sentinel,) = _unused(messages, self._seen, 1) if turns else ("",)
+        (sentinel,) = _unused([messages, tools], self._seen, 1) if turns else ("",)
         for i in turns:
             lo, hi = len(renders[i]), len(renders[i + 1])
-            probe = self._render([*messages[:i], {**messages[i], "content": sentinel}])
+            plain = {k: v for k, v in messages[i].items() if k != "tool_calls"}
+            probe = self._render([*messages[:i], {**plain, "content": sentinel}], tools)
             head, found, tail = probe[lo:].partition(sentinel)
             if (not probe.startswith(renders[i]) or not found or sentinel in tail or hi - lo < len(head) + len(tail)
                     or not text.startswith(head, lo) or not text.endswith(tail, lo, hi)):
@@ -189,8 +202,31 @@ def check_messages(messages: Any) -> None:
         if m["role"] not in ROLES:
             raise DataError(f"message {i} has role {m['role']!r}; a role is one of {', '.join(ROLES)}")
         if not isinstance(m.get("content"), str):
+            calls = m.get("tool_calls")
+            if m["role"] == "assistant" and m.get("content") is None and calls:
+                if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+                    raise DataError(f"message {i} (assistant) has tool_calls that are {_kind(calls)}, not a list "
+                                    "of objects")
+                continue  # a message that only calls tools: the template writes the calls
             what = "no content" if "content" not in m else f"content that is {_kind(m['content'])}"
-            raise DataError(f"message {i} ({m['role']}) has {what}, not a string")
+            also = " (or null, with tool_calls)" if m["role"] == "assistant" else ""
+            raise DataError(f"message {i} ({m['role']}) has {what}, not a string{also}")
+
+
+def check_tools(tools: Any) -> list[Any] | None:
+    """The tools offered to a conversation: None (none), a list of objects (JSON-schema function
+    specs, as `transformers`' `apply_chat_template(tools=...)` takes them), or a JSON string of
+    such a list, decoded; a DataError otherwise."""
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError as exc:
+            raise DataError(f"the tools are a string that is not JSON ({exc}): {_short(tools)}") from exc
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise DataError(f"the tools are {_kind(tools)}, not a list of objects (function specs)")
+    return tools or None  # an empty list offers nothing: rendered as no tools, as templates test `if tools`
 
 
 def _kind(value: Any) -> str:
@@ -202,9 +238,9 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _unused(messages: list[dict[str, Any]], elsewhere: str, n: int) -> list[str]:
-    """`n` private-use characters that occur nowhere in the conversation nor in `elsewhere` (the
-    template and its variables)."""
+def _unused(messages: Any, elsewhere: str, n: int) -> list[str]:
+    """`n` private-use characters that occur nowhere in the conversation (and its tools) nor in
+    `elsewhere` (the template and its variables)."""
     seen = msgspec.json.encode(messages, enc_hook=repr).decode() + elsewhere
     found = list(itertools.islice((c for c in map(chr, _PRIVATE) if c not in seen), n))
     if len(found) < n:
@@ -260,9 +296,10 @@ class ChatTokens:
         """`(ref, ChatDoc)` for each `(ref, conversation)` of `docs` (read from shard `key`); a bad
         conversation is raised, or skipped and counted, as `bad` says."""
         rendered = []
-        for ref, messages in docs:
+        for ref, record in docs:
+            messages, tools = record if isinstance(record, Conversation) else (record, None)
             try:
-                rendered.append((ref, *self.template.spans(messages, self.loss_on)))
+                rendered.append((ref, *self.template.spans(messages, self.loss_on, tools)))
             except DataError as exc:
                 err = DataError(f"bad conversation in {key!r} (the record at byte {ref[2]} of its split): {exc}",
                                 key=key, offset=ref[2])

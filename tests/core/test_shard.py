@@ -198,7 +198,7 @@ def test_cli_errors_name_its_flags_not_the_config_keys(tmp_path, capsys):
     pq.write_table(pa.table({"body": pa.array([b"bytes"], pa.binary())}), tmp_path / "pq" / "a.parquet")
     assert main(["shard", str(tmp_path / "pq"), str(tmp_path / "o6")]) == 1
     err = capsys.readouterr().err
-    assert "has no column 'text' (its columns: body): pass one of them to --text-field (or --image-field)" in err, err
+    assert "has no column 'text' (its columns: body): pass one of them to --text-field" in err, err
     assert main(["shard", str(tmp_path / "pq"), str(tmp_path / "o7"), "--text-field", "body"]) == 1
     err = capsys.readouterr().err
     assert "column 'body' of Parquet file 'a.parquet' is binary, not a string: name a text column (--text-field)" in err

@@ -93,8 +93,7 @@ _FLAGS = ((re.compile(r"^empty shard "), "empty input "),
           (re.compile(r"\braise max_record_bytes\b"), "raise --max-record-bytes"),
           (re.compile(r"\bmax_record_bytes ?= ?(\d+)"), r"--max-record-bytes \1"),
           (re.compile(r"\bmax_record_bytes\b"), "--max-record-bytes"),
-          (re.compile(r"\bset text_field/messages_field/image_field to one of them\b"),
-           "pass one of them to --text-field (or --image-field)"),
+          (re.compile(r"\bset (text|image)_field to one of them\b"), r"pass one of them to --\1-field"),
           (re.compile(r"\(text_field\)"), "(--text-field)"),
           (re.compile(r"\(image_field\)"), "(--image-field)"))
 

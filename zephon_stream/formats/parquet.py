@@ -41,7 +41,8 @@ _BINARY = ("binary", "large_binary", "binary_view")
 
 
 class Column:
-    """A column a source reads: `path` as Parquet names it ("meta.text"), `kind` "text" or "image"."""
+    """A column a source reads: `path` as Parquet names it ("meta.text"), `kind` what it holds
+    ("text", "messages", "image", "tools"; "record" for a whole row's columns)."""
 
     def __init__(self, name: str, path: list[str], kind: str) -> None:
         self.name, self.path, self.kind = name, path, kind
@@ -148,7 +149,8 @@ async def _read_footer(store: Store, key: str, size: int) -> ParquetFooter:
 
 def resolve_column(footer: ParquetFooter, name: str, kind: str) -> Column:
     """The column `name` names in the file (a top-level name, else a dotted path into structs),
-    checked to hold text (`kind="text"`) or images (`"image"`: binary, or HF's struct<bytes, path>)."""
+    checked to hold what `kind` says: `"text"` a string, `"messages"` a list, `"image"` binary or HF's
+    struct<bytes, path>, `"tools"` a list or a string."""
     import pyarrow as pa
 
     schema, key = footer.schema, footer.key
@@ -157,8 +159,7 @@ def resolve_column(footer: ParquetFooter, name: str, kind: str) -> Column:
     for part in parts:
         if fields is None or part not in [f.name for f in fields]:
             raise DataError(f"Parquet file {key!r} has no column {name!r} (its columns: {', '.join(schema.names)}): "
-                            "set text_field/messages_field/image_field to one of them (a dotted path reaches into "
-                            "struct columns)",
+                            f"set {_SETTING[kind]} to one of them (a dotted path reaches into struct columns)",
                             key=key, offset=0)
         field = fields.field(part)
         fields = field.type if pa.types.is_struct(field.type) else None
@@ -175,15 +176,20 @@ def _check_type(key: str, name: str, dtype: Any, kind: str) -> None:
     ok = str(dtype) in _STRING
     if kind == "messages":  # a chat source's conversations: a list (of structs {role, content}, as HF writes them)
         ok = str(dtype).startswith(("list<", "large_list<"))
+    if kind == "tools":  # the tools offered: a list of function specs, or a JSON string of one
+        ok = ok or str(dtype).startswith(("list<", "large_list<"))
     if kind == "image":
         ok = str(dtype) in _BINARY or (str(dtype).startswith("struct") and "bytes" in [f.name for f in dtype]
                                        and str(dtype.field("bytes").type) in _BINARY)
     if not ok:
-        want = {"text": "a string", "messages": "a list of messages (list<struct<role, content>>)"}.get(
+        want = {"text": "a string", "messages": "a list of messages (list<struct<role, content>>)",
+                "tools": "a list of function specs, or a JSON string of one"}.get(
             kind, "binary, or a struct<bytes: binary, path: string> (HF Image)")
-        setting = {"text": "text_field", "messages": "messages_field"}.get(kind, "image_field")
         raise DataError(f"column {name!r} of Parquet file {key!r} is {shown}, not {want}: name a {kind} column "
-                        f"({setting})", key=key, offset=0)
+                        f"({_SETTING[kind]})", key=key, offset=0)
+
+
+_SETTING = {"text": "text_field", "messages": "messages_field", "image": "image_field", "tools": "tools_field"}
 
 
 def column_ranges(footer: ParquetFooter, group: int, columns: Sequence[Column]) -> list[tuple[int, int]]:

@@ -140,6 +140,7 @@ class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
     messages_field: str | None = None  # makes it a chat source: the field holding a list of {role, content}
     chat_template: str | None = None  # a Jinja file; unset: the tokenizer_config.json next to the tokenizer
     loss_on: Literal["assistant", "last_assistant", "all"] = "assistant"
+    tools_field: str | None = None  # chat sources: the field holding the tools offered (the template's `tools`)
     transforms: list[TransformStep] = []  # map / filter steps on each record, in order, before tokenizing
 
     def __post_init__(self) -> None:
@@ -147,6 +148,11 @@ class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
         if self.messages_field is not None:
             _check(self.image_field is None, f"{where}.messages_field", self.messages_field,
                    "a source is a chat source or an image+text source, not both: unset image_field")
+        if self.tools_field is not None:
+            _check(self.messages_field is not None, f"{where}.tools_field", self.tools_field,
+                   "is for chat sources: set messages_field too (the field that holds the conversation)")
+            _check(self.tools_field not in ("", self.messages_field), f"{where}.tools_field", self.tools_field,
+                   "must name a field of its own, not the conversation's")
         if self.image_field is not None:
             _check(bool(self.image_extensions), f"{where}.image_field", self.image_field,
                    'must list member extensions, e.g. "png" or "jpg;jpeg;png;webp"')
@@ -445,12 +451,13 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def _chat_order(s: SourceConfig, tokenizer: str) -> list[Any]:
-    """A chat source's order settings: its field, loss scope and the bytes of its template file (a
+    """A chat source's order settings: its fields, loss scope and the bytes of its template file (a
     template edited in place is a new order), or of the tokenizer_config.json next to the
     tokenizer when it has no `chat_template`."""
     path = Path(s.chat_template) if s.chat_template is not None else Path(tokenizer).parent / "tokenizer_config.json"
     template = path.read_bytes() if path.is_file() else b""
-    return [[s.messages_field, s.loss_on, hashlib.sha256(template).hexdigest()[:16]]]
+    tools = [s.tools_field] if s.tools_field is not None else []  # only when set: older configs keep their digest
+    return [[s.messages_field, s.loss_on, hashlib.sha256(template).hexdigest()[:16], *tools]]
 
 
 def _file_uri(path: Path) -> str:

@@ -45,7 +45,7 @@ async def plan_data(config: Config, stores: list[Store]) -> DataPlan:
         sources.append(await plan_source(store, parse_uri(src.uri)[2], src.name, src.uri, field,
                                          config.lanes, config.split_bytes, config.on_bad_record,
                                          images=src.image_field is not None, max_record=config.max_record_bytes,
-                                         image_field=src.image_field, text_kind=kind))
+                                         image_field=src.image_field, text_kind=kind, tools_field=src.tools_field))
     h, by_source = hashlib.sha256(), {}
     for sp in sources:
         listing = msgspec.msgpack.encode([sp.name, [(s.key, s.size, s.etag) for s in sp.shards]])

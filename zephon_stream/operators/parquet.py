@@ -190,9 +190,10 @@ class ParquetParser:
                        records: Records) -> list[tuple[int, int, Any]]:
         """Rows as dicts of the columns read (a dotted field also under its dotted name), through `records`."""
         rows = block.to_pylist()
-        if records.field not in block.column_names:
-            for row, value in zip(rows, _values(block, records.field)):
-                row[records.field] = value
+        for field in (records.field, records.tools):
+            if field is not None and field not in block.column_names:
+                for row, value in zip(rows, _values(block, field)):
+                    row[field] = value
         out = []
         for i, row in enumerate(rows):
             pos = block_pos + i

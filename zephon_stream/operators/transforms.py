@@ -60,6 +60,7 @@ import numpy as np
 from zephon_stream.engine.rng import mix64
 from zephon_stream.errors import ConfigError, DataError
 from zephon_stream.loader.config import Config, SourceConfig, TransformStep
+from zephon_stream.operators.types import Conversation
 
 __all__ = ["Filter", "Map", "Records", "Step", "Transform", "check_transforms", "import_path", "record_seed",
            "resolve", "with_transforms"]
@@ -251,6 +252,7 @@ class Records:
         self.steps = _steps(src)
         self.chat = src.messages_field is not None
         self.field = src.messages_field if src.messages_field is not None else src.text_field
+        self.tools = src.tools_field  # a chat source's tools: the payload is then a Conversation
         self.seeded = any(s.seeded for s in self.steps)
         self.plain = not self.steps and not self.chat
 
@@ -302,7 +304,7 @@ class Records:
                                  f"{self.field!r}{' (a string)' if not self.chat else ''}{hint}",
                                  key=reader.key, offset=pos))
             return None
-        return value
+        return value if self.tools is None else Conversation(value, record.get(self.tools))
 
 
 def _shown(value: Any) -> str:

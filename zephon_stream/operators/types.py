@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["IGNORE", "ChatDoc", "Doc", "DocRef", "ImageDoc", "Sample", "trained_mask"]
+__all__ = ["IGNORE", "ChatDoc", "Conversation", "Doc", "DocRef", "ImageDoc", "Sample", "trained_mask"]
 
 # (source, split position in the lane, decoded offset, length in bytes), and with `piece_tokens` a fifth
 # element for a piece of a longer document: its first token. Four or five ints (states check the length).
@@ -39,6 +39,14 @@ class ImageDoc:
 
     def __repr__(self) -> str:
         return f"ImageDoc({len(self.ids)} ids, {len(self.image)} patches, grid {self.grid})"
+
+
+class Conversation(NamedTuple):
+    """A chat record with tools: its messages, and the raw value of its `tools_field` (None when
+    the record has none). A chat source without `tools_field` passes its messages alone."""
+
+    messages: Any
+    tools: Any
 
 
 class ChatDoc:
