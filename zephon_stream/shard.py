@@ -9,6 +9,9 @@ Inputs, by key suffix under `src` (a URI or a local path; a file or a folder):
 - JSON lines: `*.jsonl`, `*.jsonl.zst`, `*.jsonl.gz`, `*.json.gz`; each line is kept as it is
   (so `text_field` stays valid), after a check that it is a JSON object whose `text_field` is a
   string;
+- JSON files: `*.json` (when there are no files of the above, as a folder's `dataset_info.json`
+  is not data): JSON lines, or one JSON array of records (Alpaca style, pretty-printed or not,
+  read whole), each record written as one compact line after the same check;
 - Parquet: `*.parquet`; each row becomes `{"text": ...}` from column `text_field` (a dotted path
   reaches into structs);
 - text files: `*.txt`, `*.md` (when there are no files of the above); each file becomes
@@ -28,6 +31,7 @@ is about one shard.
 
 from __future__ import annotations
 
+import functools
 import io
 import sys
 import time
@@ -50,6 +54,8 @@ from zephon_stream.operators.read import SUFFIXES, BadRecords, Parser, Split, Sp
 __all__ = ["ShardReport", "shard", "write_jsonl_shards"]
 
 TEXT_SUFFIXES = (".txt", ".md")
+JSON_SUFFIXES = (".json",)  # JSON lines or one JSON array of records: read when there are no JSONL or Parquet files
+_ARRAY_MAX = 4 << 30  # the largest JSON array file read whole
 _IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "png"), (b"\xff\xd8\xff", "jpg"), (b"GIF8", "gif"), (b"BM", "bmp"))
 _enc = msgspec.json.Encoder()
 
@@ -154,6 +160,8 @@ class _Job:
             return PARQUET_SUFFIXES
         if any(o.key.endswith(SUFFIXES) for o in objects):
             return SUFFIXES
+        if any(o.key.lower().endswith(JSON_SUFFIXES) for o in objects):
+            return JSON_SUFFIXES
         return TEXT_SUFFIXES
 
     async def _refuse_existing(self, store: Store, prefix: str, dst: str) -> None:
@@ -169,7 +177,53 @@ class _Job:
             return self._image_file(store, obj)
         if obj.key.endswith(SUFFIXES):
             return self._lines(store, obj)
+        if obj.key.lower().endswith(JSON_SUFFIXES):
+            return self._json_file(store, obj)
         return self._text_file(store, obj)
+
+    async def _json_file(self, store: Store, obj: ObjectInfo) -> AsyncIterator[bytes]:
+        """A `.json` file: JSON lines (as `_lines` reads them), or one array of records."""
+        head = await store.read(obj.key, 0, min(obj.size, 64 << 10)) if obj.size else b""
+        if not head.lstrip(b" \t\r\n\xef\xbb\xbf").startswith(b"["):
+            async for line in self._lines(store, obj):
+                yield line
+            return
+        async for line in self._json_array(store, obj):
+            yield line
+
+    async def _json_array(self, store: Store, obj: ObjectInfo) -> AsyncIterator[bytes]:
+        """The records of a file that holds one JSON array, each as a compact line."""
+        if obj.size > _ARRAY_MAX:
+            self.bad(DataError(f"{obj.key!r} is a JSON array of {obj.size} bytes, more than the {_ARRAY_MAX} read "
+                               "whole: write it as JSON lines", key=obj.key, offset=0))
+            return
+        data = (await store.read(obj.key)).removeprefix(b"\xef\xbb\xbf")
+        try:
+            items = await threads.run_sync(functools.partial(msgspec.json.decode, type=list[msgspec.Raw]), data)
+        except msgspec.DecodeError as exc:
+            self.bad(DataError(f"{obj.key!r} starts as a JSON array but is not one: {exc}", key=obj.key, offset=0))
+            return
+        for i, raw in enumerate(items):
+            if len(raw) > self.max_record:
+                hint = "" if self.bad.skipping else ' (set on_bad_record = "skip" to skip such records)'
+                self.bad(DataError(f"record {i} of the JSON array in {obj.key!r} takes {len(raw)} bytes, more than "
+                                   f"max_record_bytes = {self.max_record}{hint}", key=obj.key, offset=i))
+                continue
+            try:
+                record = msgspec.json.decode(raw)
+            except msgspec.DecodeError as exc:  # cannot be: the array decoded; kept for a clear error anyway
+                self.bad(DataError(f"record {i} of the JSON array in {obj.key!r}: {exc}", key=obj.key, offset=i))
+                continue
+            value = record.get(self.text_field) if isinstance(record, dict) else None
+            if not isinstance(value, str):
+                what = ("is not an object" if not isinstance(record, dict) else f"has no field {self.text_field!r}"
+                        if value is None else f"has {type(value).__name__} in field {self.text_field!r}, not a string")
+                hint = "" if self.bad.skipping else ' (set on_bad_record = "skip" to skip such records)'
+                self.bad(DataError(f"bad record in {obj.key!r}: record {i} of its JSON array {what}{hint}",
+                                   key=obj.key, offset=i))
+                continue
+            self.documents += 1
+            yield msgspec.json.format(bytes(raw), indent=-1) + b"\n"
 
     async def _lines(self, store: Store, obj: ObjectInfo) -> AsyncIterator[bytes]:
         """The lines of a JSONL(.zst/.gz) file, as they are, each checked as the loader reads it."""

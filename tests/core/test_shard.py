@@ -94,6 +94,52 @@ def test_text_folder_one_document_per_file(tmp_path):
     assert [r["id"] for r in rows] == ["sub/y.md", "x.txt", "z.txt"]
 
 
+def test_json_files_of_lines_or_of_one_array_become_shards(tmp_path):
+    """`.json` as datasets ship it: JSON lines, or one array of records (Alpaca's, pretty-printed,
+    maybe after a BOM). Records keep every field, each as one compact line, in file order."""
+    records = [{"instruction": f"say {i}", "text": f"line {i}\nwith a newline ✓", "n": [i, {"k": None}]}
+               for i in range(30)]
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a-lines.json").write_text("".join(json.dumps(r) + "\n" for r in records[:10]))
+    (tmp_path / "in" / "b-pretty.json").write_bytes(b"\xef\xbb\xbf\n" + json.dumps(records[10:20], indent=4).encode())
+    (tmp_path / "in" / "c-compact.json").write_text(json.dumps(records[20:], ensure_ascii=False))
+    (tmp_path / "in" / "d-empty.json").write_text(" [ ] ")
+    report = shard(str(tmp_path / "in"), str(tmp_path / "out"), frame_bytes=300, progress=False)
+    assert (report.inputs, report.documents, report.skipped) == (4, 30, 0)
+    assert [json.loads(line) for line in _lines((tmp_path / "out").glob("*.zst"))] == records
+    # beside JSON lines or Parquet, a .json file is not data (a dataset_info.json): not read
+    (tmp_path / "in" / "e.jsonl").write_text(json.dumps({"text": "only me"}) + "\n")
+    report = shard(str(tmp_path / "in"), str(tmp_path / "out2"), progress=False)
+    assert report.inputs == 1 and _texts(tmp_path / "out2") == ["only me"]
+
+
+def test_bad_records_of_a_json_array_name_their_place_or_are_counted(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.json").write_text(json.dumps([{"text": "ok"}, {"text": 3}, ["x"], {"body": "y"},
+                                                        {"text": "fine"}]))
+    with pytest.raises(DataError, match=r"bad record in 'a.json': record 1 of its JSON array has int in field 'text'"):
+        shard(str(tmp_path / "in"), str(tmp_path / "out"), progress=False)
+    report = shard(str(tmp_path / "in"), str(tmp_path / "out2"), on_bad="skip", progress=False)
+    assert (report.documents, report.skipped) == (2, 3) and _texts(tmp_path / "out2") == ["ok", "fine"]
+    (tmp_path / "in" / "a.json").write_text('[{"text": "ok"}, {"text": ')
+    with pytest.raises(DataError, match=r"'a.json' starts as a JSON array but is not one: Input data was truncated"):
+        shard(str(tmp_path / "in"), str(tmp_path / "out3"), progress=False)
+
+
+def test_a_source_of_json_files_names_what_it_holds_and_the_fix(config, tmp_path):
+    from zephon_stream.loader.loader import Loader
+
+    (tmp_path / "d").mkdir()
+    for split in ("train", "valid"):
+        (tmp_path / "d" / f"{split}.json").write_text(json.dumps({"text": "x"}) + "\n")
+    (tmp_path / "d" / "README.md").write_text("a dataset")
+    cfg = config.replace(sources=[SourceConfig(name="sft", uri=f"file://{tmp_path}/d/")])
+    with pytest.raises(ConfigError, match=r"source 'sft': no \*.jsonl or .* objects under .*/d/ \(it holds \*.json: 2, "
+                                          r"\*.md: 1\); `zephon shard` converts .json \(JSON lines or an array of "
+                                          r"records\), .txt and .md files"):
+        next(iter(Loader(cfg, backend="threads")))
+
+
 def test_bad_records_name_the_object_or_are_counted(tmp_path):
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.jsonl").write_bytes(b'{"text": "ok"}\n{"text": 3}\n{"text": "fine"}\n')

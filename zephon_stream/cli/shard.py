@@ -1,5 +1,6 @@
-"""`zephon shard`: convert JSONL, JSONL.gz, Parquet or a folder of text files into seekable
-multi-frame JSONL.zst shards (images with captions into tar shards), from and to S3 too.
+"""`zephon shard`: convert JSONL, JSONL.gz, Parquet, .json (lines, or an array of records) or a
+folder of text files into seekable multi-frame JSONL.zst shards (images with captions into tar
+shards), from and to S3 too.
 
     zephon shard SRC DST [--target-size 128MiB] [--frame-size 256KiB] [--text-field text]
                  [--image-field png;jpg] [--name shard] [--on-bad-record error|skip]

@@ -149,7 +149,11 @@ def _list_shards(objects: list[ObjectInfo], name: str, uri: str, images: bool) -
     present = [k for k in kinds if found[k]]
     if not present:
         what = " or ".join(f"*{s}" for k in kinds for s in FORMATS[k])
-        raise ConfigError(f"source {name!r}: no {what} objects under {uri}")
+        there = _unread_suffixes(objects)
+        held = f" (it holds {_listed(there)})" if there else " (it holds no object)"
+        convert = ("; `zephon shard` converts .json (JSON lines or an array of records), .txt and .md files"
+                   if not images and set(there) & {"*.json", "*.txt", "*.md"} else "")
+        raise ConfigError(f"source {name!r}: no {what} objects under {uri}{held}{convert}")
     if len(present) > 1:
         raise ConfigError(f"source {name!r}: {uri} holds both {present[0]} shards ({found[present[0]][0].key!r}) "
                           f"and {present[1]} shards ({found[present[1]][0].key!r}): a source reads one format; "
@@ -162,14 +166,22 @@ def _list_shards(objects: list[ObjectInfo], name: str, uri: str, images: bool) -
 def _warn_unread(objects: list[ObjectInfo], name: str, uri: str, kind: str) -> None:
     """Say which objects under a source are not read (data of another format would otherwise be
     left out silently); hidden and `_`-prefixed names (`.crc`, `_SUCCESS`) are not counted."""
-    names = [o.key.rsplit("/", 1)[-1] for o in objects]
-    unread = collections.Counter(_suffix(n) for n in names if not n.startswith((".", "_")))
+    unread = _unread_suffixes(objects)
     if unread:
         n = sum(unread.values())
         log.warning("source %r: %d object%s under %s %s not read, not being %s shards (%s)", name, n,
                     "" if n == 1 else "s", uri, "is" if n == 1 else "are",
-                    {"lines": "JSON-lines", "parquet": "Parquet", "tar": "tar"}[kind],
-                    ", ".join(f"{suffix}: {count}" for suffix, count in unread.most_common(5)))
+                    {"lines": "JSON-lines", "parquet": "Parquet", "tar": "tar"}[kind], _listed(unread))
+
+
+def _unread_suffixes(objects: list[ObjectInfo]) -> collections.Counter[str]:
+    """The objects by suffix, hidden and `_`-prefixed names left out."""
+    names = [o.key.rsplit("/", 1)[-1] for o in objects]
+    return collections.Counter(_suffix(n) for n in names if not n.startswith((".", "_")))
+
+
+def _listed(counts: collections.Counter[str]) -> str:
+    return ", ".join(f"{suffix}: {count}" for suffix, count in counts.most_common(5))
 
 
 def _suffix(name: str) -> str:
