@@ -14,6 +14,9 @@ Inputs, by key suffix under `src` (a URI or a local path; a file or a folder):
   read whole), each record written as one compact line after the same check;
 - Parquet: `*.parquet`; each row becomes `{"text": ...}` from column `text_field` (a dotted path
   reaches into structs);
+- chat data, with `messages_field` (and `tools_field`): JSON lines and `.json` records kept as they
+  are, Parquet rows written as `{messages_field: ..., tools_field: ...}`; each conversation is
+  checked as a chat source reads it (roles, contents, tools), so a bad one is a bad record here;
 - text files: `*.txt`, `*.md` (when there are no files of the above); each file becomes
   `{"id": its name, "text": its content}`;
 - with `image_field`: an image folder (image files, extensions `image_field`, with a caption file
@@ -49,7 +52,10 @@ from zephon_stream.engine import threads
 from zephon_stream.errors import ConfigError, DataError
 from zephon_stream.formats.jsonl_zst import seek_table, write_jsonl_shards
 from zephon_stream.formats.parquet import PARQUET_SUFFIXES
+from zephon_stream.loader.config import SourceConfig
 from zephon_stream.operators.read import SUFFIXES, BadRecords, Parser, Split, SplitReader, plan_parquet, plan_shard
+from zephon_stream.operators.transforms import Records
+from zephon_stream.operators.types import Conversation
 
 __all__ = ["ShardReport", "shard", "write_jsonl_shards"]
 
@@ -74,10 +80,12 @@ class ShardReport(msgspec.Struct, frozen=True):
 def shard(src: str, dst: str, *, target_bytes: int = 128 << 20, frame_bytes: int = 256 << 10,
           text_field: str | None = None, image_field: str | None = None, name: str = "shard",
           on_bad: Literal["error", "skip"] = "error", max_record_bytes: int = 16 << 20,
-          progress: bool | None = None, **store_options: Any) -> ShardReport:
+          progress: bool | None = None, messages_field: str | None = None, tools_field: str | None = None,
+          **store_options: Any) -> ShardReport:
     """Convert the inputs under `src` into shards under `dst` (see the module docstring).
 
     `text_field` defaults to `"txt"` (the caption files' extension) for an image folder, else `"text"`.
+    `messages_field` (and `tools_field`) make it chat data, checked as a chat source reads it.
     `progress`: a tqdm bar on stderr (None: when stderr is a terminal), else a plain line every 5 s.
     `store_options` go to both stores (`endpoint_url=`, `region=`, `addressing_style=` for S3).
     Bad records raise a DataError naming the object and offset, or with `on_bad="skip"` are
@@ -88,8 +96,31 @@ def shard(src: str, dst: str, *, target_bytes: int = 128 << 20, frame_bytes: int
             raise ConfigError(f"{what} must be >= 1, got {value}")
     if not name or "/" in name:
         raise ConfigError(f"name {name!r} must be a non-empty file name without '/'")
+    if messages_field is not None and (text_field is not None or image_field is not None):
+        raise ConfigError("messages_field makes it chat data, whose records have no text_field or image_field: "
+                          "give messages_field alone (and tools_field)")
+    if tools_field is not None and messages_field is None:
+        raise ConfigError("tools_field is for chat data: give messages_field too")
     job = _Job(target_bytes, frame_bytes, text_field, image_field, name, on_bad, max_record_bytes)
+    if messages_field is not None:
+        job.chat = _CheckedChat(job, SourceConfig(name="shard", uri="file:///", messages_field=messages_field,
+                                                  tools_field=tools_field))
     return anyio.run(job.run, src, dst, progress, store_options)
+
+
+class _CheckedChat(Records):
+    """Chat records whose conversations (and tools) are also checked as a chat source reads them,
+    so a conversation the loader would refuse is a bad record here, in file order."""
+
+    def __init__(self, job: _Job, src: SourceConfig) -> None:
+        super().__init__(src)
+        self.job = job
+
+    def payload(self, record: Any, reader: Any, pos: int) -> Any:
+        value = super().payload(record, reader, pos)
+        if value is None or self.job.conversation(value, reader.key, reader.where(pos), pos):
+            return value
+        return None
 
 
 def _store_for(uri: str, options: dict[str, Any]) -> tuple[Store, str]:
@@ -114,6 +145,7 @@ class _Job:
         self.documents = 0
         self.listed: set[str] = set()  # every key under the input prefix (captions beside images)
         self.text_field = "text"  # `field`, or its default for the inputs found
+        self.chat: _CheckedChat | None = None  # chat data: its messages (and tools) field
 
     async def run(self, src: str, dst: str, progress: bool | None, options: dict[str, Any]) -> ShardReport:
         store_in, prefix_in = _store_for(src, options)
@@ -145,7 +177,11 @@ class _Job:
         suffixes = self._suffixes(objects)
         folder = self.image_field is not None and suffixes != PARQUET_SUFFIXES
         self.text_field = self.field if self.field is not None else "txt" if folder else "text"
-        found = [o for o in objects if o.key.lower().endswith(suffixes)]
+        if self.chat is not None:
+            self.text_field = self.chat.field
+            if suffixes == TEXT_SUFFIXES:
+                suffixes = ()  # text files hold no conversations
+        found = [o for o in objects if o.key.lower().endswith(suffixes)] if suffixes else []
         if not found:
             raise ConfigError(f"shard: no input under {src}: looked for {' '.join('*' + s for s in suffixes)}")
         return found
@@ -215,6 +251,13 @@ class _Job:
                 self.bad(DataError(f"record {i} of the JSON array in {obj.key!r}: {exc}", key=obj.key, offset=i))
                 continue
             value = record.get(self.text_field) if isinstance(record, dict) else None
+            if self.chat is not None and value is not None:  # a conversation: checked as a chat source reads it
+                tools = self.chat.tools
+                if self.conversation(value if tools is None else Conversation(value, record.get(tools)), obj.key,
+                                      f"record {i} of its JSON array", i):
+                    self.documents += 1
+                    yield msgspec.json.format(bytes(raw), indent=-1) + b"\n"
+                continue
             if not isinstance(value, str):
                 what = ("is not an object" if not isinstance(record, dict) else f"has no field {self.text_field!r}"
                         if value is None else f"has {type(value).__name__} in field {self.text_field!r}, not a string")
@@ -234,7 +277,7 @@ class _Job:
             return
         split = Split(0, 0, len(plan.frames) - 1 if plan.frames else plan.size)
         reader = SplitReader(store, plan, split, self.max_record, bad=self.bad)
-        parser = Parser(self.text_field, self.on_bad)
+        parser = Parser(self.text_field, self.on_bad, self.chat)
         parser.bad = self.bad
         async for pos, block in reader.blocks():
             for off, n, _ in parser.parse(reader, pos, block):
@@ -242,26 +285,54 @@ class _Job:
                 self.documents += 1
                 yield line if line.endswith(b"\n") else line + b"\n"
 
+    def conversation(self, payload: Any, key: str, where: str, offset: int) -> bool:
+        """Whether a chat record's conversation (and tools) is one a chat source takes; if not, it is
+        a bad record, raised or counted."""
+        from zephon_stream.chat import check_messages, check_tools
+
+        messages, tools = payload if isinstance(payload, Conversation) else (payload, None)
+        try:
+            check_messages(messages)
+            check_tools(tools)
+        except DataError as exc:
+            hint = "" if self.bad.skipping else ' (set on_bad_record = "skip" to skip such records)'
+            self.bad(DataError(f"bad conversation in {key!r} at {where}: {exc}{hint}", key=key, offset=offset))
+            return False
+        return True
+
     async def _parquet(self, store: Store, obj: ObjectInfo) -> AsyncIterator[Any]:
         """The rows of a Parquet file: `{"text": ...}` lines, or image samples."""
         from zephon_stream.operators.parquet import ParquetParser, ParquetSplitReader
 
-        parser = ParquetParser(self.text_field, self.image_field, self.on_bad, self.max_record)
+        parser = ParquetParser(self.text_field, self.image_field, self.on_bad, self.max_record, self.chat)
         parser.bad = self.bad
+        columns = parser.columns
+        if self.chat is not None:
+            columns = [(self.chat.field, "messages")] + ([(self.chat.tools, "tools")] if self.chat.tools else [])
         try:
-            plan = await plan_parquet(store, obj, parser.columns)
+            plan = await plan_parquet(store, obj, columns)
         except DataError as err:
             self.bad(err)
             return
         reader = ParquetSplitReader(store, plan, Split(0, 0, len(plan.rows) - 1), self.max_record,
-                                    columns=parser.columns, bad=self.bad)
+                                    columns=columns, bad=self.bad)
         async for pos, block in reader.blocks():
             for _, _, record in parser.parse(reader, pos, block):
                 self.documents += 1
+                if self.chat is not None:
+                    yield self._chat_line(record)
+                    continue
                 if self.image_field:
                     yield self._sample(obj.key, record.member, record.image, record.text)
                 else:
                     yield _enc.encode({"text": record}) + b"\n"
+
+    def _chat_line(self, payload: Any) -> bytes:
+        """A Parquet row's conversation (and tools) as a JSON line, under the fields' own names."""
+        assert self.chat is not None
+        if isinstance(payload, Conversation):
+            return _enc.encode({self.chat.field: payload.messages, self.chat.tools: payload.tools}) + b"\n"
+        return _enc.encode({self.chat.field: payload}) + b"\n"
 
     async def _text_file(self, store: Store, obj: ObjectInfo) -> AsyncIterator[bytes]:
         """One text file as one document."""

@@ -26,6 +26,7 @@ from zephon_stream.loader.config import Config, SourceConfig
 from zephon_stream.loader.loader import Loader
 from zephon_stream.operators.tokenize import Tokenize
 from zephon_stream.operators.types import IGNORE, Conversation
+from zephon_stream.shard import shard
 from zephon_stream.testing.determinism import lane_documents, lane_token_streams, rank_records
 
 N = 160
@@ -178,3 +179,55 @@ def test_a_parquet_file_without_the_tools_column_is_refused(tool_data, tmp_path)
     cfg = _config(root, sources=[msgspec.structs.replace(_config(root).sources[0], uri=f"file://{tmp_path}/pq/")])
     with pytest.raises(DataError, match=r"has no column 'tools' \(its columns: messages\): set tools_field to one"):
         next(iter(Loader(cfg, backend="threads")))
+
+
+# ---- zephon shard: chat data -----------------------------------------------------------------
+
+@pytest.mark.parametrize("data", ["raw", "pq-list"])
+def test_shard_keeps_conversations_and_tools(tool_data, tmp_path, data):
+    """Sharded with --messages-field/--tools-field, JSON lines (lines as they are) or Parquet (each row
+    a line of the two fields) give the documents and labels of the source they came from."""
+    root, _ = tool_data
+    report = shard(str(root / data), str(tmp_path / "out"), messages_field="messages", tools_field="tools",
+                   target_bytes=20_000, frame_bytes=2_000, progress=False)
+    assert (report.documents, report.skipped) == (N, 0) and len(report.shards) > 1
+    source = msgspec.structs.replace(_config(root).sources[0], uri=f"file://{tmp_path}/out/")
+    assert _epoch(_config(root, sources=[source])) == _epoch(_config(root, data))
+
+
+def test_shard_checks_conversations_as_a_chat_source_reads_them(tool_data, tmp_path):
+    root, pairs = tool_data
+    rows = [{"messages": c, "tools": t} for c, t in pairs[:10]]
+    rows[3] = {"messages": [{"role": "robot", "content": "x"}]}
+    rows[6] = {"messages": rows[6]["messages"], "tools": "{not json"}
+    rows[8] = {"id": 8}
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.json").write_text(json.dumps(rows, indent=2))
+    with pytest.raises(DataError, match=r"bad conversation in 'a.json' at record 3 of its JSON array: message 0 has "
+                                        r"role 'robot'"):
+        shard(str(tmp_path / "in"), str(tmp_path / "out"), messages_field="messages", tools_field="tools",
+              progress=False)
+    report = shard(str(tmp_path / "in"), str(tmp_path / "out2"), messages_field="messages", tools_field="tools",
+                   on_bad="skip", progress=False)
+    assert (report.documents, report.skipped) == (7, 3)
+    (tmp_path / "in" / "a.json").unlink()
+    (tmp_path / "in" / "b.jsonl").write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in rows))
+    with pytest.raises(DataError, match=r"bad conversation in 'b.jsonl' at byte \d+: message 0 has role 'robot'"):
+        shard(str(tmp_path / "in"), str(tmp_path / "out3"), messages_field="messages", progress=False)
+    with pytest.raises(ConfigError, match="give messages_field alone"):
+        shard(str(tmp_path / "in"), str(tmp_path / "out4"), messages_field="messages", text_field="text")
+    with pytest.raises(ConfigError, match="tools_field is for chat data"):
+        shard(str(tmp_path / "in"), str(tmp_path / "out4"), tools_field="tools")
+
+
+def test_shard_cli_names_its_flags_for_chat_data(tool_data, tmp_path, capsys):
+    from zephon_stream.cli.main import main
+
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"conversation": [[{"role": "user", "content": "x"}]]}), tmp_path / "pq" / "p.parquet")
+    assert main(["shard", str(tmp_path / "pq"), str(tmp_path / "out"), "--messages-field", "messages"]) == 1
+    err = capsys.readouterr().err
+    assert "has no column 'messages' (its columns: conversation): pass one of them to --messages-field" in err, err
+    assert main(["shard", str(tmp_path / "pq"), str(tmp_path / "out"), "--messages-field", "m",
+                 "--text-field", "t"]) == 2
+    assert "give --messages-field alone (and --tools-field)" in capsys.readouterr().err

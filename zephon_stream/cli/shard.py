@@ -38,7 +38,7 @@ def parse_size(text: str) -> int:
 
 def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `shard` command to an argparse subparsers object (it sets `func`)."""
-    p = subparsers.add_parser("shard", help="convert JSONL(.gz), Parquet or text files into JSONL.zst shards",
+    p = subparsers.add_parser("shard", help="convert JSONL(.gz), Parquet, .json or text files into JSONL.zst shards",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="input: a file or folder (local path, file://, s3://bucket/prefix/)")
     p.add_argument("dst", help="output folder (local path, file://, s3://bucket/prefix/)")
@@ -52,6 +52,11 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
                         "Parquet column (default text)")
     p.add_argument("--image-field", metavar="NAME",
                    help="write tar shards of images: image file extensions (png;jpg) or a Parquet image column")
+    p.add_argument("--messages-field", metavar="NAME",
+                   help="chat data: the JSON field or Parquet column with each conversation (a list of {role, "
+                        "content} messages); records are checked as a chat source reads them")
+    p.add_argument("--tools-field", metavar="NAME",
+                   help="chat data: the field or column with each conversation's tools (kept beside it)")
     p.add_argument("--name", default="shard", help="shard names: NAME-00000.jsonl.zst, ... (default shard)")
     p.add_argument("--on-bad-record", choices=["error", "skip"], default="error",
                    help="stop at a bad record (default), or skip and count it")
@@ -74,7 +79,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         report = shard(args.src, args.dst, target_bytes=args.target_size, frame_bytes=args.frame_size,
                        text_field=args.text_field, image_field=args.image_field, name=args.name,
-                       on_bad=args.on_bad_record, max_record_bytes=args.max_record_bytes, **options)
+                       on_bad=args.on_bad_record, max_record_bytes=args.max_record_bytes,
+                       messages_field=args.messages_field, tools_field=args.tools_field, **options)
     except ZephonError as exc:
         print(f"zephon shard: error: {_as_flags(str(exc))}", file=sys.stderr)
         for note in getattr(exc, "__notes__", []):
@@ -94,7 +100,8 @@ _FLAGS = ((re.compile(r"^empty shard "), "empty input "),
           (re.compile(r"\braise max_record_bytes\b"), "raise --max-record-bytes"),
           (re.compile(r"\bmax_record_bytes ?= ?(\d+)"), r"--max-record-bytes \1"),
           (re.compile(r"\bmax_record_bytes\b"), "--max-record-bytes"),
-          (re.compile(r"\bset (text|image)_field to one of them\b"), r"pass one of them to --\1-field"),
+          (re.compile(r"\bset (text|image|messages|tools)_field to one of them\b"), r"pass one of them to --\1-field"),
+          (re.compile(r"\b(messages|tools)_field\b"), r"--\1-field"),
           (re.compile(r"\(text_field\)"), "(--text-field)"),
           (re.compile(r"\(image_field\)"), "(--image-field)"))
 

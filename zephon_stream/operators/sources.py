@@ -24,7 +24,7 @@ __all__ = ["make_parser", "make_reader"]
 def make_parser(config: Config, source: int, plan: SourcePlan) -> Parser | ImageParser | ParquetParser:
     """A fresh parser (with its own bad-record counter) for `source`."""
     src = config.sources[source]
-    records = Records(config, source)  # the source's transforms (resolved here, in every process) and payload
+    records = Records(src, source, config.seed)  # the source's transforms (resolved here, in every process) and payload
     if plan.format == "parquet":
         return ParquetParser(plan.text_field, src.image_field, config.on_bad_record, config.max_record_bytes, records)
     if plan.format == "tar":

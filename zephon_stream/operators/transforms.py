@@ -246,9 +246,9 @@ class Records:
     fast path, which decodes that field alone.
     """
 
-    def __init__(self, config: Config, source: int) -> None:
-        src = config.sources[source]
-        self.name, self.source, self.seed = src.name, source, config.seed
+    def __init__(self, src: SourceConfig, source: int = 0, seed: int = 0) -> None:
+        """The records of `src`, source number `source` of a config whose seed is `seed`."""
+        self.name, self.source, self.seed = src.name, source, seed
         self.steps = _steps(src)
         self.chat = src.messages_field is not None
         self.field = src.messages_field if src.messages_field is not None else src.text_field
