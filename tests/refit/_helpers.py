@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
+          torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu, torch.float4_e2m1fn_x2,
           torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]
 
 

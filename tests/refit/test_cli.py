@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import struct
 
 import pytest
 import torch
 
 from tests.refit._helpers import assert_same, model, step
-from zephon_stream import DataError
+from zephon_stream import ConfigError, DataError
 from zephon_stream.cli.refit import add_subparser
 from zephon_stream.refit import safetensors
 
@@ -28,6 +29,50 @@ def test_safetensors_roundtrip_every_dtype(tmp_path) -> None:
     state["empty"] = torch.zeros(0, 4)
     safetensors.save(tmp_path / "w.safetensors", state, {"step": "3"})
     assert_same(state, dict(safetensors.load(tmp_path / "w.safetensors")))
+
+
+def _mxfp4(seed: int) -> dict[str, torch.Tensor]:
+    """An MXFP4 layer as checkpoints hold it: FP4 values two a byte, an E8M0 scale per 32 values."""
+    g = torch.Generator().manual_seed(seed)
+    raw = lambda *shape: torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)  # noqa: E731
+    return {"mlp.blocks": raw(64, 16).view(torch.float4_e2m1fn_x2), "mlp.scales": raw(64, 1).view(torch.float8_e8m0fnu),
+            "norm": torch.randn(64, generator=g).to(torch.float8_e4m3fnuz), "b": raw(8).view(torch.float8_e5m2fnuz)}
+
+
+def test_safetensors_files_of_mx_formats_read_and_write_as_the_library_does(tmp_path) -> None:
+    """F4 (shape in FP4 values: the last dim twice torch's float4_e2m1fn_x2), F8_E8M0 and the FNUZ
+    float8s: a file the `safetensors` library wrote loads, and a file saved here loads there with
+    the same header entries."""
+    library = pytest.importorskip("safetensors.torch")
+    state = _mxfp4(1)
+    (tmp_path / "lib.safetensors").write_bytes(library.save(state))
+    assert_same(state, dict(safetensors.load(tmp_path / "lib.safetensors")))
+    safetensors.save(tmp_path / "ours.safetensors", state)
+    def entries(data: bytes) -> dict[str, tuple[str, list[int]]]:
+        n = struct.unpack("<Q", data[:8])[0]
+        return {k: (v["dtype"], v["shape"]) for k, v in json.loads(data[8:8 + n]).items()}
+    ours = entries((tmp_path / "ours.safetensors").read_bytes())
+    assert ours == entries(library.save(state)) and ours["mlp.blocks"] == ("F4", [64, 32])
+    with pytest.raises(ConfigError, match="0-dim torch.float4_e2m1fn_x2: .* reshape it to"):
+        safetensors.save(tmp_path / "x.safetensors", {"x": torch.zeros((), dtype=torch.uint8).view(
+            torch.float4_e2m1fn_x2)})
+    odd = library.save({"x": torch.zeros(3, dtype=torch.uint8)}).replace(b'"U8","shape":[3]', b'"F4","shape":[3]')
+    (tmp_path / "odd.safetensors").write_bytes(odd)
+    with pytest.raises(DataError, match=r"is F4 of shape \[3\]: its last dim must be a multiple of 2"):
+        safetensors.load(tmp_path / "odd.safetensors")
+
+
+def test_cli_publishes_and_pulls_an_mxfp4_checkpoint(tmp_path, capsys) -> None:
+    prefix = f"file://{tmp_path}/store/"
+    (tmp_path / "store").mkdir()
+    trainer, rollout = tmp_path / "trainer.safetensors", tmp_path / "rollout.safetensors"
+    for v, seed in enumerate((1, 2), 1):
+        safetensors.save(trainer, _mxfp4(seed))
+        assert zephon("refit", "publish", "--prefix", prefix, "--weights", str(trainer)) == 0
+        assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(rollout)) == 0  # made on the first pull
+        pulled = capsys.readouterr().out.splitlines()[-1].split()
+        assert pulled[:3] == ["version", str(v), "digest"] and ("(created" in pulled) == (v == 1)
+        assert_same(_mxfp4(seed), dict(safetensors.load(rollout)))
 
 
 @pytest.mark.parametrize("bad", [b"", struct.pack("<Q", 1 << 40), struct.pack("<Q", 4) + b"[1]\n",

@@ -38,6 +38,8 @@ ITEMSIZE: dict[str, int] = {
     "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint16": 2, "uint32": 4, "uint64": 8,
     "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
     "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,  # MX block scales (MXFP8, MXFP4)
+    "float4_e2m1fn_x2": 1,  # two FP4 values a byte (MXFP4 / NVFP4 weights): a refit moves the bytes
 }
 WORD = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
@@ -47,7 +49,10 @@ def dtype_of(name: str) -> torch.dtype:
     import torch
 
     itemsize_of(name)
-    return getattr(torch, name)
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"dtype {name!r} is not in torch {torch.__version__}: upgrade torch on this node")
+    return dtype
 
 
 def itemsize_of(name: str) -> int:

@@ -23,9 +23,13 @@ _DTYPES = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
     "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64, "F16": torch.float16,
     "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
+    "F8_E5M2": torch.float8_e5m2, "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    **{k: v for k, v in (("F8_E8M0", getattr(torch, "float8_e8m0fnu", None)),
+                         ("F4", getattr(torch, "float4_e2m1fn_x2", None))) if v is not None},
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
+# F4 counts FP4 values, two a byte; torch's float4_e2m1fn_x2 counts the bytes: the last dim differs by 2
+_PACKED = {"F4": 2}
 MAX_HEADER = 100 << 20  # the safetensors format's own limit on the JSON header
 MAX_DIMS = 64  # torch's limit on a tensor's dims
 
@@ -102,9 +106,16 @@ def _entry(where: str, name: str, info: object, data: int, start: int) -> _Entry
     if not lo <= hi <= data:
         raise bad(f"has data_offsets [{lo}, {hi}] outside the {data} data bytes of the file (or begin > end)",
                   start + min(lo, data))
+    per = _PACKED.get(dtype, 1)
+    if per > 1 and (not shape or shape[-1] % per):
+        raise bad(f"is {dtype} of shape {shape}: its last dim must be a multiple of {per} (values packed {per} "
+                  "a byte)")
+    if per > 1:
+        shape = [*shape[:-1], shape[-1] // per]
     nbytes = math.prod(shape) * _DTYPES[dtype].itemsize
     if hi - lo != nbytes:
-        raise bad(f"spans {hi - lo} bytes [{lo}, {hi}), but shape {shape} of {dtype} needs {nbytes}", start + lo)
+        raise bad(f"spans {hi - lo} bytes [{lo}, {hi}), but shape {info['shape']} of {dtype} needs {nbytes}",
+                  start + lo)
     return _Entry(_DTYPES[dtype], tuple(shape), lo, hi)
 
 
@@ -248,7 +259,12 @@ def _layout(tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], metadata
     for name in order:
         dtype, shape = tensors[name]
         nbytes = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        per = _PACKED.get(_NAMES[dtype], 1)
+        if per > 1 and not shape:
+            raise ConfigError(f"tensor {name!r} is a 0-dim {dtype}: safetensors counts its values along the last "
+                              f"dim ({per} a byte), so it needs one: reshape it to (1,)")
+        shown = [*shape[:-1], shape[-1] * per] if per > 1 and shape else list(shape)
+        header[name] = {"dtype": _NAMES[dtype], "shape": shown, "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # keeps tensor data 8-byte aligned
