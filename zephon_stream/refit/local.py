@@ -20,7 +20,7 @@ from zephon_stream.errors import ConfigError
 from zephon_stream.refit.hashing import MASK, Plane, contiguous_sum, cut, element_sum, element_sums, weave, weave_sum
 from zephon_stream.refit.layout import WORD, Chunk, Piece, RankStream, Sharding, TensorTable
 
-__all__ = ["ChunkPlan", "LocalState", "Placed"]
+__all__ = ["ChunkPlan", "LocalState", "Placed", "same_memory", "sync_tied", "tied"]
 
 _TORCH_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -78,6 +78,52 @@ class LocalState:
         """Where local elements `e` of table tensor `tensor` are in its word array."""
         host = self.hosts[tensor]
         return e if host is None else host.to_global(e)
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` are the same elements of the same memory (tied weights: one Parameter
+    under two names, as an embedding and an LM head that share it)."""
+    return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.storage_offset() == b.storage_offset())
+
+
+def tied(state: Mapping[str, torch.Tensor], keep: Sequence[str] = ()) -> dict[str, str]:
+    """{name: the first earlier name of the same memory} over `state`, in its order: the names a
+    refit carries once. Empty and non-strided tensors are never tied; names in `keep` never are."""
+    first: dict[tuple, str] = {}
+    out = {}
+    for name, t in state.items():
+        if name in keep or not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.numel() == 0 \
+                or t.device.type == "meta":
+            continue
+        key = (t.device, t.dtype, tuple(t.shape), t.stride(), t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in first:
+            out[name] = first[key]
+        else:
+            first[key] = name
+    return out
+
+
+def sync_tied(targets: Mapping[str, torch.Tensor | Placed], aliases: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The (alias, source) pairs of `targets` whose alias must be copied from its source after a
+    pull: those that are not the same memory. A ConfigError if an alias cannot hold its source."""
+    out = []
+    for alias, source in aliases.items():
+        if alias not in targets:
+            continue  # a state without the tied name (a checkpoint that stores it once)
+        a, s = targets[alias], targets.get(source)
+        if s is None:
+            raise ConfigError(f"tensor {alias!r} is published as a tie of {source!r}, which the state does not hold")
+        if isinstance(a, Placed) or isinstance(s, Placed):
+            raise ConfigError(f"tensor {alias!r} (tied to {source!r} in the published version) is mapped into a "
+                              "fused tensor: map tied tensors by name only")
+        if a.dtype != s.dtype or a.shape != s.shape:
+            raise ConfigError(f"tensor {alias!r} is {a.dtype} {tuple(a.shape)}, but it is published as a tie of "
+                              f"{source!r}, {s.dtype} {tuple(s.shape)}")
+        if not same_memory(a, s):
+            out.append((alias, source))
+    return out
 
 
 class _Part(msgspec.Struct, frozen=True):

@@ -71,6 +71,9 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     key_bytes: Size = 0
     over_bytes: Size = 0
     changes: Size = 0
+    # tied tensors, carried once: {name: the table tensor whose memory it shares}; a subscriber
+    # copies the source into a target that does not share it
+    aliases: dict[str, str] = {}
 
     def sharding(self, rank: int) -> Sharding:
         return Sharding(rank=rank, world_size=self.world_size, dims=dict(self.split_dims))
@@ -208,6 +211,12 @@ def _check(m: Manifest, max_chunk_bytes: int) -> TensorTable:
         raise ValueError(f"table of {table.nbytes} bytes cannot fit in {len(m.chunks)} chunks of {m.chunk_bytes}")
     if set(m.split_dims) - set(table.index):
         raise ValueError(f"split_dims names unknown tensors {sorted(set(m.split_dims) - set(table.index))}")
+    if len(m.aliases) > len(table.specs) * 16:
+        raise ValueError(f"{len(m.aliases)} tied names for {len(table.specs)} tensors")
+    for alias, source in m.aliases.items():
+        if alias in table.index or source not in table.index or source in m.split_dims:
+            raise ValueError(f"tied name {alias!r} -> {source!r}: a tie names a tensor outside the table as an "
+                             "unsplit tensor of it")
     expected = [c for r in range(m.world_size) for c in RankStream(table, m.sharding(r), m.chunk_bytes).chunks]
     if len(expected) != len(m.chunks):
         raise ValueError(f"{len(m.chunks)} chunks listed, the layout has {len(expected)}")

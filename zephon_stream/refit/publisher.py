@@ -45,7 +45,7 @@ from zephon_stream.refit import codec
 from zephon_stream.refit import manifest as _manifest
 from zephon_stream.refit.hashing import MASK
 from zephon_stream.refit.layout import RankStream, Sharding, TensorTable, check_chunk_bytes, check_count
-from zephon_stream.refit.local import ChunkPlan, LocalState
+from zephon_stream.refit.local import ChunkPlan, LocalState, tied
 from zephon_stream.refit.manifest import (
     ChunkEntry,
     Manifest,
@@ -144,7 +144,15 @@ class Publisher(StoreOwner):
         return f"Publisher({self.uri!r}, sharding={self.sharding}, keyframe_every={self.keyframe_every})"
 
     async def publish(self, state: Mapping[str, torch.Tensor]) -> VersionInfo:
-        """Publish `state` as the next version; returns what was published."""
+        """Publish `state` as the next version; returns what was published.
+
+        Tied tensors (names of the same memory, such as an embedding and the LM head that shares
+        it) are carried once, under their first name, and the version lists the others as ties:
+        a subscriber writes the shared memory once, or copies it into an untied target. Tensors
+        that `sharding` splits are carried under every name."""
+        aliases = tied(state, keep=list(self.sharding.dims))
+        if aliases:
+            state = {k: v for k, v in state.items() if k not in aliases}
         table = TensorTable.from_local(state, self.sharding)
         new = LocalState(table, self.sharding, state)
         stream = RankStream(table, self.sharding, self.chunk_bytes)
@@ -164,7 +172,7 @@ class Publisher(StoreOwner):
         job = _Encode(self, version, attempt, keyframe, base, stream, new, old, first)
         entries = await job.run()
         part = Part(self.sharding.rank, entries, sum(e.changes for e in entries))
-        committed = await self._commit(version, attempt, keyframe, base, table, part)
+        committed = await self._commit(version, attempt, keyframe, base, table, part, aliases)
         self._shadow_version = version
         def total(f):
             return sum(getattr(e, f) for e in entries)
@@ -201,7 +209,7 @@ class Publisher(StoreOwner):
         return m
 
     async def _commit(self, version: int, attempt: str, keyframe: bool, base: Manifest | None,
-                      table: TensorTable, part: Part) -> bool:
+                      table: TensorTable, part: Part, aliases: dict[str, str]) -> bool:
         world = self.sharding.world_size
         parts = [part]
         if world > 1:
@@ -219,7 +227,7 @@ class Publisher(StoreOwner):
             chunk_bytes=self.chunk_bytes, chunks=chunks, model_digest=sum(c.plain for c in chunks) & MASK,
             base_model_digest=base.model_digest if base else None, model_bytes=table.nbytes,
             delta_bytes=sum(c.size for c in chunks), key_bytes=sum(c.key_size for c in chunks),
-            over_bytes=sum(c.over_size for c in chunks), changes=sum(p.changes for p in parts),
+            over_bytes=sum(c.over_size for c in chunks), changes=sum(p.changes for p in parts), aliases=aliases,
         )
         try:
             await commit_manifest(self.store, self.key_prefix, m)
@@ -332,7 +340,10 @@ async def copy_state(state: Mapping[str, torch.Tensor], into: dict[str, torch.Te
     Each piece of at most `piece_bytes` is one CPU step through `cpu` (a CpuPolicy): the copy
     never holds the event loop, and a thread is never busy for long with one piece."""
     out = {}
+    ties = tied(state)
     for name, t in state.items():
+        if name in ties:  # tied tensors stay tied in the copy: one buffer, copied once
+            continue
         t = t.detach()
         dst = into.get(name)
         if dst is None or dst.shape != t.shape or dst.dtype != t.dtype:
@@ -341,6 +352,8 @@ async def copy_state(state: Mapping[str, torch.Tensor], into: dict[str, torch.Te
     with unwrap_groups():  # a failed copy is raised as itself, not as a group
         async with anyio.create_task_group() as tg:
             for name, t in state.items():
+                if name in ties:
+                    continue
                 src, dst = t.detach(), out[name]
                 if not src.is_contiguous() or src.numel() == 0:
                     tg.start_soon(cpu, dst.copy_, src)
@@ -349,4 +362,4 @@ async def copy_state(state: Mapping[str, torch.Tensor], into: dict[str, torch.Te
                 step = max(1, piece_bytes // src.element_size())
                 for lo in range(0, src.numel(), step):
                     tg.start_soon(cpu, flat_dst[lo : lo + step].copy_, flat_src[lo : lo + step])
-    return out
+    return {name: out[ties.get(name, name)] for name in state}

@@ -69,7 +69,7 @@ from zephon_stream.errors import (
 from zephon_stream.refit import codec, hashing
 from zephon_stream.refit import manifest as _manifest
 from zephon_stream.refit.layout import WORD, RankStream, Sharding, TensorTable, check_count
-from zephon_stream.refit.local import ChunkPlan, LocalState, Placed
+from zephon_stream.refit.local import ChunkPlan, LocalState, Placed, sync_tied
 from zephon_stream.refit.manifest import Manifest, object_digest
 from zephon_stream.refit.owner import StoreOwner
 from zephon_stream.refit.target import NameMap, module_state
@@ -262,20 +262,26 @@ class Subscriber(StoreOwner):
 
     # -- pull -----------------------------------------------------------------------------
 
-    def _state(self, state: Mapping[str, torch.Tensor] | None, table: TensorTable
-               ) -> Mapping[str, torch.Tensor | Placed]:
-        """The state to write: the one given, or views of `module` named as in `table`."""
+    def _state(self, state: Mapping[str, torch.Tensor] | None, m: Manifest, table: TensorTable
+               ) -> tuple[Mapping[str, torch.Tensor | Placed], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The state to write (the one given, or views of `module` named as in `table`) less the
+        version's tied names, and the (tied target, its source) pairs to copy after a pull: those
+        that are not the same memory (in a module that ties them, none)."""
         if state is not None:
             if self.module is not None:
                 raise ConfigError("this subscriber targets its module: call pull() without a state")
-            return state
-        if self.module is None:
+        elif self.module is None:
             raise ConfigError("pull() needs the state_dict to update, or a Subscriber made with module=")
-        own = self.module.state_dict(keep_vars=True)
-        made_from = (table.digest, [(k, id(t), t.data_ptr()) for k, t in own.items()])
-        if self._views is None or self._views[0] != made_from:  # a new layout, or the module moved (.to(device))
-            self._views = made_from, module_state(self.module, table, self.name_map, self.sharding)
-        return self._views[1]
+        else:
+            own = self.module.state_dict(keep_vars=True)
+            made_from = (table.digest, sorted(m.aliases.items()), [(k, id(t), t.data_ptr()) for k, t in own.items()])
+            if self._views is None or self._views[0] != made_from:  # a new layout, or the module moved (.to(device))
+                self._views = made_from, module_state(self.module, table, self.name_map, self.sharding, m.aliases)
+            state = self._views[1]
+        if not m.aliases:
+            return state, []
+        copies = [(state[a], state[src]) for a, src in sync_tied(state, m.aliases)]
+        return {k: v for k, v in state.items() if k not in m.aliases}, copies
 
     async def pull(self, state: Mapping[str, torch.Tensor] | None = None, *,
                    sync: Callable[[], None] | None = None) -> int:
@@ -289,7 +295,8 @@ class Subscriber(StoreOwner):
         if latest == 0:  # nothing here: a record made at another prefix claims nothing here either
             return self.record.version if self.record.prefix == self._where else 0
         m, table = await self._manifest(latest)
-        local = LocalState(table, self.sharding, self._state(state, table))
+        targets, ties = self._state(state, m, table)
+        local = LocalState(table, self.sharding, targets)
         doubt = self._doubt()
         rec = await self._anchored() if doubt else self.record
         if rec.version == latest and rec.target is None and rec.geometry == geometry(m) and not doubt:
@@ -299,6 +306,8 @@ class Subscriber(StoreOwner):
         await job.verify()
         await self._save(msgspec.structs.replace(rec, target=latest, file=None))  # unbound until applied
         await job.apply()
+        for target, source in ties:  # tied tensors the target holds apart: copied from the one pulled
+            await self._cpu(target.copy_, source)
         if sync is not None:
             await threads.run_sync(sync)
         identity = FileIdentity.of(self.weights) if self.weights is not None else None  # after our own writes
@@ -338,11 +347,11 @@ class Subscriber(StoreOwner):
         m, table = await self._manifest(rec.version)
         if geometry(m) != rec.geometry:
             return 0
-        state = self._state(state, table)
+        given = state if state is not None else self._state(None, m, table)[0]  # module views: cached
         cached = self._ahead_job
-        if cached is None or cached[0] != rec.version or cached[1] is not state:
-            job = _Pull(self, m, table, LocalState(table, self.sharding, state))
-            cached = self._ahead_job = (rec.version, state, job)
+        if cached is None or cached[0] != rec.version or cached[1] is not given:
+            job = _Pull(self, m, table, LocalState(table, self.sharding, self._state(state, m, table)[0]))
+            cached = self._ahead_job = (rec.version, given, job)
         job = cached[2]
         todo = []
         for o in objects:

@@ -53,9 +53,11 @@ NameMap = Mapping[str, "str | Fuse"]
 
 
 def module_state(module: nn.Module, table: TensorTable, name_map: NameMap | None = None,
-                 sharding: Sharding | None = None) -> dict[str, torch.Tensor | Placed]:
+                 sharding: Sharding | None = None, aliases: Mapping[str, str] | None = None
+                 ) -> dict[str, torch.Tensor | Placed]:
     """The trainer-named tensors of `table` (this rank's shards of them, under `sharding`) as
-    views of `module`'s parameters and buffers.
+    views of `module`'s parameters and buffers; and of `aliases` (tied names, each the shape of
+    the table tensor it names) where the module has them.
 
     Raises ConfigError naming the tensor when a map entry does not fit the module or the table
     (a missing name, a source used twice, shapes that do not add up along `dim`).
@@ -68,6 +70,8 @@ def module_state(module: nn.Module, table: TensorTable, name_map: NameMap | None
                           "module.state_dict()")
     sharding = sharding or Sharding()
     specs = {s.name: sharding.local_shape(s) for s in table.specs}
+    ties = {a: specs[src] for a, src in (aliases or {}).items() if src in specs}
+    specs.update(ties)
     out: dict[str, torch.Tensor | Placed] = {}
     for name, tensor in own.items():
         entry = name_map.get(name, name)
@@ -76,11 +80,12 @@ def module_state(module: nn.Module, table: TensorTable, name_map: NameMap | None
             if source in out:
                 raise ConfigError(f"trainer tensor {source!r} is mapped to two module tensors: map each once")
             out[source] = placed
-    missing = sorted(set(specs) - set(out))
+    missing = sorted(set(specs) - set(out) - set(ties))  # a module may store a tied tensor once
     if missing:
         raise ConfigError(f"the published version has tensors {missing[:5]} that no module tensor receives: add them "
                           "to name_map (a rename or a Fuse)")
-    return {k: out[k] for k in specs}  # the module may hold more (e.g. rotary caches): those stay as they are
+    # the module may hold more (e.g. rotary caches): those stay as they are
+    return {k: out[k] for k in specs if k in out}
 
 
 def _placements(name: str, tensor: torch.Tensor, entry: str | Fuse, specs: dict[str, tuple[int, ...]]
