@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -315,3 +316,29 @@ def test_a_source_whose_conversations_are_all_bad_is_an_error_not_a_spin(tmp_pat
                                         r"are bad and skipped .*the first: bad conversation in 'part-0.jsonl' .*: "
                                         r"message 0 has role 'robot'"):
         anyio.run(_first_batch, cfg, backend)
+
+
+@pytest.mark.parametrize("labels", ["shifted", "unshifted"])
+def test_inspect_marks_the_text_trained_on(chat_config, tmp_path, capsys, labels):
+    """`zephon inspect` puts ⟦+⟧ ... ⟦-⟧ around each run of trained tokens of a chat source: each
+    run is the end of an assistant turn (content and <|im_end|>), never a user or system turn."""
+    from zephon_stream.cli.main import main
+
+    path = tmp_path / "c.toml"
+    path.write_text(chat_config.replace(labels=labels).to_toml())
+    assert main(["inspect", str(path), "--step", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "in chat sources ⟦+⟧ opens and ⟦-⟧ closes the text trained on" in out.splitlines()[0]
+    samples = out.split("\n## slot ")[1:]
+    runs = [m for sample in samples for m in re.finditer(r"⟦\+⟧(.*?)⟦-⟧", sample, re.S)]
+    assert len(runs) > 4 and all("<|im_start|>" not in r[1] for r in runs)
+    # a run ends with the turn's <|im_end|>, unless the sample (or the document piece) ends first
+    assert all(r[1].endswith("<|im_end|>") for r in runs if r.end() < len(r.string.rstrip("\n"))
+               and not r.string.startswith("⟦sft⟧", r.end()))
+    checked = 0
+    for sample in samples:
+        for before in sample.split("⟦+⟧")[:-1]:  # the text before each run, within its sample
+            if "<|im_start|>" in before:  # else the sample opens inside the turn: its role is not shown
+                assert before.rsplit("<|im_start|>", 1)[1].replace("⟦-⟧", "") == "assistant\n", before[-80:]
+                checked += 1
+    assert checked >= len(runs) // 2

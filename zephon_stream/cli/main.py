@@ -298,23 +298,44 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _print_batch(loader: Any, batch: dict[str, Any]) -> None:
+    import torch
+
     from zephon_stream.operators.images import mark_images
+    from zephon_stream.operators.types import IGNORE
 
     bounds = batch["cu_seqlens"].tolist()
     sources = batch["segment_sources"].tolist()
     names = {i: s.name for i, s in enumerate(loader.config.sources)} | {-1: "?"}
+    chat = {i for i, s in enumerate(loader.config.sources) if s.messages_field is not None}
     seq_len = batch["input_ids"].shape[1]
     flat = batch["input_ids"].reshape(-1).tolist()
+    targets = batch["labels"] != IGNORE  # token p is trained when a label targets it: shifted, the one at p - 1
+    if loader.config.labels != "unshifted":
+        targets = torch.cat([torch.zeros_like(targets[:, :1]), targets[:, :-1]], dim=1)
+    trained = targets.reshape(-1).tolist()
     print(f"# global batch {batch['step']}: {len(batch['slots'])} samples of {seq_len} tokens; "
-          "each document piece opens with ⟦its source⟧, padding is not shown")
+          "each document piece opens with ⟦its source⟧, padding is not shown"
+          + ("; in chat sources ⟦+⟧ opens and ⟦-⟧ closes the text trained on" if chat else ""))
     for b, (slot, lane, n) in enumerate(zip(batch["slots"].tolist(), batch["lanes"].tolist(),
                                             batch["num_tokens"].tolist())):
-        pieces = [f"⟦{names[src]}⟧{loader.tokenizer.decode(flat[a:e])}"
+        pieces = [f"⟦{names[src]}⟧" + (_marked(loader.tokenizer, flat[a:e], trained[a:e]) if src in chat
+                                        else loader.tokenizer.decode(flat[a:e]))
                   for a, e, src in zip(bounds, bounds[1:], sources) if b * seq_len <= a < b * seq_len + n]
         text = "".join(pieces)
         if loader.config.vision is not None:
             text = mark_images(text, batch, b, loader.config.vision)
         print(f"\n## slot {slot} (lane {lane}, {n} tokens)\n" + text)
+
+
+def _marked(tokenizer: Any, ids: list[int], trained: list[bool]) -> str:
+    """The text of `ids`, each run of trained tokens between ⟦+⟧ and ⟦-⟧."""
+    out, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or trained[i] != trained[start]:
+            text = tokenizer.decode(ids[start:i])
+            out.append(f"⟦+⟧{text}⟦-⟧" if trained[start] else text)
+            start = i
+    return "".join(out)
 
 
 if __name__ == "__main__":
