@@ -53,7 +53,16 @@ from zephon_stream.errors import ConfigError, DataError
 from zephon_stream.formats.jsonl_zst import seek_table, write_jsonl_shards
 from zephon_stream.formats.parquet import PARQUET_SUFFIXES
 from zephon_stream.loader.config import SourceConfig
-from zephon_stream.operators.read import SUFFIXES, BadRecords, Parser, Split, SplitReader, plan_parquet, plan_shard
+from zephon_stream.operators.read import (
+    SUFFIXES,
+    BadRecords,
+    Parser,
+    Split,
+    SplitReader,
+    plan_parquet,
+    plan_shard,
+    visible,
+)
 from zephon_stream.operators.transforms import Records
 from zephon_stream.operators.types import Conversation
 
@@ -171,9 +180,12 @@ class _Job:
         """The input objects, sorted by key: the one object `prefix` names, else those under it."""
         objects = sorted(await store.list(prefix), key=lambda o: o.key)
         self.listed = {o.key for o in objects}
-        if prefix and not prefix.endswith("/"):
-            exact = [o for o in objects if o.key == prefix]
-            objects = exact or [o for o in objects if o.key.startswith(prefix + "/")]
+        exact = [o for o in objects if o.key == prefix] if prefix and not prefix.endswith("/") else []
+        if not exact:  # a folder: what is hidden in it is not input (a file named by itself is)
+            under = prefix + "/" if prefix and not prefix.endswith("/") else prefix
+            objects = visible([o for o in objects if o.key.startswith(under)], under, "zephon shard", src,
+                              JSON_SUFFIXES + TEXT_SUFFIXES)
+        objects = exact or objects
         suffixes = self._suffixes(objects)
         folder = self.image_field is not None and suffixes != PARQUET_SUFFIXES
         self.text_field = self.field if self.field is not None else "txt" if folder else "text"

@@ -113,6 +113,20 @@ def test_json_files_of_lines_or_of_one_array_become_shards(tmp_path):
     assert report.inputs == 1 and _texts(tmp_path / "out2") == ["only me"]
 
 
+def test_hidden_inputs_are_not_read(tmp_path, caplog):
+    (tmp_path / "in" / ".ipynb_checkpoints").mkdir(parents=True)
+    (tmp_path / "in" / "a.jsonl").write_text(json.dumps({"text": "one"}) + "\n")
+    (tmp_path / "in" / ".ipynb_checkpoints" / "a-checkpoint.jsonl").write_text(json.dumps({"text": "one"}) + "\n")
+    (tmp_path / "in" / "._a.jsonl").write_bytes(b"\x00\x05\x16\x07")
+    caplog.set_level("WARNING")
+    report = shard(str(tmp_path / "in"), str(tmp_path / "out"), progress=False)
+    assert report.inputs == 1 and _texts(tmp_path / "out") == ["one"]
+    assert any("zephon shard: 2 objects under" in r.getMessage() for r in caplog.records)
+    named = shard(str(tmp_path / "in" / ".ipynb_checkpoints" / "a-checkpoint.jsonl"), str(tmp_path / "o2"),
+                  progress=False)
+    assert named.inputs == 1  # a file named by itself is read, hidden or not
+
+
 def test_bad_records_of_a_json_array_name_their_place_or_are_counted(tmp_path):
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.json").write_text(json.dumps([{"text": "ok"}, {"text": 3}, ["x"], {"body": "y"},

@@ -96,6 +96,32 @@ def test_objects_of_another_format_are_named_not_left_out_silently(caplog):
     assert not [r for r in caplog.records if "not read" in r.getMessage()]
 
 
+@pytest.mark.parametrize("prefix", ["", "d/"])
+def test_hidden_and_underscore_paths_are_not_data(caplog, prefix):
+    """Jupyter's .ipynb_checkpoints/ copies, macOS's ._name files and Spark's _temporary/ output
+    were read as shards: duplicated documents, or garbage as bad records."""
+    store = MemoryStore()
+    store.objects.update({f"{prefix}{k}": v for k, v in {
+        "a.jsonl": _lines(["one", "two"]), "sub/b.jsonl": _lines(["three"]),
+        ".ipynb_checkpoints/a-checkpoint.jsonl": _lines(["one", "two"]), "._a.jsonl": b"\x00\x05\x16\x07",
+        "_temporary/0/part-0.jsonl": _lines(["half"]), "sub/.cache/x.jsonl.zst": b"", "_SUCCESS": b""}.items()})
+    caplog.set_level("WARNING", logger="zephon_stream.loader")
+    _, got = _run(store, 2, 1 << 20, prefix=prefix)
+    assert sorted(got) == ["one", "three", "two"]
+    said = [r.getMessage() for r in caplog.records if "starts with '.' or '_'" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("source 's': 4 objects under memory://x/ with a data suffix "
+                                                 "are not read, being under a name that starts with '.' or '_'"), said
+
+
+def test_a_prefix_that_is_not_a_folder_keeps_its_names():
+    """`uri = s3://b/data/train` lists data/train*: the part after the prefix continues a name."""
+    store = MemoryStore()
+    store.objects.update({"data/train_0.jsonl": _lines(["a"]), "data/train_1.jsonl": _lines(["b"]),
+                          "data/train_x/.hidden.jsonl": _lines(["c"])})
+    _, got = _run(store, 2, 1 << 20, prefix="data/train")
+    assert sorted(got) == ["a", "b"]
+
+
 def test_bad_inputs_name_object_and_offset():
     store = MemoryStore()
     store.objects["a.jsonl"] = b'{"text": "ok"}\n{"text": broken\n'

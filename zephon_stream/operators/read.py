@@ -112,7 +112,7 @@ async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field
     `messages_field` and `text_kind` is "messages" (a Parquet column of lists), and a Parquet
     file must also have its `tools_field` column, if it has one.
     """
-    fmt, objects = _list_shards(await store.list(prefix), name, uri, images)
+    fmt, objects = _list_shards(visible(await store.list(prefix), prefix, f"source {name!r}", uri), name, uri, images)
     for obj in objects:
         _check_key(name, obj.key)
     columns = ([(text_field, text_kind)] + ([(image_field or "", "image")] if images else [])
@@ -140,6 +140,33 @@ async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field
                         {"tar": "samples", "parquet": "rows"}.get(fmt, "data"))
     return SourcePlan(name=name, uri=uri, prefix=prefix, text_field=text_field,
                       shards=shards, splits=splits, skipped_shards=skipped, format=fmt)
+
+
+def is_hidden(key: str, prefix: str) -> bool:
+    """Whether a path part of `key` under `prefix` starts with "." or "_": `.ipynb_checkpoints/`,
+    `.cache/`, macOS's `._name` copies, Spark's `_temporary/` (output still being written) and
+    `_SUCCESS`. They are not data: pyarrow's datasets and Spark leave them out too."""
+    parts = key[len(prefix):].split("/")
+    if prefix and not prefix.endswith("/"):
+        parts = parts[1:]  # the first part continues the prefix's last name ("data/train" + "_0.jsonl")
+    return any(p.startswith((".", "_")) for p in parts)
+
+
+def visible(objects: list[ObjectInfo], prefix: str, owner: str, uri: str,
+            suffixes: tuple[str, ...] = ()) -> list[ObjectInfo]:
+    """`objects` less the hidden ones (`is_hidden`), with a warning from `owner` naming those that
+    look like data (a shard's suffix, or one of `suffixes`)."""
+    hidden = [o for o in objects if is_hidden(o.key, prefix)]
+    if hidden:
+        looks = (*(s for k in FORMATS.values() for s in k), *suffixes)
+        data = [o.key for o in hidden if o.key.lower().endswith(looks)]
+        if data:
+            log.warning("%s: %d object%s under %s with a data suffix %s not read, being under a name that starts "
+                        "with '.' or '_' (hidden, or a job's temporary output): %s", owner, len(data),
+                        "" if len(data) == 1 else "s", uri, "is" if len(data) == 1 else "are",
+                        ", ".join(repr(k) for k in data[:3]) + (", ..." if len(data) > 3 else ""))
+        objects = [o for o in objects if not is_hidden(o.key, prefix)]
+    return objects
 
 
 def _list_shards(objects: list[ObjectInfo], name: str, uri: str, images: bool) -> tuple[str, list[ObjectInfo]]:
