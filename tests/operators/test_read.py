@@ -122,6 +122,44 @@ def test_a_prefix_that_is_not_a_folder_keeps_its_names():
     assert sorted(got) == ["a", "b"]
 
 
+def test_shards_are_planned_overlapped_and_errors_come_in_key_order():
+    """A source of many .zst shards planned one request after another: 200 shards at 20 ms took
+    8.3 s. Plans overlap now (at most PLAN_WORKERS), and the shard named by an error is still the
+    first bad one by key, whichever plan failed first."""
+    from zephon_stream.operators.read import PLAN_WORKERS
+    from zephon_stream.testing.stores import WrappedStore
+
+    class Counting(WrappedStore):
+        def __init__(self, inner):
+            super().__init__(inner)
+            self.now = self.peak = 0
+
+        async def read(self, key, start=0, end=None):
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+            try:
+                await anyio.sleep(0.02 if key.endswith("03.jsonl.zst") else 0.002)  # the first bad one is slow
+                return await self.inner.read(key, start, end)
+            finally:
+                self.now -= 1
+
+    store = MemoryStore()
+    body = zstandard.ZstdCompressor().compress(_lines(["a", "b"]))
+    for i in range(60):
+        store.objects[f"{i:02d}.jsonl.zst"] = body
+    store.objects["03.jsonl.zst"] = store.objects["40.jsonl.zst"] = b"\x28\xb5\x2f\xfd not a frame"
+    counting = Counting(store)
+
+    async def plan(on_bad):
+        return await plan_source(counting, "", "s", "memory://x/", "text", 4, 1 << 20, on_bad)
+    with pytest.raises(DataError, match="03.jsonl.zst"):
+        anyio.run(plan, "error")
+    assert 1 < counting.peak <= PLAN_WORKERS
+    got = anyio.run(plan, "skip")
+    assert [s.key for s in got.shards] == [f"{i:02d}.jsonl.zst" for i in range(60) if i not in (3, 40)]
+    assert got.skipped_shards == ["03.jsonl.zst", "40.jsonl.zst"]
+
+
 def test_bad_inputs_name_object_and_offset():
     store = MemoryStore()
     store.objects["a.jsonl"] = b'{"text": "ok"}\n{"text": broken\n'

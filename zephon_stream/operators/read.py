@@ -46,6 +46,7 @@ import numpy as np
 
 from zephon_stream.connectors.base import ObjectInfo, Store
 from zephon_stream.engine import threads
+from zephon_stream.engine.ordered import run_ordered
 from zephon_stream.engine.window import Spawn, read_ranges
 from zephon_stream.errors import ConfigError, DataError, IncompatibleState
 from zephon_stream.formats.gzip import GZIP_SUFFIXES, GzipStream, find_members
@@ -59,6 +60,7 @@ __all__ = ["BadRecords", "FORMATS", "Parser", "RecordCounts", "SUFFIXES", "Shard
            "SplitReader", "plan_parquet", "plan_shard", "plan_source", "plan_splits"]
 
 SUFFIXES = (".jsonl", ".jsonl.zst", *GZIP_SUFFIXES)  # JSON lines, read by SplitReader
+PLAN_WORKERS = 16  # shards planned at once (a scan reads one part of at most 8 MiB at a time)
 FORMATS = {"lines": SUFFIXES, "parquet": PARQUET_SUFFIXES, "tar": (".tar",)}  # a source's shards are one of these
 log = logging.getLogger("zephon_stream.loader")
 _SPLITS_PER_LANE, _MIN_SPLIT = 4, 256 << 10  # see plan_splits
@@ -118,14 +120,25 @@ async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field
     columns = ([(text_field, text_kind)] + ([(image_field or "", "image")] if images else [])
                + ([(tools_field, "tools")] if tools_field is not None else []))
     shards, skipped = [], []
-    for obj in objects:
+
+    async def plan(obj: ObjectInfo) -> ShardPlan | DataError:
         try:
-            shards.append(await (_plan_tar(store, obj, max_record, on_bad) if fmt == "tar" else
-                                 plan_parquet(store, obj, columns) if fmt == "parquet" else plan_shard(store, obj)))
-        except DataError:
-            if on_bad != "skip":
-                raise
+            return await (_plan_tar(store, obj, max_record, on_bad) if fmt == "tar" else
+                          plan_parquet(store, obj, columns) if fmt == "parquet" else plan_shard(store, obj))
+        except DataError as exc:
+            return exc
+
+    async def keep(obj: ObjectInfo, got: ShardPlan | DataError) -> None:
+        if not isinstance(got, DataError):
+            shards.append(got)
+        elif on_bad != "skip":
+            raise got  # the first bad shard in key order, however the plans overlapped
+        else:
             skipped.append(obj.key)
+
+    # Each plan is a request or two (a seek table, a footer) or a scan: overlapped, so a source of
+    # many shards plans in its latency over PLAN_WORKERS, not in the sum of its latencies
+    await run_ordered(objects, plan, keep, workers=PLAN_WORKERS, window=2 * PLAN_WORKERS)
     if not shards:
         raise DataError(f"source {name!r}: every shard under {uri} is empty or corrupt: {skipped}")
     splits = plan_splits(shards, lanes, split_bytes)

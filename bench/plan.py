@@ -1,0 +1,111 @@
+"""Planning a source of many shards behind request latency: overlapped against one at a time.
+
+    .venv/bin/python bench/plan.py [--shards 200] [--latency-ms 20] [--runs 3]
+
+Every shard is planned at each start and each restore: a seek table or Parquet footer read, or a
+walk of zstd frame headers. The shards here are real text (the Python FAQ of the Debian docs
+that `make bench-data` fetches, else this repository's README), cut into `--shards` objects in a
+MemoryStore whose every read and head first sleeps `--latency-ms` (S3's first-byte latency is
+of that order). Three kinds: `.jsonl.zst` without a seek table (a probe for the table, then the
+frame headers), `.jsonl.zst` with one, and Parquet. For each it times `plan_source` with
+`PLAN_WORKERS` shards at once and with 1 (the code before the change), alternating, and prints
+the medians (min - max) and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import msgspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import zstandard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from zephon_stream.connectors import MemoryStore
+from zephon_stream.formats.jsonl_zst import seek_table
+from zephon_stream.operators import read
+from zephon_stream.testing.stores import WrappedStore
+
+
+class Latent(WrappedStore):
+    def __init__(self, inner: MemoryStore, ms: float) -> None:
+        super().__init__(inner)
+        self.ms = ms
+
+    async def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        await anyio.sleep(self.ms / 1000)
+        return await self.inner.read(key, start, end)
+
+    async def head(self, key: str):
+        await anyio.sleep(self.ms / 1000)
+        return await self.inner.head(key)
+
+
+def _texts() -> list[str]:
+    from tools.corpus import ensure_debian_docs
+
+    root = ensure_debian_docs()
+    faq = root / "usr/share/doc/python3.11/html/_sources/faq" if root else None
+    files = sorted(faq.glob("*.rst.txt")) if faq is not None and faq.is_dir() else [Path(__file__).parents[1] /
+                                                                                      "README.md"]
+    return [p for f in files for p in f.read_text(encoding="utf-8").split("\n\n") if p.strip()]
+
+
+def _store(kind: str, shards: int, texts: list[str]) -> MemoryStore:
+    store = MemoryStore()
+    per = max(1, len(texts) // shards)
+    for i in range(shards):
+        part = [texts[(i * per + j) % len(texts)] for j in range(per)]
+        lines = [msgspec.json.encode({"text": t}) + b"\n" for t in part]
+        if kind == "parquet":
+            buf = io.BytesIO()
+            pq.write_table(pa.table({"text": part}), buf)
+            store.objects[f"s/{i:05d}.parquet"] = buf.getvalue()
+            continue
+        half = len(lines) // 2 or 1
+        frames = [zstandard.ZstdCompressor().compress(b"".join(x)) for x in (lines[:half], lines[half:]) if x]
+        table = seek_table([(len(f), len(b"".join(x))) for f, x in zip(frames, (lines[:half], lines[half:]))])
+        store.objects[f"s/{i:05d}.jsonl.zst"] = b"".join(frames) + (table if kind == "zst-seekable" else b"")
+    return store
+
+
+async def _plan(store: MemoryStore, ms: float) -> float:
+    t = time.perf_counter()
+    await read.plan_source(Latent(store, ms), "s/", "bench", "memory://s/", "text", 12, 1 << 20, "error")
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shards", type=int, default=200)
+    ap.add_argument("--latency-ms", type=float, default=20.0)
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    texts = _texts()
+    overlapped = read.PLAN_WORKERS
+    print(f"{args.shards} shards, {args.latency_ms:g} ms a request, {args.runs} runs each, alternating; "
+          f"median (min - max) seconds")
+    for kind in ("zst", "zst-seekable", "parquet"):
+        store = _store(kind, args.shards, texts)
+        times: dict[int, list[float]] = {1: [], overlapped: []}
+        for _ in range(args.runs):
+            for workers in (1, overlapped):
+                read.PLAN_WORKERS = workers
+                times[workers].append(anyio.run(_plan, store, args.latency_ms))
+        read.PLAN_WORKERS = overlapped
+        one, many = (statistics.median(times[w]) for w in (1, overlapped))
+        print(f"{kind:>13}: one at a time {one:.2f} ({min(times[1]):.2f} - {max(times[1]):.2f}), "
+              f"{overlapped} at once {many:.2f} ({min(times[overlapped]):.2f} - {max(times[overlapped]):.2f}), "
+              f"ratio {one / many:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
