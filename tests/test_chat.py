@@ -267,7 +267,11 @@ def test_a_turn_whose_surroundings_depend_on_the_content_is_refused():
     ("hello", "the conversation is str 'hello', not a list of messages"),
     ([{"content": "x"}], "message 0 has no role"),
     ([{"role": "user", "content": "x"}, {"role": "robot", "content": "y"}],
-     "message 1 has role 'robot'; a role is one of system, user, assistant, tool"),
+     "message 1 has role 'robot'; a role is one of system, user, assistant, tool$"),
+    ([{"from": "human", "value": "x"}], r"message 0 has no role \(keys: from, value\) \(ShareGPT style: map "
+                                        r"from/value to role/content with a map step\)"),
+    ([{"role": "user", "content": "x"}, {"role": "gpt", "content": "y"}],
+     r"message 1 has role 'gpt'; a role is one of system, user, assistant, tool \(for 'assistant'\? rename"),
     ([{"role": "user", "content": ["x"]}], r"message 0 \(user\) has content that is list \['x'\], not a string"),
     ([{"role": "assistant", "content": None}], r"message 0 \(assistant\) has content that is null"),
     ([{"role": "user"}], r"message 0 \(user\) has no content"),

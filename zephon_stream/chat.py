@@ -72,6 +72,9 @@ __all__ = ["FIXED_NOW", "ROLES", "ChatTemplate", "ChatTokens", "LossOn", "check_
            "load_template", "token_mask"]
 
 ROLES = ("system", "user", "assistant", "tool")
+# roles other formats use (ShareGPT, Llama 3.1's ipython, OpenAI's function and developer): named in errors
+_ROLE_ALIASES = {"human": "user", "gpt": "assistant", "model": "assistant", "bot": "assistant", "ipython": "tool",
+                 "function": "tool", "observation": "tool", "developer": "system"}
 LossOn = Literal["assistant", "last_assistant", "all"]
 #: The instant `strftime_now` formats: a render is a pure function of the conversation (the
 #: determinism contract), so not today's date; this is the Llama 3.1 template's own default date.
@@ -198,9 +201,12 @@ def check_messages(messages: Any) -> None:
         if not isinstance(m, dict):
             raise DataError(f"message {i} is {_kind(m)}, not an object with role and content")
         if "role" not in m:
-            raise DataError(f"message {i} has no role (keys: {', '.join(map(str, m)) or 'none'})")
+            sharegpt = " (ShareGPT style: map from/value to role/content with a map step)" if "from" in m else ""
+            raise DataError(f"message {i} has no role (keys: {', '.join(map(str, m)) or 'none'}){sharegpt}")
         if m["role"] not in ROLES:
-            raise DataError(f"message {i} has role {m['role']!r}; a role is one of {', '.join(ROLES)}")
+            alias = _ROLE_ALIASES.get(m["role"]) if isinstance(m["role"], str) else None
+            hint = f" (for {alias!r}? rename roles with a map step)" if alias else ""
+            raise DataError(f"message {i} has role {m['role']!r}; a role is one of {', '.join(ROLES)}{hint}")
         if not isinstance(m.get("content"), str):
             calls = m.get("tool_calls")
             if m["role"] == "assistant" and m.get("content") is None and calls:
