@@ -12,6 +12,9 @@ Inputs, by key suffix under `src` (a URI or a local path; a file or a folder):
 - JSON files: `*.json` (when there are no files of the above, as a folder's `dataset_info.json`
   is not data): JSON lines, or one JSON array of records (Alpaca style, pretty-printed or not,
   read whole), each record written as one compact line after the same check;
+- Arrow IPC: `*.arrow` (Hugging Face datasets' `save_to_disk` output, streams or files, read
+  whole), rows read as Parquet's; the `dataset_info.json` and `state.json` beside them are not
+  input, and a DatasetDict's top folder (`dataset_dict.json`) is refused: name one split;
 - Parquet: `*.parquet`; each row becomes `{"text": ...}` from column `text_field` (a dotted path
   reaches into structs);
 - chat data, with `messages_field` (and `tools_field`): JSON lines and `.json` records kept as they
@@ -40,7 +43,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import anyio
 import msgspec
@@ -69,6 +72,9 @@ from zephon_stream.operators.types import Conversation
 __all__ = ["ShardReport", "shard", "write_jsonl_shards"]
 
 TEXT_SUFFIXES = (".txt", ".md")
+ARROW_SUFFIXES = (".arrow",)  # Arrow IPC: Hugging Face datasets' save_to_disk output, as Parquet is read
+# what Hugging Face datasets' save_to_disk writes beside its .arrow files: metadata, never input
+_HF_METADATA = ("dataset_info.json", "state.json", "dataset_dict.json")
 JSON_SUFFIXES = (".json",)  # JSON lines or one JSON array of records: read when there are no JSONL or Parquet files
 _ARRAY_MAX = 4 << 30  # the largest JSON array file read whole
 _IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "png"), (b"\xff\xd8\xff", "jpg"), (b"GIF8", "gif"), (b"BM", "bmp"))
@@ -115,6 +121,23 @@ def shard(src: str, dst: str, *, target_bytes: int = 128 << 20, frame_bytes: int
         job.chat = _CheckedChat(job, SourceConfig(name="shard", uri="file:///", messages_field=messages_field,
                                                   tools_field=tools_field))
     return anyio.run(job.run, src, dst, progress, store_options)
+
+
+class _ArrowFile(NamedTuple):
+    """What `resolve_column` reads of a Parquet footer, for an Arrow file."""
+
+    key: str
+    schema: Any
+
+
+class _ArrowRows:
+    """What a table row parser asks of its reader, for the rows of an Arrow file."""
+
+    def __init__(self, key: str, bad: BadRecords) -> None:
+        self.key, self.bad = key, bad
+
+    def where(self, pos: int) -> str:
+        return f"row {pos}"
 
 
 class _CheckedChat(Records):
@@ -185,7 +208,11 @@ class _Job:
             under = prefix + "/" if prefix and not prefix.endswith("/") else prefix
             objects = visible([o for o in objects if o.key.startswith(under)], under, "zephon shard", src,
                               JSON_SUFFIXES + TEXT_SUFFIXES)
-        objects = exact or objects
+        if not exact and any(o.key == under + "dataset_dict.json" for o in objects):
+            splits = sorted({o.key[len(under):].split("/")[0] for o in objects if "/" in o.key[len(under):]})
+            raise ConfigError(f"shard: {src} is a Hugging Face DatasetDict (dataset_dict.json): shard one split's "
+                              f"folder ({', '.join(splits) or 'train/'}), not all of them together")
+        objects = exact or [o for o in objects if o.key.rsplit("/", 1)[-1] not in _HF_METADATA]
         suffixes = self._suffixes(objects)
         folder = self.image_field is not None and suffixes != PARQUET_SUFFIXES
         self.text_field = self.field if self.field is not None else "txt" if folder else "text"
@@ -203,11 +230,15 @@ class _Job:
         if self.image_field:
             if any(o.key.endswith(PARQUET_SUFFIXES) for o in objects):
                 return PARQUET_SUFFIXES
+            if any(o.key.endswith(ARROW_SUFFIXES) for o in objects):
+                return ARROW_SUFFIXES
             return tuple(f".{e.strip().lower()}" for e in self.image_field.split(";") if e.strip())
         if any(o.key.endswith(PARQUET_SUFFIXES) for o in objects):
             return PARQUET_SUFFIXES
         if any(o.key.endswith(SUFFIXES) for o in objects):
             return SUFFIXES
+        if any(o.key.endswith(ARROW_SUFFIXES) for o in objects):
+            return ARROW_SUFFIXES
         if any(o.key.lower().endswith(JSON_SUFFIXES) for o in objects):
             return JSON_SUFFIXES
         return TEXT_SUFFIXES
@@ -221,6 +252,8 @@ class _Job:
     def _items(self, store: Store, obj: ObjectInfo) -> AsyncIterator[Any]:
         if obj.key.endswith(PARQUET_SUFFIXES):
             return self._parquet(store, obj)
+        if obj.key.endswith(ARROW_SUFFIXES):
+            return self._arrow(store, obj)
         if self.image_field:
             return self._image_file(store, obj)
         if obj.key.endswith(SUFFIXES):
@@ -316,11 +349,7 @@ class _Job:
         """The rows of a Parquet file: `{"text": ...}` lines, or image samples."""
         from zephon_stream.operators.parquet import ParquetParser, ParquetSplitReader
 
-        parser = ParquetParser(self.text_field, self.image_field, self.on_bad, self.max_record, self.chat)
-        parser.bad = self.bad
-        columns = parser.columns
-        if self.chat is not None:
-            columns = [(self.chat.field, "messages")] + ([(self.chat.tools, "tools")] if self.chat.tools else [])
+        parser, columns = self._table_parser(ParquetParser)
         try:
             plan = await plan_parquet(store, obj, columns)
         except DataError as err:
@@ -330,14 +359,69 @@ class _Job:
                                     columns=columns, bad=self.bad)
         async for pos, block in reader.blocks():
             for _, _, record in parser.parse(reader, pos, block):
-                self.documents += 1
-                if self.chat is not None:
-                    yield self._chat_line(record)
-                    continue
-                if self.image_field:
-                    yield self._sample(obj.key, record.member, record.image, record.text)
-                else:
-                    yield _enc.encode({"text": record}) + b"\n"
+                yield self._row(obj.key, record)
+
+    def _table_parser(self, kind: type) -> tuple[Any, list[tuple[str, str]]]:
+        """A parser of table rows (Parquet's, for Arrow too) and the columns it needs: [(name, kind)]."""
+        parser = kind(self.text_field, self.image_field, self.on_bad, self.max_record, self.chat)
+        parser.bad = self.bad
+        if self.chat is not None:
+            return parser, [(self.chat.field, "messages")] + ([(self.chat.tools, "tools")] if self.chat.tools else [])
+        return parser, parser.columns
+
+    def _row(self, key: str, record: Any) -> Any:
+        """A parsed table row as output: a JSON line, or an image sample."""
+        self.documents += 1
+        if self.chat is not None:
+            return self._chat_line(record)
+        if self.image_field:
+            return self._sample(key, record.member, record.image, record.text)
+        return _enc.encode({"text": record}) + b"\n"
+
+    async def _arrow(self, store: Store, obj: ObjectInfo) -> AsyncIterator[Any]:
+        """The rows of an Arrow IPC file (a stream, as Hugging Face datasets' save_to_disk writes,
+        or the file format), read whole, as Parquet rows are."""
+        import pyarrow as pa
+
+        from zephon_stream.formats.parquet import resolve_column
+        from zephon_stream.operators.parquet import ParquetParser
+
+        if obj.size > _ARRAY_MAX:
+            self.bad(DataError(f"{obj.key!r} is an Arrow file of {obj.size} bytes, more than the {_ARRAY_MAX} read "
+                               "whole: write it as Parquet", key=obj.key, offset=0))
+            return
+        data = await store.read(obj.key)
+        try:
+            try:
+                stream = pa.ipc.open_stream(data)
+                schema, batches = stream.schema, iter(stream)
+            except pa.ArrowInvalid:
+                file = pa.ipc.open_file(data)
+                schema, batches = file.schema, (file.get_batch(i) for i in range(file.num_record_batches))
+        except pa.ArrowInvalid as exc:
+            self.bad(DataError(f"{obj.key!r} is not an Arrow IPC stream or file: {str(exc).strip()}", key=obj.key,
+                               offset=0))
+            return
+        parser, columns = self._table_parser(ParquetParser)
+        try:
+            for name, kind in columns:
+                resolve_column(_ArrowFile(obj.key, schema), name, kind)
+        except DataError as err:
+            self.bad(err)
+            return
+        rows, pos = _ArrowRows(obj.key, self.bad), 0
+        while True:
+            try:
+                batch = next(batches, None)
+            except (pa.ArrowInvalid, OSError) as exc:  # cut short, or a damaged batch: its rows before it stand
+                self.bad(DataError(f"{obj.key!r} is damaged after row {pos}: {str(exc).strip()}", key=obj.key,
+                                   offset=pos))
+                return
+            if batch is None:
+                return
+            for _, _, record in parser.parse(rows, pos, pa.Table.from_batches([batch])):
+                yield self._row(obj.key, record)
+            pos += batch.num_rows
 
     def _chat_line(self, payload: Any) -> bytes:
         """A Parquet row's conversation (and tools) as a JSON line, under the fields' own names."""

@@ -113,6 +113,57 @@ def test_json_files_of_lines_or_of_one_array_become_shards(tmp_path):
     assert report.inputs == 1 and _texts(tmp_path / "out2") == ["only me"]
 
 
+def _write_arrow(path, table, stream: bool = True, batch: int = 7) -> None:
+    with pa.OSFile(str(path), "wb") as sink:
+        writer = (pa.ipc.new_stream if stream else pa.ipc.new_file)(sink, table.schema)
+        for b in table.to_batches(max_chunksize=batch):
+            writer.write_batch(b)
+        writer.close()
+
+
+def test_a_save_to_disk_folder_of_arrow_files_becomes_shards(tmp_path):
+    """Hugging Face datasets' save_to_disk: data-*.arrow (IPC streams) beside dataset_info.json and
+    state.json. Rows are read as Parquet's are (a dotted text field, chat conversations); the JSON
+    metadata is not input; a DatasetDict's top folder is refused with its splits named."""
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    texts = [f"row {i} ✓\nline" for i in range(40)]
+    table = pa.table({"meta": [{"text": t} for t in texts], "n": list(range(40))})
+    _write_arrow(ds / "data-00000-of-00002.arrow", table.slice(0, 25))
+    _write_arrow(ds / "data-00001-of-00002.arrow", table.slice(25), stream=False)  # the IPC file format too
+    (ds / "dataset_info.json").write_text(json.dumps({"features": {}}, indent=2))
+    (ds / "state.json").write_text(json.dumps({"_data_files": []}, indent=2))
+    report = shard(str(ds), str(tmp_path / "out"), text_field="meta.text", progress=False)
+    assert (report.inputs, report.documents) == (2, 40) and _texts(tmp_path / "out") == texts
+
+    conversations = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]
+                     for i in range(10)]
+    (tmp_path / "chat").mkdir()
+    _write_arrow(tmp_path / "chat" / "data-00000-of-00001.arrow", pa.table({"messages": conversations}))
+    shard(str(tmp_path / "chat"), str(tmp_path / "chat-out"), messages_field="messages", progress=False)
+    assert [json.loads(line)["messages"] for line in _lines((tmp_path / "chat-out").glob("*.zst"))] == conversations
+
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "x.arrow").write_bytes(b"not arrow at all")
+    with pytest.raises(DataError, match=r"'x.arrow' is not an Arrow IPC stream or file"):
+        shard(str(tmp_path / "bad"), str(tmp_path / "bad-out"), progress=False)
+    whole = (ds / "data-00000-of-00002.arrow").read_bytes()
+    (tmp_path / "bad" / "x.arrow").write_bytes(whole[:len(whole) * 2 // 3])
+    with pytest.raises(DataError, match=r"'x.arrow' is damaged after row 14"):
+        shard(str(tmp_path / "bad"), str(tmp_path / "bad-out2"), text_field="meta.text", progress=False)
+    with pytest.raises(DataError, match=r"has no column 'text' \(its columns: meta, n\)"):
+        shard(str(ds), str(tmp_path / "o3"), progress=False)
+
+    (tmp_path / "dd" / "train").mkdir(parents=True)
+    (tmp_path / "dd" / "test").mkdir()
+    (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
+    for split in ("train", "test"):
+        _write_arrow(tmp_path / "dd" / split / "data-00000-of-00001.arrow", pa.table({"text": ["x"]}))
+    with pytest.raises(ConfigError, match=r"Hugging Face DatasetDict .*: shard one split's folder \(test, train\)"):
+        shard(str(tmp_path / "dd"), str(tmp_path / "o4"), progress=False)
+    assert shard(str(tmp_path / "dd" / "train"), str(tmp_path / "o5"), progress=False).documents == 1
+
+
 def test_hidden_inputs_are_not_read(tmp_path, caplog):
     (tmp_path / "in" / ".ipynb_checkpoints").mkdir(parents=True)
     (tmp_path / "in" / "a.jsonl").write_text(json.dumps({"text": "one"}) + "\n")
