@@ -200,8 +200,8 @@ def test_a_source_of_json_files_names_what_it_holds_and_the_fix(config, tmp_path
     (tmp_path / "d" / "README.md").write_text("a dataset")
     cfg = config.replace(sources=[SourceConfig(name="sft", uri=f"file://{tmp_path}/d/")])
     with pytest.raises(ConfigError, match=r"source 'sft': no \*.jsonl or .* objects under .*/d/ \(it holds \*.json: 2, "
-                                          r"\*.md: 1\); `zephon shard` converts .json \(JSON lines or an array of "
-                                          r"records\), .txt and .md files"):
+                                          r"\*.md: 1\); `zephon shard` converts .arrow \(Hugging Face save_to_disk\), "
+                                          r".json \(JSON lines or an array of records\), .txt and .md files"):
         next(iter(Loader(cfg, backend="threads")))
 
 
