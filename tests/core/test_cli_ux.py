@@ -339,3 +339,9 @@ def test_inspect_labels_each_document_with_its_source(capsys, cfg, config) -> No
     labels = [re.findall(r"⟦([^⟧]*)⟧", s) for s in slots]
     assert all(found and s.split("\n", 1)[1].startswith("⟦") for found, s in zip(labels, slots))
     assert {name for found in labels for name in found} == {s.name for s in config.sources}
+
+
+def test_a_config_flag_says_the_config_is_positional(capsys, cfg) -> None:
+    err = _one_line_error(capsys, ["stream", "--config", str(cfg)])
+    assert "unrecognized arguments: --config; the config file is given by itself: zephon stream CONFIG.toml" in err
+    assert "given by itself" not in _one_line_error(capsys, ["stream", str(cfg), "--confg"])

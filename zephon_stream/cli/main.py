@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,6 +42,8 @@ class _Parser(argparse.ArgumentParser):
     """A usage error is one line, like every other error (argparse prints the whole usage first)."""
 
     def error(self, message: str) -> NoReturn:
+        if re.search(r"unrecognized arguments: (.* )?--config\b", message):
+            message += "; the config file is given by itself: zephon stream CONFIG.toml (inspect, config too)"
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
