@@ -347,10 +347,11 @@ class Subscriber(StoreOwner):
         m, table = await self._manifest(rec.version)
         if geometry(m) != rec.geometry:
             return 0
-        given = state if state is not None else self._state(None, m, table)[0]  # module views: cached
+        targets, _ = self._state(state, m, table)
+        given = state if state is not None else self._views[1]  # the module's views, cached while it stays put
         cached = self._ahead_job
         if cached is None or cached[0] != rec.version or cached[1] is not given:
-            job = _Pull(self, m, table, LocalState(table, self.sharding, self._state(state, m, table)[0]))
+            job = _Pull(self, m, table, LocalState(table, self.sharding, targets))
             cached = self._ahead_job = (rec.version, given, job)
         job = cached[2]
         todo = []
