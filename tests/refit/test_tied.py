@@ -165,3 +165,28 @@ def test_a_manifest_whose_ties_do_not_fit_its_table_is_refused(aliases):
             decode_manifest(encode_manifest(m), "m/1/MANIFEST")
 
     run(go)
+
+
+def test_prefetch_into_a_tied_module_keeps_its_work_and_applies_it():
+    from tests.refit.test_prefetch import CountingStore, hide_manifest
+
+    trainer, rollout = TiedLM(1), TiedLM(2)
+
+    async def go():
+        store = CountingStore()
+        async with Publisher("p/", store=store, chunk_bytes=256) as pub:
+            sub = Subscriber("p/", store=store, module=rollout)
+            await pub.publish(trainer.state_dict())
+            await sub.pull()
+            _train(trainer, 1)
+            await pub.publish(trainer.state_dict())
+        key, manifest = hide_manifest(store, 2)
+        assert await sub.prefetch() > 0
+        job = sub._ahead_job
+        assert await sub.prefetch() > 0 and sub._ahead_job is job  # the same job, not rebuilt
+        store.objects[key] = manifest
+        store.chunk_reads.clear()
+        assert await sub.pull() == 2 and store.chunk_reads == []
+        assert _same(rollout.state_dict(), trainer.state_dict())
+
+    run(go)
