@@ -125,6 +125,19 @@ def test_processes_backend_gives_the_batches_of_threads(tool_data):
     assert rank_records(Loader(cfg, backend="processes"), 8) == threads
 
 
+@pytest.mark.parametrize("packing", ["concat", "best_fit"])
+def test_resume_on_another_backend_gives_the_same_batches(tool_data, packing):
+    """The determinism matrix's resume case for tool-use records: a checkpoint's documents are
+    re-read through the same records path (conversation and tools) on restore."""
+    from tests.core.test_chat_source import _batches, _same
+
+    cfg = _config(tool_data[0], packing=packing)
+    whole, _ = _batches(cfg, 10, "inline")
+    first, state = _batches(cfg, 4, "threads")
+    rest, _ = _batches(cfg, 6, "processes", state)
+    _same(whole, first + rest)
+
+
 def test_tools_field_is_an_order_setting_absent_when_unset(tool_data):
     cfg = _config(tool_data[0])
     without = cfg.replace(sources=[msgspec.structs.replace(cfg.sources[0], tools_field=None)])
