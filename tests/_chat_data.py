@@ -111,6 +111,20 @@ QWEN_TOOLS_GEN = (
     .replace("{%- endfor %}{{- '<|im_end|>\\n' }}{%- elif message.role == 'tool' %}",
              "{%- endfor %}{{- '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}{%- elif message.role == 'tool' %}", 1))
 
+# ChatML whose content may be a string or a list of parts, OpenAI style (as multimodal-ready
+# templates write it: the text parts, in order)
+CHATML_PARTS = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n'}}"
+                "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+                "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+                "{% endfor %}{% endif %}{{'<|im_end|>\\n'}}{% endfor %}")
+CHATML_PARTS_GEN = CHATML_PARTS.replace(
+    "{{'<|im_start|>' + message['role'] + '\\n'}}{% if message['content'] is string %}",
+    "{{'<|im_start|>' + message['role'] + '\\n'}}{% if message['role'] == 'assistant' %}{% generation %}"
+    "{% for part in message['content'] %}{{ part['text'] }}{% endfor %}{{'<|im_end|>'}}{% endgeneration %}"
+    "{{'\\n'}}{% elif message['content'] is string %}").replace(
+    "{% endfor %}{% endif %}{{'<|im_end|>\\n'}}{% endfor %}",
+    "{% endfor %}{% endif %}{% if message['role'] != 'assistant' %}{{'<|im_end|>\\n'}}{% endif %}{% endfor %}")
+
 # name: (plain template, marked template, eos_token, bos_token)
 TEMPLATES: dict[str, tuple[str, str, str, str | None]] = {
     "chatml": (CHATML, CHATML_GEN, "<|endoftext|>", None),

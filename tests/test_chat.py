@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 from tests._chat_data import (
     CHATML,
     CHATML_GEN,
+    CHATML_PARTS,
+    CHATML_PARTS_GEN,
     LLAMA2,
     QWEN_TOOLS,
     QWEN_TOOLS_GEN,
@@ -131,6 +133,55 @@ def test_tool_use_matches_transformers(tokenizer_path, marked):
     # a JSON string of the tools is the same tools
     as_json = tokens([(REF, Conversation(c, json.dumps(t))) for c, t in pairs[:20]], None, "k")
     assert [d.ids.tolist() for _, d in as_json] == [d.ids.tolist() for _, d in docs[:20]]
+
+
+def _as_parts(conversations: list[list[dict[str, Any]]], seed: int) -> list[list[dict[str, Any]]]:
+    """Each assistant content (and some others) as a list of 1-3 text parts that join to it."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for conv in conversations:
+        new = []
+        for m in conv:
+            text = m["content"]
+            if m["role"] == "assistant" or rng.random() < 0.5:
+                cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 2))))
+                pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+                new.append({**m, "content": [{"type": "text", "text": p} for p in pieces]})
+            else:
+                new.append(m)
+        out.append(new)
+    return out
+
+
+@pytest.mark.parametrize("marked", [False, True], ids=["prefix-renders", "generation-markers"])
+def test_content_as_text_parts_matches_transformers(tokenizer_path, marked):
+    """OpenAI-style content, a list of {"type": "text", "text": ...} parts, goes to the template as
+    it is (as `transformers` passes it); a template that joins the parts trains what it renders."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+
+    conversations = _as_parts(word_conversations(seed=17, n=80), seed=2)
+    assert any(isinstance(m["content"], list) and len(m["content"]) > 1 for c in conversations for m in c)
+    tok = Tokenize(str(tokenizer_path), "<|endoftext|>")
+    tokens = ChatTokens(ChatTemplate(CHATML_PARTS_GEN if marked else CHATML_PARTS, "chatml-parts"), tok, "assistant")
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(tokenizer_path)),
+                                              eos_token="<|endoftext|>")
+    docs = tokens([(REF, c) for c in conversations], BadRecords(), "test.jsonl")
+    assert len(docs) == len(conversations)
+    for (_, doc), conv in zip(docs, conversations):
+        got = hf.apply_chat_template(conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                                     chat_template=CHATML_PARTS_GEN)
+        want_ids, want_mask = _expected(tok, list(got["input_ids"]), list(got["assistant_masks"]))
+        assert doc.ids.tolist() == want_ids and doc.trained.astype(int).tolist() == want_mask
+    if marked:
+        return  # the marked template's assistant branch takes parts only
+    # the same conversations with string contents give the same documents
+    plain = [[{**m, "content": "".join(p["text"] for p in m["content"]) if isinstance(m["content"], list)
+               else m["content"]} for m in c] for c in conversations]
+    assert [d.ids.tolist() for _, d in tokens([(REF, c) for c in plain], None, "k")] == [d.ids.tolist()
+                                                                                          for _, d in docs]
 
 
 @pytest.mark.parametrize("marked", [False, True])
@@ -272,7 +323,14 @@ def test_a_turn_whose_surroundings_depend_on_the_content_is_refused():
                                         r"from/value to role/content with a map step\)"),
     ([{"role": "user", "content": "x"}, {"role": "gpt", "content": "y"}],
      r"message 1 has role 'gpt'; a role is one of system, user, assistant, tool \(for 'assistant'\? rename"),
-    ([{"role": "user", "content": ["x"]}], r"message 0 \(user\) has content that is list \['x'\], not a string"),
+    ([{"role": "user", "content": ["x"]}], r"message 0 \(user\) has content part 0 that is str 'x', not an object "
+                                           "with a type"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     r"message 0 \(user\) has a 'image_url' part: a chat source carries text parts only"),
+    ([{"role": "user", "content": [{"type": "text", "text": 3}]}],
+     r"message 0 \(user\) has text part 0 whose text is int 3, not a string"),
+    ([{"role": "user", "content": {"text": "x"}}], r"message 0 \(user\) has content that is dict .*, not a string "
+                                                   "or a list of text parts"),
     ([{"role": "assistant", "content": None}], r"message 0 \(assistant\) has content that is null"),
     ([{"role": "user"}], r"message 0 \(user\) has no content"),
     (["user: x"], "message 0 is str 'user: x', not an object"),

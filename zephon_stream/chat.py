@@ -38,7 +38,8 @@ first; EOS unless the template wrote it last). BOS is never trained, the EOS the
 trained under `"all"` only: under the assistant scopes the template's own end of turn, inside the
 trained span, is what the model learns to stop on.
 
-Messages: `role` is one of `ROLES` (system, user, assistant, tool); `content` a string, or null
+Messages: `role` is one of `ROLES` (system, user, assistant, tool); `content` a string, a list of
+text parts (`[{"type": "text", "text": ...}]`, passed to the template as it is), or null
 (or absent) in an assistant message that only calls tools (`tool_calls`, a list of objects); other
 keys go to the template as they are. A source's `tools_field` gives each conversation its tools
 (a list of function specs, or a JSON string of one), the template's `tools`. For the sentinel
@@ -207,6 +208,9 @@ def check_messages(messages: Any) -> None:
             alias = _ROLE_ALIASES.get(m["role"]) if isinstance(m["role"], str) else None
             hint = f" (for {alias!r}? rename roles with a map step)" if alias else ""
             raise DataError(f"message {i} has role {m['role']!r}; a role is one of {', '.join(ROLES)}{hint}")
+        if isinstance(m.get("content"), list):
+            _check_parts(i, m["role"], m["content"])
+            continue
         if not isinstance(m.get("content"), str):
             calls = m.get("tool_calls")
             if m["role"] == "assistant" and m.get("content") is None and calls:
@@ -216,7 +220,22 @@ def check_messages(messages: Any) -> None:
                 continue  # a message that only calls tools: the template writes the calls
             what = "no content" if "content" not in m else f"content that is {_kind(m['content'])}"
             also = " (or null, with tool_calls)" if m["role"] == "assistant" else ""
-            raise DataError(f"message {i} ({m['role']}) has {what}, not a string{also}")
+            raise DataError(f"message {i} ({m['role']}) has {what}, not a string{also} or a list of text parts")
+
+
+def _check_parts(i: int, role: str, parts: list[Any]) -> None:
+    """Content as a list of parts (OpenAI style, `[{"type": "text", "text": ...}]`): passed to the
+    template as it is, as `transformers` passes it. Text parts only: a chat source carries text."""
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise DataError(f"message {i} ({role}) has content part {j} that is {_kind(part)}, not an object "
+                            "with a type")
+        if part["type"] != "text":
+            raise DataError(f"message {i} ({role}) has a {_short(part['type'])} part: a chat source carries text "
+                            "parts only (images go to an image+text source)")
+        if not isinstance(part.get("text"), str):
+            raise DataError(f"message {i} ({role}) has text part {j} whose text is {_kind(part.get('text'))}, not "
+                            "a string")
 
 
 def check_tools(tools: Any) -> list[Any] | None:
