@@ -403,6 +403,52 @@ def test_template_variables_come_from_where_the_template_does(tmp_path):
         [{"role": "user", "content": "x"}]) == "<|begin_of_text|>x<|eot_id|>"
 
 
+@pytest.mark.parametrize("layout", ["files", "config-list"])
+def test_a_model_directory_template_is_the_one_transformers_loads(tokenizer_path, tmp_path, layout):
+    """A model directory as transformers saves it now: chat_template.jinja (and
+    additional_chat_templates/tool_use.jinja) beside a tokenizer_config.json that may hold an older
+    template; the files win. Or the older layout, named templates in tokenizer_config.json. A
+    conversation offered tools is rendered with the "tool_use" template, as transformers picks it.
+    Ids equal those of `AutoTokenizer.from_pretrained(dir).apply_chat_template(conv, tools=...)`."""
+    transformers = pytest.importorskip("transformers")
+    import shutil
+
+    from zephon_stream.loader.config import Config, SourceConfig
+
+    default = QWEN_TOOLS.replace("helpful assistant", "plain assistant")  # tells the two apart
+    assert default != QWEN_TOOLS
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(tokenizer_path, model / "tokenizer.json")
+    tok_config: dict[str, Any] = {"eos_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast"}
+    if layout == "files":
+        tok_config["chat_template"] = "OLD {{ messages[0]['content'] }}"  # older than the files: not used
+        (model / "chat_template.jinja").write_text(default)
+        (model / "additional_chat_templates").mkdir()
+        (model / "additional_chat_templates" / "tool_use.jinja").write_text(QWEN_TOOLS)
+    else:
+        tok_config["chat_template"] = [{"name": "default", "template": default},
+                                       {"name": "tool_use", "template": QWEN_TOOLS}]
+    (model / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    hf = transformers.AutoTokenizer.from_pretrained(str(model))
+    template = load_template(None, str(model / "tokenizer.json"))
+    assert template.source == default and template.tool_use is not None and template.tool_use.source == QWEN_TOOLS
+    tokens = ChatTokens(template, Tokenize(str(model / "tokenizer.json"), "<|endoftext|>"), "all")
+    pairs = tool_conversations(seed=8, n=30)
+    assert any(t is None for _, t in pairs) and any(t is not None for _, t in pairs)
+    docs = tokens([(REF, Conversation(c, t)) for c, t in pairs], None, "k")
+    for (_, doc), (conv, tools) in zip(docs, pairs):
+        want = list(hf.apply_chat_template(conv, tools=tools, tokenize=True, return_dict=True)["input_ids"])
+        assert doc.ids.tolist()[:len(want)] == want
+    # the files' bytes are order settings: an edited chat_template.jinja is a new order
+    cfg = Config(seed=1, lanes=1, seq_len=8, global_batch_size=1, tokenizer=str(model),
+                 sources=[SourceConfig(name="s", uri="file:///x/", messages_field="messages")])
+    before = cfg.order_digest("t")
+    edited = model / ("chat_template.jinja" if layout == "files" else "tokenizer_config.json")
+    edited.write_text(edited.read_text().replace("plain", "other", 1))
+    assert cfg.order_digest("t") != before
+
+
 def test_a_missing_template_says_what_to_set(tmp_path):
     tok = str(tmp_path / "tokenizer.json")
     with pytest.raises(ConfigError, match=r"source 'sft' is a chat source .* there is no .*tokenizer_config.json\. "

@@ -92,6 +92,10 @@ class ChatTemplate:
     tokenizer's `special_tokens_map`), with `add_generation_prompt = False`.
     """
 
+    #: the model's "tool_use" template, rendered instead for a conversation offered tools (as
+    #: `transformers` picks it); None: this template renders every conversation
+    tool_use: ChatTemplate | None = None
+
     def __init__(self, source: str, origin: str = "<string>", variables: dict[str, str] | None = None) -> None:
         self.source, self.origin, self.variables = source, origin, dict(variables or {})
         self.marked = bool(_GENERATION.search(source))
@@ -251,7 +255,7 @@ def check_tools(tools: Any) -> list[Any] | None:
         return None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise DataError(f"the tools are {_kind(tools)}, not a list of objects (function specs)")
-    return tools or None  # an empty list offers nothing: rendered as no tools, as templates test `if tools`
+    return tools  # an empty list stays one, as `transformers` passes it
 
 
 def _kind(value: Any) -> str:
@@ -324,7 +328,9 @@ class ChatTokens:
         for ref, record in docs:
             messages, tools = record if isinstance(record, Conversation) else (record, None)
             try:
-                rendered.append((ref, *self.template.spans(messages, self.loss_on, tools)))
+                tools = check_tools(tools)
+                template = self.template.tool_use if tools is not None and self.template.tool_use else self.template
+                rendered.append((ref, *template.spans(messages, self.loss_on, tools)))
             except DataError as exc:
                 err = DataError(f"bad conversation in {key!r} (the record at byte {ref[2]} of its split): {exc}",
                                 key=key, offset=ref[2])
@@ -372,8 +378,54 @@ def load_template(chat_template: str | None, tokenizer: str, owner: str = "this 
                               "to the path of a Jinja chat template file") from exc
     config_path = Path(tokenizer).parent / "tokenizer_config.json"
     tok_config = _read_tokenizer_config(config_path) if config_path.is_file() else {}
-    source = _named_template(tok_config.get("chat_template"), config_path, owner)
-    return ChatTemplate(source, f"{config_path} (chat_template)", {**variables, **_special_tokens(tok_config)})
+    variables = {**variables, **_special_tokens(tok_config)}
+    files = model_template_files(tokenizer)
+    if files:  # chat_template.jinja and additional_chat_templates/*.jinja take priority, as in transformers
+        named: Any = {("default" if p.name == CHAT_TEMPLATE_FILE else p.stem): p for p in files}
+        sources = {name: _read_template_file(p, owner) for name, p in named.items()}
+        value: Any = sources["default"] if list(sources) == ["default"] else [
+            {"name": n, "template": t} for n, t in sources.items()]
+        origin = {n: f"{named[n]}" for n in sources}
+    else:
+        value, origin = tok_config.get("chat_template"), {}
+        if isinstance(value, list):
+            origin = {t.get("name"): f"{config_path} (chat_template {t.get('name')!r})" for t in value
+                      if isinstance(t, dict)}
+    source = _named_template(value, config_path, owner)
+    template = ChatTemplate(source, origin.get("default", f"{config_path} (chat_template)"), variables)
+    tool_use = _tool_use(value)
+    if tool_use is not None:
+        template.tool_use = ChatTemplate(tool_use, origin.get("tool_use", "tool_use"), variables)
+    return template
+
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # beside tokenizer_config.json, as transformers saves templates now
+_CHAT_TEMPLATE_DIR = "additional_chat_templates"  # and named ones, {name}.jinja
+
+
+def model_template_files(tokenizer: str) -> list[Path]:
+    """The template files of the model directory that holds `tokenizer`: `chat_template.jinja` and
+    `additional_chat_templates/*.jinja`, which `transformers` prefers to tokenizer_config.json's."""
+    root = Path(tokenizer).parent
+    files = [root / CHAT_TEMPLATE_FILE] if (root / CHAT_TEMPLATE_FILE).is_file() else []
+    extra = root / _CHAT_TEMPLATE_DIR
+    return files + (sorted(extra.glob("*.jinja")) if extra.is_dir() else [])
+
+
+def _read_template_file(path: Path, owner: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{owner}: the model's chat template {str(path)!r} cannot be read ({exc})") from exc
+
+
+def _tool_use(value: Any) -> str | None:
+    """The template named "tool_use" among named templates (`transformers` renders a conversation
+    given tools with it), else None."""
+    if not isinstance(value, list):
+        return None
+    found = [t.get("template") for t in value if isinstance(t, dict) and t.get("name") == "tool_use"]
+    return found[0] if found and isinstance(found[0], str) else None
 
 
 def _read_tokenizer_config(path: Path) -> dict[str, Any]:

@@ -164,7 +164,7 @@ _BAD_TOOLS = [({"tools": "[{not json"}, "the tools are a string that is not JSON
               ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": "f()"}]},
                "message 1 .assistant. has tool_calls that are str 'f..', not a list of objects"),
               ({"messages": [{"role": "user", "content": None, "tool_calls": [{"name": "f"}]}]},
-               r"message 0 \(user\) has content that is null, not a string$")]
+               r"message 0 \(user\) has content that is null, not a string or a list of text parts$")]
 
 
 @pytest.mark.parametrize("bad, problem", _BAD_TOOLS)

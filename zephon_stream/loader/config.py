@@ -453,9 +453,15 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
 def _chat_order(s: SourceConfig, tokenizer: str) -> list[Any]:
     """A chat source's order settings: its fields, loss scope and the bytes of its template file (a
     template edited in place is a new order), or of the tokenizer_config.json next to the
-    tokenizer when it has no `chat_template`."""
+    tokenizer when it has no `chat_template` (and of the model's chat_template.jinja and
+    additional_chat_templates/*.jinja, where there are any)."""
     path = Path(s.chat_template) if s.chat_template is not None else Path(tokenizer).parent / "tokenizer_config.json"
     template = path.read_bytes() if path.is_file() else b""
+    if s.chat_template is None:  # the model directory's template files, which transformers prefers, when there
+        from zephon_stream.chat import model_template_files
+
+        for file in model_template_files(tokenizer):
+            template += b"\0" + file.name.encode() + b"\0" + file.read_bytes()
     tools = [s.tools_field] if s.tools_field is not None else []  # only when set: older configs keep their digest
     return [[s.messages_field, s.loss_on, hashlib.sha256(template).hexdigest()[:16], *tools]]
 

@@ -92,7 +92,8 @@ MEANINGS: dict[tuple[str, str], str] = {
     ("sources", "messages_field"): "Makes it a chat source: the field that holds a conversation, a list of "
                                    "`{role, content}` messages (OpenAI / Hugging Face style). ",
     ("sources", "chat_template"): "Chat sources: a Jinja chat template file (relative to the config file); "
-                                  "unset: the `chat_template` of the `tokenizer_config.json` next to the tokenizer. ",
+                                  "unset: the model directory's, as transformers finds it (`chat_template.jinja`, "
+                                  "else the `chat_template` of the `tokenizer_config.json` next to the tokenizer). ",
     ("sources", "loss_on"): 'Chat sources: the tokens trained on, `"assistant"` (every assistant message), '
                             '`"last_assistant"` or `"all"`; labels are -100 elsewhere. ',
     ("sources", "tools_field"): "Chat sources: the field that holds the tools the conversation may call (a list "
