@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -447,6 +448,40 @@ def test_a_model_directory_template_is_the_one_transformers_loads(tokenizer_path
     edited = model / ("chat_template.jinja" if layout == "files" else "tokenizer_config.json")
     edited.write_text(edited.read_text().replace("plain", "other", 1))
     assert cfg.order_digest("t") != before
+
+
+def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them(tokenizer_path, tmp_path):
+    """`chat_template_kwargs` (gpt-oss's reasoning_effort, SmolLM3's enable_thinking...) are template
+    variables, passed last; they round-trip through TOML and are order settings."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+
+    from zephon_stream.loader.config import Config, SourceConfig
+
+    effort = ("{{ '<|im_start|>system\\nReasoning: ' + (reasoning_effort | default('medium')) + "
+              "(' /no_think' if enable_thinking is defined and not enable_thinking else '') + '<|im_end|>\\n' }}")
+    (tmp_path / "t.jinja").write_text(effort + CHATML)
+    kwargs = {"reasoning_effort": "high", "enable_thinking": False}
+    source = SourceConfig(name="s", uri="file:///x/", messages_field="messages",
+                          chat_template=str(tmp_path / "t.jinja"), chat_template_kwargs=kwargs)
+    cfg = Config(seed=1, lanes=1, seq_len=8, global_batch_size=1, tokenizer=str(tokenizer_path), sources=[source])
+    (tmp_path / "c.toml").write_text(cfg.to_toml())
+    assert Config.from_toml(tmp_path / "c.toml").sources[0].chat_template_kwargs == kwargs
+    tok = Tokenize(str(tokenizer_path), "<|endoftext|>")
+    tokens = ChatTokens.for_source(cfg, 0, tok)
+    conv = word_conversations(seed=4, n=1)[0]
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(tokenizer_path)),
+                                              eos_token="<|endoftext|>")
+    want = hf.apply_chat_template(conv, tokenize=False, chat_template=effort + CHATML, **kwargs)
+    assert want.startswith("<|im_start|>system\nReasoning: high /no_think<|im_end|>")
+    assert tokens.template.render(conv) == want
+    plain = cfg.replace(sources=[msgspec.structs.replace(source, chat_template_kwargs={})])
+    assert cfg.order_digest("t") != plain.order_digest("t")
+    assert len(plain.order_settings("t")["sources"][0][-1]) == 3  # unset: the settings of before
+    with pytest.raises(ConfigError, match="sets tools, which the loader passes itself"):
+        msgspec.structs.replace(source, chat_template_kwargs={"tools": "x"}).__post_init__()
+    with pytest.raises(ConfigError, match="chat_template_kwargs .* is for chat sources"):
+        SourceConfig(name="s", uri="file:///x/", chat_template_kwargs={"a": 1})
 
 
 def test_a_missing_template_says_what_to_set(tmp_path):

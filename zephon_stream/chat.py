@@ -318,7 +318,8 @@ class ChatTokens:
         """The chat tokenizer of `config.sources[source]` (a chat source)."""
         src = config.sources[source]
         template = load_template(src.chat_template, config.tokenizer_file, f"source {src.name!r}",
-                                 {"eos_token": config.eos_token, "bos_token": config.bos_token})
+                                 {"eos_token": config.eos_token, "bos_token": config.bos_token},
+                                 src.chat_template_kwargs)
         return cls(template, tokenizer, src.loss_on)
 
     def __call__(self, docs: list[tuple[Any, Any]], bad: Any, key: str) -> list[tuple[Any, ChatDoc]]:
@@ -358,7 +359,8 @@ def _offsets(offsets: list[tuple[int, int]]) -> np.ndarray:
 
 
 def load_template(chat_template: str | None, tokenizer: str, owner: str = "this chat source",
-                  defaults: dict[str, str | None] | None = None) -> ChatTemplate:
+                  defaults: dict[str, str | None] | None = None,
+                  kwargs: dict[str, Any] | None = None) -> ChatTemplate:
     """The chat template of a chat source: the file `chat_template`, else the `chat_template` of
     the `tokenizer_config.json` next to `tokenizer`.
 
@@ -367,18 +369,21 @@ def load_template(chat_template: str | None, tokenizer: str, owner: str = "this 
     renders: `defaults` (the config's `eos_token`, `bos_token`) with a template file; the special
     tokens (`*_token`) of the tokenizer_config.json with its template (what `transformers`
     passes), `defaults` for those it does not set. A missing or unreadable template is a
-    ConfigError that says what to set.
+    ConfigError that says what to set. `kwargs` (a source's `chat_template_kwargs`, such as
+    `enable_thinking`) go to every render last, as `apply_chat_template(**kwargs)` passes them.
     """
     variables = {k: v for k, v in (defaults or {}).items() if v is not None}
+    kwargs = dict(kwargs or {})
     if chat_template is not None:
         try:
-            return ChatTemplate(Path(chat_template).read_text(encoding="utf-8"), chat_template, variables)
+            return ChatTemplate(Path(chat_template).read_text(encoding="utf-8"), chat_template,
+                                {**variables, **kwargs})
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{owner}: chat_template {chat_template!r} cannot be read ({exc}): set chat_template "
                               "to the path of a Jinja chat template file") from exc
     config_path = Path(tokenizer).parent / "tokenizer_config.json"
     tok_config = _read_tokenizer_config(config_path) if config_path.is_file() else {}
-    variables = {**variables, **_special_tokens(tok_config)}
+    variables = {**variables, **_special_tokens(tok_config), **kwargs}
     files = model_template_files(tokenizer)
     if files:  # chat_template.jinja and additional_chat_templates/*.jinja take priority, as in transformers
         named: Any = {("default" if p.name == CHAT_TEMPLATE_FILE else p.stem): p for p in files}

@@ -141,6 +141,8 @@ class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
     chat_template: str | None = None  # a Jinja file; unset: the tokenizer_config.json next to the tokenizer
     loss_on: Literal["assistant", "last_assistant", "all"] = "assistant"
     tools_field: str | None = None  # chat sources: the field holding the tools offered (the template's `tools`)
+    # chat sources: extra template variables, as apply_chat_template(**kwargs) passes them (enable_thinking)
+    chat_template_kwargs: dict[str, str | int | float | bool] = {}
     transforms: list[TransformStep] = []  # map / filter steps on each record, in order, before tokenizing
 
     def __post_init__(self) -> None:
@@ -148,6 +150,12 @@ class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
         if self.messages_field is not None:
             _check(self.image_field is None, f"{where}.messages_field", self.messages_field,
                    "a source is a chat source or an image+text source, not both: unset image_field")
+        if self.chat_template_kwargs:
+            _check(self.messages_field is not None, f"{where}.chat_template_kwargs", self.chat_template_kwargs,
+                   "is for chat sources: set messages_field too")
+            taken = sorted(set(self.chat_template_kwargs) & {"messages", "tools", "documents", "add_generation_prompt"})
+            _check(not taken, f"{where}.chat_template_kwargs", self.chat_template_kwargs,
+                   f"sets {', '.join(taken)}, which the loader passes itself")
         if self.tools_field is not None:
             _check(self.messages_field is not None, f"{where}.tools_field", self.tools_field,
                    "is for chat sources: set messages_field too (the field that holds the conversation)")
@@ -463,7 +471,8 @@ def _chat_order(s: SourceConfig, tokenizer: str) -> list[Any]:
         for file in model_template_files(tokenizer):
             template += b"\0" + file.name.encode() + b"\0" + file.read_bytes()
     tools = [s.tools_field] if s.tools_field is not None else []  # only when set: older configs keep their digest
-    return [[s.messages_field, s.loss_on, hashlib.sha256(template).hexdigest()[:16], *tools]]
+    kwargs = [sorted(s.chat_template_kwargs.items())] if s.chat_template_kwargs else []  # likewise
+    return [[s.messages_field, s.loss_on, hashlib.sha256(template).hexdigest()[:16], *tools, *kwargs]]
 
 
 def _file_uri(path: Path) -> str:
@@ -475,6 +484,10 @@ def _toml_value(v: object) -> str:
         return "true" if v else "false"
     if isinstance(v, str):
         return msgspec.json.encode(v).decode()  # a JSON string is a valid TOML basic string
+    if isinstance(v, dict):  # an inline table, its keys quoted
+        return "{ " + ", ".join(f"{_toml_value(str(k))} = {_toml_value(x)}" for k, x in v.items()) + " }" if v else "{}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     return repr(v)
 
 

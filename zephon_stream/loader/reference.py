@@ -96,6 +96,8 @@ MEANINGS: dict[tuple[str, str], str] = {
                                   "else the `chat_template` of the `tokenizer_config.json` next to the tokenizer). ",
     ("sources", "loss_on"): 'Chat sources: the tokens trained on, `"assistant"` (every assistant message), '
                             '`"last_assistant"` or `"all"`; labels are -100 elsewhere. ',
+    ("sources", "chat_template_kwargs"): "Chat sources: extra template variables, as `apply_chat_template(**kwargs)` "
+                                         "passes them (`{ enable_thinking = false }`). ",
     ("sources", "tools_field"): "Chat sources: the field that holds the tools the conversation may call (a list "
                                 "of JSON-schema function specs, or a JSON string of one), the template's `tools`. ",
     ("sources", "transforms"): "`[[sources.transforms]]` steps (below), applied to each record in order "
