@@ -96,7 +96,7 @@ class ChatTemplate:
     #: `transformers` picks it); None: this template renders every conversation
     tool_use: ChatTemplate | None = None
 
-    def __init__(self, source: str, origin: str = "<string>", variables: dict[str, str] | None = None) -> None:
+    def __init__(self, source: str, origin: str = "<string>", variables: dict[str, Any] | None = None) -> None:
         self.source, self.origin, self.variables = source, origin, dict(variables or {})
         self.marked = bool(_GENERATION.search(source))
         self._seen = source + "".join(v for v in self.variables.values() if isinstance(v, str))  # rendered too
@@ -361,8 +361,10 @@ def _offsets(offsets: list[tuple[int, int]]) -> np.ndarray:
 def load_template(chat_template: str | None, tokenizer: str, owner: str = "this chat source",
                   defaults: dict[str, str | None] | None = None,
                   kwargs: dict[str, Any] | None = None) -> ChatTemplate:
-    """The chat template of a chat source: the file `chat_template`, else the `chat_template` of
-    the `tokenizer_config.json` next to `tokenizer`.
+    """The chat template of a chat source: the file `chat_template`, else the model directory's
+    that holds `tokenizer`, found as `transformers` finds it (`chat_template.jinja` and
+    `additional_chat_templates/*.jinja`, else the `chat_template` of `tokenizer_config.json`),
+    with its "tool_use" template, if any, as `tool_use`.
 
     Its variables come from where the template does, so that the bytes in the order digest
     (`Config.order_settings`: the template file, or that tokenizer_config.json) decide the
