@@ -290,11 +290,7 @@ class _Job:
                 self.bad(DataError(f"record {i} of the JSON array in {obj.key!r} takes {len(raw)} bytes, more than "
                                    f"max_record_bytes = {self.max_record}{hint}", key=obj.key, offset=i))
                 continue
-            try:
-                record = msgspec.json.decode(raw)
-            except msgspec.DecodeError as exc:  # cannot be: the array decoded; kept for a clear error anyway
-                self.bad(DataError(f"record {i} of the JSON array in {obj.key!r}: {exc}", key=obj.key, offset=i))
-                continue
+            record = msgspec.json.decode(raw)  # valid: the whole array decoded
             value = record.get(self.text_field) if isinstance(record, dict) else None
             if self.chat is not None and value is not None:  # a conversation: checked as a chat source reads it
                 tools = self.chat.tools
