@@ -484,6 +484,18 @@ def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them(tok
         SourceConfig(name="s", uri="file:///x/", chat_template_kwargs={"a": 1})
 
 
+def test_a_long_conversation_with_an_unmarked_template_says_its_cost_once(caplog):
+    conv = [m for i in range(40) for m in ({"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"})]
+    caplog.set_level("WARNING", logger="zephon_stream.loader")
+    plain, marked = ChatTemplate(CHATML, "chatml.jinja"), ChatTemplate(CHATML_GEN, "chatml-gen.jinja")
+    for _ in range(3):
+        assert plain.spans(conv, "assistant")[1] == marked.spans(conv, "assistant")[1]
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith("chat template chatml.jinja has no {% generation %} marks, so each "
+                                                 "assistant turn is found from renders"), said
+    assert "a conversation of 40 assistant turns takes 120 renders" in said[0]
+
+
 def test_a_missing_template_says_what_to_set(tmp_path):
     tok = str(tmp_path / "tokenizer.json")
     with pytest.raises(ConfigError, match=r"source 'sft' is a chat source .* there is no .*tokenizer_config.json\. "
