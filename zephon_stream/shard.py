@@ -128,6 +128,7 @@ class _ArrowFile(NamedTuple):
 
     key: str
     schema: Any
+    format: str = "Arrow"
 
 
 class _ArrowRows:
@@ -391,10 +392,10 @@ class _Job:
             try:
                 stream = pa.ipc.open_stream(data)
                 schema, batches = stream.schema, iter(stream)
-            except pa.ArrowInvalid:
+            except (pa.ArrowException, OSError):
                 file = pa.ipc.open_file(data)
                 schema, batches = file.schema, (file.get_batch(i) for i in range(file.num_record_batches))
-        except pa.ArrowInvalid as exc:
+        except (pa.ArrowException, OSError) as exc:
             self.bad(DataError(f"{obj.key!r} is not an Arrow IPC stream or file: {str(exc).strip()}", key=obj.key,
                                offset=0))
             return
@@ -402,6 +403,10 @@ class _Job:
         try:
             for name, kind in columns:
                 resolve_column(_ArrowFile(obj.key, schema), name, kind)
+        except UnicodeDecodeError as exc:  # pyarrow decodes names only when asked
+            self.bad(DataError(f"{obj.key!r} is damaged: a column name is not UTF-8 ({exc.reason})", key=obj.key,
+                               offset=0))
+            return
         except DataError as err:
             self.bad(err)
             return
@@ -409,7 +414,9 @@ class _Job:
         while True:
             try:
                 batch = next(batches, None)
-            except (pa.ArrowInvalid, OSError) as exc:  # cut short, or a damaged batch: its rows before it stand
+                if batch is not None:  # offsets and lengths checked before any value is read: unchecked, a
+                    batch.validate(full=True)  # damaged one reads out of bounds (a crash, not an error)
+            except (pa.ArrowException, OSError) as exc:  # cut short, or a damaged batch: its rows before it stand
                 self.bad(DataError(f"{obj.key!r} is damaged after row {pos}: {str(exc).strip()}", key=obj.key,
                                    offset=pos))
                 return

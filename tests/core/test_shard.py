@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import anyio
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from zephon_stream import ConfigError, DataError
+from zephon_stream import ConfigError, DataError, ZephonError
 from zephon_stream.cli.main import main
 from zephon_stream.connectors import open_store
 from zephon_stream.formats.jsonl_zst import read_seek_table
@@ -162,6 +165,42 @@ def test_a_save_to_disk_folder_of_arrow_files_becomes_shards(tmp_path):
     with pytest.raises(ConfigError, match=r"Hugging Face DatasetDict .*: shard one split's folder \(test, train\)"):
         shard(str(tmp_path / "dd"), str(tmp_path / "o4"), progress=False)
     assert shard(str(tmp_path / "dd" / "train"), str(tmp_path / "o5"), progress=False).documents == 1
+
+
+def _arrow_bytes(stream: bool) -> bytes:
+    sink = pa.BufferOutputStream()
+    table = pa.table({"text": [f"row {i} ✓" for i in range(30)], "meta": [{"n": i} for i in range(30)]})
+    writer = (pa.ipc.new_stream if stream else pa.ipc.new_file)(sink, table.schema)
+    for b in table.to_batches(max_chunksize=7):
+        writer.write_batch(b)
+    writer.close()
+    return sink.getvalue().to_pybytes()
+
+
+_ARROW = {True: _arrow_bytes(True), False: _arrow_bytes(False)}
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.booleans(), st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), min_size=1, max_size=6),
+       st.integers(0, 1 << 20))
+def test_a_damaged_arrow_file_gives_its_rows_or_one_line_data_error(stream, edits, cut) -> None:
+    """Bytes changed anywhere in an Arrow stream or file, and the file cut short: rows come out
+    (never more than written), or one DataError line; never a pyarrow traceback."""
+    import tempfile
+
+    data = bytearray(_ARROW[stream])
+    for i, b in edits:
+        data[i % len(data)] = b
+    data = data[:cut % (len(data) + 1)] if cut % 3 == 0 else data
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "in").mkdir()
+        (Path(tmp) / "in" / "x.arrow").write_bytes(bytes(data))
+        try:
+            report = shard(str(Path(tmp) / "in"), str(Path(tmp) / "out"), progress=False)
+        except ZephonError as exc:
+            assert "\n" not in str(exc), str(exc)
+            return
+        assert report.documents <= 30
 
 
 def test_hidden_inputs_are_not_read(tmp_path, caplog):

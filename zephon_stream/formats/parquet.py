@@ -154,20 +154,30 @@ def resolve_column(footer: ParquetFooter, name: str, kind: str) -> Column:
     import pyarrow as pa
 
     schema, key = footer.schema, footer.key
+    file = f"{getattr(footer, 'format', 'Parquet')} file {key!r}"
     parts = [name] if name in schema.names else name.split(".")
     fields: Any = schema
     for part in parts:
         if fields is None or part not in [f.name for f in fields]:
-            raise DataError(f"Parquet file {key!r} has no column {name!r} (its columns: {', '.join(schema.names)}): "
-                            f"set {_SETTING[kind]} to one of them (a dotted path reaches into struct columns)",
-                            key=key, offset=0)
-        field = fields.field(part)
+            raise DataError(f"{file} has no column {name!r} (its columns: {_names(schema)}): set {_SETTING[kind]} "
+                            "to one of them (a dotted path reaches into struct columns)", key=key, offset=0)
+        try:
+            field = fields.field(part)
+        except KeyError:  # the name is there more than once: no one column to read
+            raise DataError(f"{kind} column {name!r} of {file} is ambiguous: {part!r} names more than one field "
+                            f"(its columns: {_names(schema)})", key=key, offset=0) from None
         fields = field.type if pa.types.is_struct(field.type) else None
-    _check_type(key, name, field.type, kind)
+    _check_type(file, key, name, field.type, kind)
     return Column(name, parts, kind)
 
 
-def _check_type(key: str, name: str, dtype: Any, kind: str) -> None:
+def _names(schema: Any) -> str:
+    """A schema's column names for a one-line message (a name with a newline or other control
+    character shown escaped)."""
+    return ", ".join(n if n.isprintable() else repr(n) for n in schema.names)
+
+
+def _check_type(file: str, key: str, name: str, dtype: Any, kind: str) -> None:
     import pyarrow as pa
 
     shown = dtype
@@ -185,8 +195,9 @@ def _check_type(key: str, name: str, dtype: Any, kind: str) -> None:
         want = {"text": "a string", "messages": "a list of messages (list<struct<role, content>>)",
                 "tools": "a list of function specs, or a JSON string of one"}.get(
             kind, "binary, or a struct<bytes: binary, path: string> (HF Image)")
-        raise DataError(f"column {name!r} of Parquet file {key!r} is {shown}, not {want}: name a {kind} column "
-                        f"({_SETTING[kind]})", key=key, offset=0)
+        shown = str(shown) if str(shown).isprintable() else repr(str(shown))
+        raise DataError(f"column {name!r} of {file} is {shown}, not {want}: name a {kind} column ({_SETTING[kind]})",
+                        key=key, offset=0)
 
 
 _SETTING = {"text": "text_field", "messages": "messages_field", "image": "image_field", "tools": "tools_field"}
