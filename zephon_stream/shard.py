@@ -57,11 +57,13 @@ from zephon_stream.formats.jsonl_zst import seek_table, write_jsonl_shards
 from zephon_stream.formats.parquet import PARQUET_SUFFIXES
 from zephon_stream.loader.config import SourceConfig
 from zephon_stream.operators.read import (
+    MAX_DEPTH,
     SUFFIXES,
     BadRecords,
     Parser,
     Split,
     SplitReader,
+    nesting,
     plan_parquet,
     plan_shard,
     visible,
@@ -280,6 +282,11 @@ class _Job:
                                "whole: write it as JSON lines", key=obj.key, offset=0))
             return
         data = (await store.read(obj.key)).removeprefix(b"\xef\xbb\xbf")
+        if data.count(b"[") + data.count(b"{") > MAX_DEPTH and await threads.run_sync(nesting, data) > MAX_DEPTH + 1:
+            self.bad(DataError(f"{obj.key!r} holds a record that nests JSON arrays or objects more than {MAX_DEPTH} "
+                               "deep, the most a record may: the file is not read (as JSON lines, only that record "
+                               "would be a bad record)", key=obj.key, offset=0))
+            return
         try:
             items = await threads.run_sync(functools.partial(msgspec.json.decode, type=list[msgspec.Raw]), data)
         except msgspec.DecodeError as exc:

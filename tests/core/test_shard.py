@@ -203,6 +203,29 @@ def test_a_damaged_arrow_file_gives_its_rows_or_one_line_data_error(stream, edit
         assert report.documents <= 30
 
 
+_JSON_ARRAY = json.dumps([{"text": f"row {i} ✓", "n": [i, {"k": None}]} for i in range(12)], indent=2).encode()
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, len(_JSON_ARRAY) - 1), st.sampled_from(b'[]{}",:\\ \nax0\xff')),
+                min_size=1, max_size=6), st.integers(0, len(_JSON_ARRAY)))
+def test_a_damaged_json_array_gives_its_records_or_one_line_data_error(edits, cut) -> None:
+    import tempfile
+
+    data = bytearray(_JSON_ARRAY)
+    for i, b in edits:
+        data[i] = b
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "in").mkdir()
+        (Path(tmp) / "in" / "x.json").write_bytes(bytes(data[:cut] if cut else data))
+        try:
+            report = shard(str(Path(tmp) / "in"), str(Path(tmp) / "out"), progress=False)
+        except ZephonError as exc:
+            assert "\n" not in str(exc), str(exc)
+            return
+        assert report.documents <= 12
+
+
 def test_hidden_inputs_are_not_read(tmp_path, caplog):
     (tmp_path / "in" / ".ipynb_checkpoints").mkdir(parents=True)
     (tmp_path / "in" / "a.jsonl").write_text(json.dumps({"text": "one"}) + "\n")
@@ -225,6 +248,12 @@ def test_bad_records_of_a_json_array_name_their_place_or_are_counted(tmp_path):
         shard(str(tmp_path / "in"), str(tmp_path / "out"), progress=False)
     report = shard(str(tmp_path / "in"), str(tmp_path / "out2"), on_bad="skip", progress=False)
     assert (report.documents, report.skipped) == (2, 3) and _texts(tmp_path / "out2") == ["ok", "fine"]
+    deep = 100_000
+    (tmp_path / "in" / "a.json").write_text('[{"text": "ok"}, {"text": "x", "n": ' + "[" * deep + "]" * deep + "}]")
+    with pytest.raises(DataError, match=r"'a.json' holds a record that nests JSON arrays or objects more than 512 "):
+        shard(str(tmp_path / "in"), str(tmp_path / "out-deep"), progress=False)  # was a RecursionError traceback
+    report = shard(str(tmp_path / "in"), str(tmp_path / "out-deep2"), on_bad="skip", progress=False)
+    assert (report.documents, report.skipped) == (0, 1)
     (tmp_path / "in" / "a.json").write_text('[{"text": "ok"}, {"text": ')
     with pytest.raises(DataError, match=r"'a.json' starts as a JSON array but is not one: Input data was truncated"):
         shard(str(tmp_path / "in"), str(tmp_path / "out3"), progress=False)

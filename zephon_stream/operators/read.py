@@ -56,8 +56,9 @@ from zephon_stream.formats.parquet import PARQUET_SUFFIXES, chunk_bytes, read_fo
 if TYPE_CHECKING:
     from zephon_stream.operators.transforms import Records
 
-__all__ = ["BadRecords", "FORMATS", "Parser", "RecordCounts", "SUFFIXES", "ShardPlan", "SourcePlan", "Split",
-           "SplitReader", "plan_parquet", "plan_shard", "plan_source", "plan_splits"]
+__all__ = ["BadRecords", "FORMATS", "MAX_DEPTH", "Parser", "RecordCounts", "SUFFIXES", "ShardPlan", "SourcePlan",
+           "Split", "SplitReader", "is_hidden", "nesting", "plan_parquet", "plan_shard", "plan_source", "plan_splits",
+           "visible"]
 
 SUFFIXES = (".jsonl", ".jsonl.zst", *GZIP_SUFFIXES)  # JSON lines, read by SplitReader
 PLAN_WORKERS = 16  # shards planned at once (a scan reads one part of at most 8 MiB at a time)
@@ -835,7 +836,7 @@ def _declared_size(header: bytes) -> int | None:
 
 # ---- records -------------------------------------------------------------------------------------
 
-_MAX_DEPTH = 512  # JSON nesting a record may have: a fixed limit, not wherever the stack runs out
+MAX_DEPTH = 512  # JSON nesting a record may have: a fixed limit, not wherever the stack runs out
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _DEPTH_STEP = np.zeros(256, np.int64)
 _DEPTH_STEP[[ord("["), ord("{")]] = 1
@@ -848,7 +849,7 @@ class _TooDeep(Exception):
     pass
 
 
-def _nesting(line: bytes) -> int:
+def nesting(line: bytes) -> int:
     """How deep `line` nests JSON arrays and objects (brackets inside strings do not count)."""
     bare = np.frombuffer(_JSON_STRING.sub(b"", line), np.uint8)
     depth = peak = 0
@@ -915,7 +916,7 @@ class Parser:
     def _decode(self, reader: SplitReader, pos: int, line: bytes) -> Any:
         """The payload of one record, or None if it is bad and skipped (or filtered out)."""
         try:
-            if line.count(b"[") + line.count(b"{") > _MAX_DEPTH and _nesting(line) > _MAX_DEPTH:
+            if line.count(b"[") + line.count(b"{") > MAX_DEPTH and nesting(line) > MAX_DEPTH:
                 raise _TooDeep
             value = self._text(line)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, _TooDeep) as exc:
@@ -934,7 +935,7 @@ _OBJECT = msgspec.json.Decoder(dict[str, Any])  # a whole record, for transforms
 def _why(exc: Exception, line: bytes) -> str:
     """What is wrong with a record that does not decode, in words that name the likely cause."""
     if isinstance(exc, (RecursionError, _TooDeep)):
-        return f"it nests JSON arrays or objects more than {_MAX_DEPTH} deep, the most a record may"
+        return f"it nests JSON arrays or objects more than {MAX_DEPTH} deep, the most a record may"
     msg = str(exc)
     if line.startswith(b"\xef\xbb\xbf"):
         return f"{msg}: the line starts with a UTF-8 byte order mark (EF BB BF); remove it"
