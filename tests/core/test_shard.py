@@ -186,21 +186,25 @@ _ARROW = {True: _arrow_bytes(True), False: _arrow_bytes(False)}
 def test_a_damaged_arrow_file_gives_its_rows_or_one_line_data_error(stream, edits, cut) -> None:
     """Bytes changed anywhere in an Arrow stream or file, and the file cut short: rows come out
     (never more than written), or one DataError line; never a pyarrow traceback."""
-    import tempfile
-
     data = bytearray(_ARROW[stream])
     for i, b in edits:
         data[i % len(data)] = b
-    data = data[:cut % (len(data) + 1)] if cut % 3 == 0 else data
+    _shard_damaged("x.arrow", bytes(data[:cut % (len(data) + 1)] if cut % 3 == 0 else data), 30)
+
+
+def _shard_damaged(name: str, data: bytes, most: int) -> None:
+    """Shard one damaged input: at most `most` documents come out, or one ZephonError line."""
+    import tempfile
+
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "in").mkdir()
-        (Path(tmp) / "in" / "x.arrow").write_bytes(bytes(data))
+        (Path(tmp) / "in" / name).write_bytes(data)
         try:
             report = shard(str(Path(tmp) / "in"), str(Path(tmp) / "out"), progress=False)
         except ZephonError as exc:
             assert "\n" not in str(exc), str(exc)
             return
-        assert report.documents <= 30
+        assert report.documents <= most
 
 
 _JSON_ARRAY = json.dumps([{"text": f"row {i} ✓", "n": [i, {"k": None}]} for i in range(12)], indent=2).encode()
@@ -210,20 +214,10 @@ _JSON_ARRAY = json.dumps([{"text": f"row {i} ✓", "n": [i, {"k": None}]} for i 
 @given(st.lists(st.tuples(st.integers(0, len(_JSON_ARRAY) - 1), st.sampled_from(b'[]{}",:\\ \nax0\xff')),
                 min_size=1, max_size=6), st.integers(0, len(_JSON_ARRAY)))
 def test_a_damaged_json_array_gives_its_records_or_one_line_data_error(edits, cut) -> None:
-    import tempfile
-
     data = bytearray(_JSON_ARRAY)
     for i, b in edits:
         data[i] = b
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "in").mkdir()
-        (Path(tmp) / "in" / "x.json").write_bytes(bytes(data[:cut] if cut else data))
-        try:
-            report = shard(str(Path(tmp) / "in"), str(Path(tmp) / "out"), progress=False)
-        except ZephonError as exc:
-            assert "\n" not in str(exc), str(exc)
-            return
-        assert report.documents <= 12
+    _shard_damaged("x.json", bytes(data[:cut] if cut else data), 12)
 
 
 def test_hidden_inputs_are_not_read(tmp_path, caplog):
