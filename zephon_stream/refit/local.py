@@ -80,12 +80,15 @@ class LocalState:
         return e if host is None else host.to_global(e)
 
 
+def _memory(t: torch.Tensor) -> tuple:
+    """Which elements of which memory `t` views: equal for two names of one tensor."""
+    return t.device, t.dtype, tuple(t.shape), t.stride(), t.untyped_storage().data_ptr(), t.storage_offset()
+
+
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `a` and `b` are the same elements of the same memory (tied weights: one Parameter
     under two names, as an embedding and an LM head that share it)."""
-    return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
-            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-            and a.storage_offset() == b.storage_offset())
+    return _memory(a) == _memory(b)
 
 
 def tied(state: Mapping[str, torch.Tensor], keep: Sequence[str] = ()) -> dict[str, str]:
@@ -97,7 +100,7 @@ def tied(state: Mapping[str, torch.Tensor], keep: Sequence[str] = ()) -> dict[st
         if name in keep or not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.numel() == 0 \
                 or t.device.type == "meta":
             continue
-        key = (t.device, t.dtype, tuple(t.shape), t.stride(), t.untyped_storage().data_ptr(), t.storage_offset())
+        key = _memory(t)
         if key in first:
             out[name] = first[key]
         else:
