@@ -150,3 +150,24 @@ def test_rejected_credentials_never_printed(regions, tmp_path, capsys) -> None:
     out, err = capsys.readouterr()
     assert "credentials were rejected" in err
     assert secret not in out + err
+
+
+def test_a_daemon_started_misconfigured_exits(tmp_path: Path) -> None:
+    """A child's profile that no AWS file holds cannot mend by retrying: the daemon's first sync
+    raises it and the process exits 2, instead of running unhealthy and logging it forever."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "root").mkdir()
+    (tmp_path / "aws-config").write_text("[profile region-a]\nregion = us-east-1\n")
+    env = {**os.environ, "AWS_CONFIG_FILE": str(tmp_path / "aws-config"),
+           "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "aws-credentials")}
+    got = subprocess.run(
+        [sys.executable, "-m", "zephon_stream.cli", "relay", "--from", f"file://{tmp_path}/root/",
+         "--to", "s3://bucket/p/", "--to-endpoint", "http://127.0.0.1:9", "--to-profile", "region-b",
+         "--poll-interval", "0.1", "--log-format", "text"],
+        capture_output=True, text=True, timeout=60, env=env)
+    assert got.returncode == 2, got.stderr
+    assert "AWS profile 'region-b'" in got.stderr and "kind=config" in got.stderr
+    assert "event=fatal" in got.stderr

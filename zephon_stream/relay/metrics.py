@@ -1,6 +1,6 @@
 """What a relay node reports: counters and errors (`Tally`), statistics records, Prometheus text.
 
-Every error is counted once, by kind (`digest`, `data`, `not_found`, `connector`, `refit`;
+Every error is counted once, by kind (`digest`, `data`, `not_found`, `connector`, `config`, `refit`;
 `child:` before it for a child's, `poll` for a failed poll), and logged once as a JSON event.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from zephon_stream.errors import ConnectorError, DataError, DigestMismatch, ObjectNotFound, ZephonError
+from zephon_stream.errors import ConfigError, ConnectorError, DataError, DigestMismatch, ObjectNotFound, ZephonError
 
 __all__ = ["ChildStatistics", "RelayStatistics", "SyncReport", "Tally", "error_kind", "prometheus_text"]
 
@@ -88,7 +88,7 @@ class Tally:
 
 
 def error_kind(exc: BaseException) -> str:
-    return {DigestMismatch: "digest", DataError: "data", ObjectNotFound: "not_found"}.get(
+    return {DigestMismatch: "digest", DataError: "data", ObjectNotFound: "not_found", ConfigError: "config"}.get(
         type(exc), "connector" if isinstance(exc, ConnectorError) else "refit")
 
 

@@ -49,7 +49,7 @@ import anyio
 
 from zephon_stream.engine.cpu import CpuPolicy, default_threads
 from zephon_stream.engine.ordered import resolve_workers
-from zephon_stream.errors import ConnectorError, ObjectNotFound, RefitError, ZephonError, root_error
+from zephon_stream.errors import ConfigError, ConnectorError, ObjectNotFound, RefitError, ZephonError, root_error
 from zephon_stream.refit.versions import find_latest, read_manifest_bytes, version_prefix
 from zephon_stream.relay.ahead import StreamAhead
 from zephon_stream.relay.child import Child
@@ -149,10 +149,14 @@ class Relay:
     async def run(self, stop: anyio.Event | None = None) -> None:
         """Sync, then poll the parent every `poll_interval` and sync when a version appears,
         after an error (with exponential backoff) and every `resync_interval`. Returns once
-        `stop` is set (between syncs; cancel the caller's scope to stop mid-sync)."""
+        `stop` is set (between syncs; cancel the caller's scope to stop mid-sync).
+
+        Errors are counted and retried, except a ConfigError in the first sync (a profile that no
+        AWS file holds, an unset `*_env` variable...): it is raised, since retrying cannot mend it
+        and a relay that starts misconfigured should fail its deployment, not run unhealthy."""
         stop = stop or anyio.Event()
         ahead = self._jobs.ahead
-        backoff, due, full_at = self.poll_interval, 0.0, 0.0
+        backoff, due, full_at, first = self.poll_interval, 0.0, 0.0, True
         async with anyio.create_task_group() as group:  # copies of objects ahead of their MANIFEST
             ahead.attach(group)
             while not stop.is_set():
@@ -163,6 +167,9 @@ class Relay:
                         full_at = now + self.resync_interval
                     await ahead.settle()  # let them land first: no object is read twice
                     report = await self.sync()
+                    if first and (fatal := [e for e in report.errors if isinstance(e, ConfigError)]):
+                        raise fatal[0]
+                    first = False
                     backoff = self.poll_interval if report.ok else min(2 * backoff, self.max_backoff)
                     due = math.inf if report.ok else time.monotonic() + backoff
                     continue
