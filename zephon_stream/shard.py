@@ -69,7 +69,7 @@ from zephon_stream.operators.read import (
     visible,
 )
 from zephon_stream.operators.transforms import Records
-from zephon_stream.operators.types import Conversation
+from zephon_stream.operators.types import Conversation, field
 
 __all__ = ["ShardReport", "shard", "write_jsonl_shards"]
 
@@ -299,10 +299,10 @@ class _Job:
                                    f"max_record_bytes = {self.max_record}{hint}", key=obj.key, offset=i))
                 continue
             record = msgspec.json.decode(raw)  # valid: the whole array decoded
-            value = record.get(self.text_field) if isinstance(record, dict) else None
+            value = field(record, self.text_field)
             if self.chat is not None and value is not None:  # a conversation: checked as a chat source reads it
                 tools = self.chat.tools
-                if self.conversation(value if tools is None else Conversation(value, record.get(tools)), obj.key,
+                if self.conversation(value if tools is None else Conversation(value, field(record, tools)), obj.key,
                                       f"record {i} of its JSON array", i):
                     self.documents += 1
                     yield msgspec.json.format(bytes(raw), indent=-1) + b"\n"

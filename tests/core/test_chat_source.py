@@ -342,3 +342,27 @@ def test_inspect_marks_the_text_trained_on(chat_config, tmp_path, capsys, labels
                 assert before.rsplit("<|im_start|>", 1)[1].replace("⟦-⟧", "") == "assistant\n", before[-80:]
                 checked += 1
     assert checked >= len(runs) // 2
+
+
+def test_a_dotted_messages_field_reads_nested_conversations(tmp_path, chat_data):
+    """`messages_field = "x.messages"` reaches into a nested object in JSON lines, as in Parquet.
+    The nested lines have the flat lines' lengths (the flat ones carry a pad), so the splits are
+    the same and so must be the batches."""
+    root, conversations = chat_data
+    per = -(-len(conversations) // 3)
+    for name, line in (("flat", lambda i, c: {"p": 0, "id": i, "messages": c}),
+                       ("nested", lambda i, c: {"id": i, "x": {"messages": c}})):
+        (tmp_path / name).mkdir()
+        for s in range(3):
+            part = conversations[s * per:(s + 1) * per]
+            (tmp_path / name / f"part-{s}.jsonl").write_bytes(
+                b"".join(msgspec.json.encode(line(i, c)) + b"\n" for i, c in enumerate(part)))
+    assert [p.stat().st_size for p in sorted((tmp_path / "flat").iterdir())] == \
+        [p.stat().st_size for p in sorted((tmp_path / "nested").iterdir())]
+    flat = _config(root)
+    flat = flat.replace(sources=[msgspec.structs.replace(flat.sources[0], uri=f"file://{tmp_path}/flat/")])
+    nested = flat.replace(sources=[msgspec.structs.replace(flat.sources[0], uri=f"file://{tmp_path}/nested/",
+                                                           messages_field="x.messages")])
+    want = _batches(flat, 4, "threads")[0]
+    _same(want, _batches(nested, 4, "threads")[0])
+    _same(want, _batches(nested, 4, "processes")[0])

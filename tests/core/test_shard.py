@@ -234,6 +234,16 @@ def test_hidden_inputs_are_not_read(tmp_path, caplog):
     assert named.inputs == 1  # a file named by itself is read, hidden or not
 
 
+def test_a_dotted_text_field_reaches_into_json_arrays_and_lines(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.json").write_text(json.dumps([{"doc": {"body": "one"}}, {"doc": {"body": "two"}},
+                                                        {"doc.body": "three"}]))
+    (tmp_path / "in" / "b.json").write_text(json.dumps({"doc": {"body": "four"}}) + "\n")
+    report = shard(str(tmp_path / "in"), str(tmp_path / "out"), text_field="doc.body", progress=False)
+    assert report.documents == 4 and report.skipped == 0
+    assert [json.loads(line) for line in _lines((tmp_path / "out").glob("*.zst"))][2] == {"doc.body": "three"}
+
+
 def test_bad_records_of_a_json_array_name_their_place_or_are_counted(tmp_path):
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.json").write_text(json.dumps([{"text": "ok"}, {"text": 3}, ["x"], {"body": "y"},

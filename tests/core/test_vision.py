@@ -260,6 +260,22 @@ def test_bad_sample_is_an_error_naming_shard_and_member_or_a_counted_skip(vision
     assert _run(_one_source(vision_config, root, on_bad_record="skip")) == (7, 1)
 
 
+def test_a_caption_from_a_json_member_by_key_or_dotted_path(vision_config, tmp_path):
+    """`text_field = "json:caption"` (webdataset's metadata member), or a dotted path into it."""
+    rng = random.Random(8)
+    meta = [{"caption": f"flat {i}"} if i % 2 else {"meta": {"caption": f"nested {i}"}} for i in range(6)]
+    samples = [(f"{i:06d}", {"png": make_image(rng), "json": msgspec.json.encode(m)}) for i, m in enumerate(meta)]
+    write_tar_shards(samples, tmp_path / "json", prefix="j")
+    cfg = _one_source(vision_config, tmp_path / "json")
+    flat = cfg.replace(sources=[msgspec.structs.replace(cfg.sources[0], text_field="json:caption")],
+                       on_bad_record="skip")
+    assert _run(flat) == (3, 3)
+    nested = flat.replace(sources=[msgspec.structs.replace(cfg.sources[0], text_field="json:meta.caption")])
+    assert _run(nested) == (3, 3)
+    with pytest.raises(DataError, match=r"its 'json' member has no field 'meta.caption' \(text_field 'json:meta"):
+        _run(nested.replace(on_bad_record="error"))
+
+
 def _tiny_splits(config: Config, root: Path, **changes: object) -> Config:
     """One lane over splits of a sample or two, decode calls of up to 8 images."""
     vision = msgspec.structs.replace(config.vision, decode_batch=8, decode_ahead=8)

@@ -322,6 +322,26 @@ def test_text_field_can_be_any_json_key(key):
         _parse(msgspec.json.encode({key: 5}) + b"\n", text_field=key)
 
 
+@pytest.mark.parametrize("name", ["doc.body", "a.b.c", 'q"uote.body'])
+def test_a_dotted_text_field_reaches_into_nested_objects(name):
+    """As in Parquet: the key that is the whole name, else the path; the fast path (a struct per
+    level) and the path for keys msgspec cannot rename to (a quote) agree."""
+    def nested(value, parts):
+        return value if not parts else {parts[0]: nested(value, parts[1:]), "other": 1}
+
+    parts = name.split(".")
+    lines = b"".join(msgspec.json.encode({"id": i, **nested(f"doc {i}", parts)}) + b"\n" for i in range(3))
+    whole = msgspec.json.encode({name: "whole", parts[0]: nested("path", parts[1:])}) + b"\n"
+    assert _parse(lines + whole, text_field=name) == (["doc 0", "doc 1", "doc 2", "whole"], 0)
+    for bad, why in [({parts[0]: "flat"}, r"missing required field|Expected `object`"),
+                     ({parts[0]: {"other": 1}}, "missing required field"),
+                     ({"other": 1}, "missing required field"),
+                     (nested(5, parts), r"Expected `str`, got `int`")]:
+        with pytest.raises(DataError, match=why):
+            _parse(msgspec.json.encode(bad) + b"\n", text_field=name)
+        assert _parse(msgspec.json.encode(bad) + b"\n" + lines, text_field=name, on_bad="skip")[1] == 1
+
+
 # ---- a shard name that is not UTF-8 ------------------------------------------------------------------
 
 def test_a_shard_name_that_is_not_utf8_is_a_one_line_error(tmp_path):

@@ -114,6 +114,8 @@ class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
     WebDataset style (the members of one sample share a key, `000123.png` + `000123.txt`).
     `image_field` lists the member extensions that hold the image (`"png"`, `"jpg;jpeg;png"`);
     `text_field` names the text member (`"txt"`) or a JSON member's field (`"json:caption"`).
+    Elsewhere `text_field` (and `messages_field`, `tools_field`) is a key, else a dotted path
+    into nested objects (`"doc.body"`), in JSON lines and Parquet alike.
     Image sources need a `[vision]` table.
 
     `weight` is relative: only the ratios between the sources' weights matter (0.7 and 0.3 mix

@@ -85,8 +85,9 @@ MEANINGS: dict[tuple[str, str], str] = {
                         "file: every shard under it, sorted by key. ",
     ("sources", "weight"): "The source's share of the mix; weights are relative (0.7 and 0.3 = 7 and 3); 0 "
                            "pauses the source until every weighted one has ended. ",
-    ("sources", "text_field"): "The JSON key (a dotted path in Parquet) or tar member (`txt`, `json:caption`) "
-                               "that holds the text. ",
+    ("sources", "text_field"): "The JSON key or Parquet column that holds the text, else a dotted path into "
+                               "nested objects or structs (`doc.body`); for an image source the tar member "
+                               "(`txt`, `json:caption`, `json:meta.caption`). ",
     ("sources", "image_field"): "Makes it an image+text source: the tar member extensions (`png`, "
                                 "`jpg;jpeg;png`) or Parquet column that hold the image. ",
     ("sources", "messages_field"): "Makes it a chat source: the field that holds a conversation, a list of "

@@ -35,7 +35,7 @@ from zephon_stream.connectors.base import Store
 from zephon_stream.engine.window import Spawn, read_ranges
 from zephon_stream.errors import DataError, IncompatibleState
 from zephon_stream.operators.read import BadRecords, ShardPlan, Split
-from zephon_stream.operators.types import ImageDoc
+from zephon_stream.operators.types import ImageDoc, field
 
 __all__ = ["ImageParser", "ImageRecord", "TarSplitReader", "VisionTokens", "mark_images"]
 
@@ -149,11 +149,14 @@ class ImageParser:
                             f"{', '.join(sorted(sample.members))})", key=reader.key, offset=sample.offset)
         raw = sample.members[self.text_ext]
         try:
-            text = (msgspec.json.decode(raw, type=dict[str, Any]).get(self.json_field) if self.json_field
+            text = (field(msgspec.json.decode(raw, type=dict[str, Any]), self.json_field) if self.json_field
                     else raw.decode())
         except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
             raise DataError(f"{where}: caption member {self.text_ext!r} does not decode: {exc}",
                             key=reader.key, offset=sample.offset) from exc
+        if text is None:
+            raise DataError(f"{where}: its {self.text_ext!r} member has no field {self.json_field!r} (text_field "
+                            f"{self.text_field!r})", key=reader.key, offset=sample.offset)
         if not isinstance(text, str):
             raise DataError(f"{where}: caption {self.text_field!r} is {type(text).__name__}, not a string",
                             key=reader.key, offset=sample.offset)

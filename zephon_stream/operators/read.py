@@ -52,6 +52,7 @@ from zephon_stream.errors import ConfigError, DataError, IncompatibleState
 from zephon_stream.formats.gzip import GZIP_SUFFIXES, GzipStream, find_members
 from zephon_stream.formats.jsonl_zst import DECODE_PIECE, ZstdStream, read_seek_entries, walk_frames
 from zephon_stream.formats.parquet import PARQUET_SUFFIXES, chunk_bytes, read_footer, resolve_column
+from zephon_stream.operators.types import field
 
 if TYPE_CHECKING:
     from zephon_stream.operators.transforms import Records
@@ -862,7 +863,8 @@ def nesting(line: bytes) -> int:
 class Parser:
     """Decodes blocks of JSON lines into (offset, length, payload) records, strictly.
 
-    `text_field` may be any JSON key. A record nesting deeper than 512 levels is a bad record
+    `text_field` may be any JSON key, or a dotted path into nested objects (`"doc.body"`) where
+    no key is the whole name. A record nesting deeper than 512 levels is a bad record
     (whatever the caller's stack depth, so the same records are skipped on every backend).
     With `records` (a source's transforms, or a chat source's `messages_field`) a line is
     decoded whole, as a JSON object, and `records.payload` makes the payload; without, only
@@ -874,9 +876,8 @@ class Parser:
         self.bad = BadRecords(on_bad)
         self.records = records if records is not None and not records.plain else None
         try:
-            record = msgspec.defstruct("Record", [("text", str)], rename={"text": text_field})
-            self._record = msgspec.json.Decoder(record)
-            self._text = self._text_field
+            self._record = msgspec.json.Decoder(_record_type(text_field))
+            self._text = self._text_field if "." not in text_field else self._text_path
         except ValueError:  # a key msgspec cannot rename to (a quote, backslash or control character)
             self._fields = msgspec.json.Decoder(dict[str, msgspec.Raw])
             self._text = self._text_any_key
@@ -894,11 +895,25 @@ class Parser:
     def _text_field(self, line: bytes) -> str:
         return self._record.decode(line).text
 
+    def _text_path(self, line: bytes) -> str:
+        """The key that is the whole dotted name, else the path (msgspec decodes those fields alone)."""
+        record = self._record.decode(line)
+        if record.whole is not msgspec.UNSET:
+            return record.whole
+        for _ in self.text_field.split("."):
+            record = record.next
+            if record is msgspec.UNSET:
+                raise msgspec.ValidationError(f"Object missing required field `{self.text_field}`")
+        return record
+
     def _text_any_key(self, line: bytes) -> str:
-        raw = self._fields.decode(line).get(self.text_field)
-        if raw is None:
+        record = _OBJECT.decode(line)
+        value = field(record, self.text_field)
+        if value is None:
             raise msgspec.ValidationError(f"Object missing required field `{self.text_field}`")
-        return msgspec.json.decode(raw, type=str)
+        if not isinstance(value, str):
+            raise msgspec.ValidationError(f"Expected `str`, got `{type(value).__name__}` - at `$.{self.text_field}`")
+        return value
 
     def parse(self, reader: SplitReader, block_pos: int, block: bytes) -> list[tuple[int, int, Any]]:
         """Records of `block` as (decoded offset, length incl. newline, payload)."""
@@ -930,6 +945,20 @@ class Parser:
 
 
 _OBJECT = msgspec.json.Decoder(dict[str, Any])  # a whole record, for transforms and chat sources
+
+
+def _record_type(text_field: str) -> type:
+    """A struct that decodes `text_field` alone: `.text`; for a dotted name, `.whole` (a key that
+    is the whole name) and the path as nested `.next` fields, each UNSET where absent."""
+    if "." not in text_field:
+        return msgspec.defstruct("Record", [("text", str)], rename={"text": text_field})
+    first, *rest = text_field.split(".")
+    inner: Any = str
+    for part in reversed(rest):
+        inner = msgspec.defstruct("Level", [("next", inner | msgspec.UnsetType, msgspec.UNSET)], rename={"next": part})
+    return msgspec.defstruct("Record", [("whole", str | msgspec.UnsetType, msgspec.UNSET),
+                                        ("next", inner | msgspec.UnsetType, msgspec.UNSET)],
+                             rename={"whole": text_field, "next": first})
 
 
 def _why(exc: Exception, line: bytes) -> str:

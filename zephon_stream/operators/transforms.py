@@ -60,7 +60,7 @@ import numpy as np
 from zephon_stream.engine.rng import mix64
 from zephon_stream.errors import ConfigError, DataError
 from zephon_stream.loader.config import Config, SourceConfig, TransformStep
-from zephon_stream.operators.types import Conversation
+from zephon_stream.operators.types import Conversation, field
 
 __all__ = ["Filter", "Map", "Records", "Step", "Transform", "check_transforms", "import_path", "record_seed",
            "resolve", "with_transforms"]
@@ -295,7 +295,7 @@ class Records:
     def _field(self, record: Any, reader: Any, pos: int) -> Any:
         """The payload field of the transformed record; a bad record if it is missing or not a string
         (chat: missing or null; the chat renderer checks the rest)."""
-        value = record.get(self.field)
+        value = field(record, self.field)
         if value is None or (not self.chat and not isinstance(value, str)):
             what = "has no field" if value is None else f"has {type(value).__name__} {_shown(value)} in field"
             hint = "" if reader.bad.skipping else ' (set on_bad_record = "skip" to skip such records)'
@@ -304,7 +304,7 @@ class Records:
                                  f"{self.field!r}{' (a string)' if not self.chat else ''}{hint}",
                                  key=reader.key, offset=pos))
             return None
-        return value if self.tools is None else Conversation(value, record.get(self.tools))
+        return value if self.tools is None else Conversation(value, field(record, self.tools))
 
 
 def _shown(value: Any) -> str:

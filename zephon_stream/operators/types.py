@@ -6,13 +6,28 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["IGNORE", "ChatDoc", "Conversation", "Doc", "DocRef", "ImageDoc", "Sample", "trained_mask"]
+__all__ = ["IGNORE", "ChatDoc", "Conversation", "Doc", "DocRef", "ImageDoc", "Sample", "field", "trained_mask"]
 
 # (source, split position in the lane, decoded offset, length in bytes), and with `piece_tokens` a fifth
 # element for a piece of a longer document: its first token. Four or five ints (states check the length).
 DocRef = tuple[int, ...]
 Doc = tuple[DocRef, Any]  # (reference, token ids: a uint32 array, or text before tokenizing)
 IGNORE = -100  # the label of a position that is not trained on
+
+
+def field(record: Any, name: str) -> Any:
+    """The value a field setting (`text_field`, `messages_field`...) names in a JSON record: the
+    key `name` itself, else a dotted path into nested objects (`"doc.body"`), as Parquet's
+    columns resolve. None where neither is there."""
+    if not isinstance(record, dict):
+        return None
+    if name in record or "." not in name:
+        return record.get(name)
+    for part in name.split("."):
+        if not isinstance(record, dict):
+            return None
+        record = record.get(part)
+    return record
 
 
 class ImageDoc:
