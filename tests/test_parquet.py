@@ -14,9 +14,11 @@ from hypothesis import strategies as st
 
 from zephon_stream import ConfigError, DataError, IncompatibleState, ZephonError
 from zephon_stream.connectors.memory import MemoryStore
+from zephon_stream.loader.config import SourceConfig, TransformStep
 from zephon_stream.operators.images import ImageRecord
 from zephon_stream.operators.parquet import ParquetParser, ParquetSplitReader
 from zephon_stream.operators.read import Split, plan_source
+from zephon_stream.operators.transforms import Records
 
 
 def _parquet(table: pa.Table, **kwargs) -> bytes:
@@ -37,9 +39,9 @@ def _plan(files: dict[str, bytes], text_field: str = "text", on_bad: str = "erro
 
 
 def _read(files, text_field="text", on_bad="error", image_field=None, split=None, offset=0, max_record=1 << 20,
-          lanes=4):
+          lanes=4, records=None):
     store, plan = _plan(files, text_field, on_bad, image_field, lanes)
-    parser = ParquetParser(text_field, image_field, on_bad, max_record)
+    parser = ParquetParser(text_field, image_field, on_bad, max_record, records)
 
     async def main():
         out = []
@@ -147,11 +149,30 @@ def test_oversized_text_is_a_bad_record():
     (pa.table({"body": ["a"]}), "text", r"has no column 'text' \(its columns: body\)"),
     (pa.table({"doc": [{"x": "a"}]}), "doc.body", "has no column 'doc.body'"),
     (pa.table({"text": [1, 2]}), "text", "column 'text' of Parquet file 'a.parquet' is int64, not a string"),
-    (pa.table({"text": [b"a"]}), "text", "is binary, not a string"),
+    (pa.table({"text": [[1]]}), "text", r"is list<element: int64>, not a string"),
 ])
 def test_missing_or_mistyped_column_is_refused_at_planning(table, field, needle):
     with pytest.raises(DataError, match=needle):
         _plan({"a.parquet": _parquet(table)}, text_field=field)
+
+
+@pytest.mark.parametrize("kind", [pa.binary(), pa.large_binary()])
+def test_a_binary_text_column_is_read_as_utf8_and_bad_bytes_are_a_bad_row(kind):
+    """Spark's BinaryType, pandas' bytes objects: the text's UTF-8 bytes, checked value by value."""
+    values = ["one ✓".encode(), b"two", b"\xff\xfe bad", None, b"four"]
+    data = _parquet(pa.table({"doc": pa.array([{"body": v} for v in values],
+                                              pa.struct([("body", kind)])), "text": pa.array(values, kind)}))
+    for field in ("text", "doc.body"):
+        with pytest.raises(DataError, match=rf"column '{field}', .*: the binary value is not UTF-8 text "
+                                            r"\(invalid start byte at byte 0\)"):
+            _read({"a.parquet": data}, text_field=field)
+        records, parser = _read({"a.parquet": data}, text_field=field, on_bad="skip")
+        assert [t for _, _, t in records] == ["one ✓", "two", "four"] and parser.skipped == 2
+    shout = Records(SourceConfig(name="s", uri="memory://t/", transforms=[
+        TransformStep(map="tests.core.transform_fns:shout")]))  # a map sees the text as a str
+    data = _parquet(pa.table({"text": pa.array([v for v in values if v is not None], kind)}))
+    records, parser = _read({"a.parquet": data}, on_bad="skip", records=shout)
+    assert [t for _, _, t in records] == ["LOUD ONE ✓", "LOUD TWO", "LOUD FOUR"] and parser.skipped == 1
 
 
 @pytest.mark.parametrize(("mangle", "needle"), [

@@ -378,13 +378,13 @@ def test_cli_errors_name_its_flags_not_the_config_keys(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "error: empty input 'b.jsonl.gz' (0 bytes): remove it or pass --on-bad-record skip" in err, err
     (tmp_path / "pq").mkdir()
-    pq.write_table(pa.table({"body": pa.array([b"bytes"], pa.binary())}), tmp_path / "pq" / "a.parquet")
+    pq.write_table(pa.table({"body": pa.array([1], pa.int64())}), tmp_path / "pq" / "a.parquet")
     assert main(["shard", str(tmp_path / "pq"), str(tmp_path / "o6")]) == 1
     err = capsys.readouterr().err
     assert "has no column 'text' (its columns: body): pass one of them to --text-field" in err, err
     assert main(["shard", str(tmp_path / "pq"), str(tmp_path / "o7"), "--text-field", "body"]) == 1
     err = capsys.readouterr().err
-    assert "column 'body' of Parquet file 'a.parquet' is binary, not a string: name a text column (--text-field)" in err
+    assert "column 'body' of Parquet file 'a.parquet' is int64, not a string: name a text column (--text-field)" in err
 
 
 def test_progress_bar_on_a_terminal_and_lines_elsewhere():

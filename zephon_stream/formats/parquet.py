@@ -149,8 +149,8 @@ async def _read_footer(store: Store, key: str, size: int) -> ParquetFooter:
 
 def resolve_column(footer: ParquetFooter, name: str, kind: str) -> Column:
     """The column `name` names in the file (a top-level name, else a dotted path into structs),
-    checked to hold what `kind` says: `"text"` a string, `"messages"` a list, `"image"` binary or HF's
-    struct<bytes, path>, `"tools"` a list or a string."""
+    checked to hold what `kind` says: `"text"` a string (or binary: UTF-8 bytes), `"messages"` a
+    list, `"image"` binary or HF's struct<bytes, path>, `"tools"` a list or a string."""
     import pyarrow as pa
 
     schema, key = footer.schema, footer.key
@@ -183,7 +183,7 @@ def _check_type(file: str, key: str, name: str, dtype: Any, kind: str) -> None:
     shown = dtype
     if pa.types.is_dictionary(dtype):  # dictionary-encoded (pandas' category): its values are what it holds
         dtype = dtype.value_type
-    ok = str(dtype) in _STRING
+    ok = str(dtype) in _STRING or (kind == "text" and str(dtype) in _BINARY)  # binary text: UTF-8, checked per value
     if kind == "messages":  # a chat source's conversations: a list (of structs {role, content}, as HF writes them)
         ok = str(dtype).startswith(("list<", "large_list<"))
     if kind == "tools":  # the tools offered: a list of function specs, or a JSON string of one

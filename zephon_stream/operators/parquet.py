@@ -197,7 +197,13 @@ class ParquetParser:
         out = []
         for i, row in enumerate(rows):
             pos = block_pos + i
-            payload = records.payload(row, reader, pos)
+            if not records.chat and isinstance(text := row.get(records.field), bytes):
+                try:
+                    row[records.field] = self._utf8(reader, pos, text)  # transforms see the text as a str
+                except DataError as err:
+                    reader.bad(err)
+                    continue
+            payload = records.payload(row, reader, pos)  # a transform's error is raised whatever on_bad says
             if payload is None:
                 continue
             try:
@@ -211,13 +217,22 @@ class ParquetParser:
         return DataError(f"bad row in Parquet file {reader.key!r}, column {column!r}, {reader.where(pos)}: "
                          f"{what}{hint}", key=reader.key, offset=pos)
 
-    def _text(self, reader: ParquetSplitReader, pos: int, text: str | None) -> str:
+    def _text(self, reader: ParquetSplitReader, pos: int, text: str | bytes | None) -> str:
         if text is None:
             raise self._error(reader, pos, self.text_field, "the value is null")
+        if isinstance(text, bytes):  # a binary column: its bytes are the text's UTF-8
+            text = self._utf8(reader, pos, text)
         if len(text) > self.max_record and len(text.encode()) > self.max_record:
             raise self._error(reader, pos, self.text_field, f"the text is longer than max_record_bytes = "
                                                              f"{self.max_record}: raise the limit or fix the data")
         return text
+
+    def _utf8(self, reader: ParquetSplitReader, pos: int, data: bytes) -> str:
+        try:
+            return data.decode()
+        except UnicodeDecodeError as exc:
+            raise self._error(reader, pos, self.text_field, f"the binary value is not UTF-8 text ({exc.reason} at "
+                                                             f"byte {exc.start})") from None
 
     def _image(self, reader: ParquetSplitReader, pos: int, text: str | None, image: bytes | None,
                name: str | None) -> ImageRecord:
