@@ -13,8 +13,10 @@ the project's small one (vocab 8192) and one of GPT-2's size (50257). The baseli
 of the same documents at 12 lanes, seq_len 2048, on each backend and shuffle window; its CPU
 seconds include its worker processes (the processes backend). torch is imported before any clock
 starts, as a trainer has it before it makes a loader. The runs alternate (per repeat: tokenizer
-alone, then every loader configuration), and each loader run is divided by the tokenizer-only run
-of its repeat, so a change in the machine's load falls on both.
+alone, then each loader configuration followed by the tokenizer alone again), and each loader run
+is divided by the mean of the tokenizer-only runs just before and after it, so a change in the
+machine's load falls on both. (Before 2026-12-04 the divisor was the repeat's first tokenizer-only
+run alone, up to four loader runs earlier; that ratio is still printed, in the last column.)
 
 `--parquet` adds the loader from Parquet files written by pyarrow (snappy, row groups of about
 1 MiB of text, an `id` column beside `text`), as FineWeb ships them, against the loader from
@@ -345,19 +347,27 @@ def fmt(xs: list[float]) -> str:
 
 def matrix(texts: list[str], data: Path, tokenizers: list[str], backends: list[str], shuffles: list[int],
            repeats: int) -> None:
-    """The issue's matrix, runs alternating: per tokenizer, encode_batch_fast alone, then the loader
-    on each backend and shuffle window; the ratio of each run to the tokenizer-only run before it."""
+    """The issue's matrix, runs alternating: per tokenizer, encode_batch_fast alone before and after
+    every loader run (on each backend and shuffle window in turn), and each loader run divided by
+    the mean of the two tokenizer-only runs around it, so that a drift of the machine's speed over
+    the minutes of a repeat falls on both (the older figure, the one run at the repeat's start
+    only, is printed beside it)."""
     base: dict[str, list[tuple[float, float]]] = {t: [] for t in tokenizers}
-    runs: dict[tuple[str, str, int], list[tuple[float, float, float, float]]] = {}
+    runs: dict[tuple[str, str, int], list[tuple[float, float, float, float, float, float]]] = {}
     shares: dict[tuple[str, str, int], list[float]] = {}  # threads backend: tokenizer share, loader / limit
     steal, cpu_total = steal_seconds(), cpu_seconds()
     for r in range(repeats):
         for name in tokenizers:
             path = tokenizer_file(data, name)
-            with ThreadCpu() as limit_threads:
-                rate, n, cpu = tokenizer_only(texts, path, 64)
-            base[name].append((rate, cpu))
-            line = [f"  run {r} {name}: tokenizer-only {rate:,.0f} tok/s {cpu:,.0f} tok/CPU-s"]
+
+            def limit(name: str = name, path: Path = path) -> tuple[float, int, float, ThreadCpu]:
+                with ThreadCpu() as threads:
+                    rate, n, cpu = tokenizer_only(texts, path, 64)
+                base[name].append((rate, cpu))
+                return rate, n, cpu, threads
+
+            first_rate, n, first_cpu, before_threads = before = limit()
+            line = [f"  run {r} {name}: tokenizer-only {first_rate:,.0f} tok/s {first_cpu:,.0f} tok/CPU-s"]
             for backend in backends:
                 for window in shuffles:
                     config = bench_config(path, backend, window)
@@ -365,25 +375,33 @@ def matrix(texts: list[str], data: Path, tokenizers: list[str], backends: list[s
                         lrate, ln, first, lcpu = loader_epoch(config)
                     if ln != n:
                         raise SystemExit(f"the loader gave {ln} tokens, the tokenizer {n}: not the same documents")
-                    runs.setdefault((name, backend, window), []).append((lrate, lcpu, lrate / rate, lcpu / cpu))
+                    after = limit()
+                    rate, cpu = (before[0] + after[0]) / 2, (before[2] + after[2]) / 2
+                    runs.setdefault((name, backend, window), []).append(
+                        (lrate, lcpu, lrate / rate, lcpu / cpu, lrate / first_rate, lcpu / first_cpu))
                     share = ""
                     if backend == "threads":  # the processes backend tokenizes in its workers: not seen here
-                        ratio = tokenizer_share(loader_threads.seconds) / tokenizer_share(limit_threads.seconds)
+                        ratio = tokenizer_share(loader_threads.seconds) / tokenizer_share(before[3].seconds)
                         shares.setdefault((name, backend, window), []).append(ratio)
                         share = f", tokenizer share {ratio:.3f}"
                     line.append(f"{backend}/shuffle {window}: {lrate:,.0f} tok/s ({lrate / rate:.3f}), "
-                                f"{lcpu:,.0f} tok/CPU-s ({lcpu / cpu:.3f}){share}, first batch {first:.2f} s")
+                                f"{lcpu:,.0f} tok/CPU-s ({lcpu / cpu:.3f}){share}, first batch {first:.2f} s; "
+                                f"tokenizer-only {after[0]:,.0f} tok/s")
+                    before = after
             print("; ".join(line), flush=True)
     stolen = None if steal is None or (after := steal_seconds()) is None else after - steal
     print(f"\n{len(texts)} documents, {n:,} tokens an epoch with the last tokenizer; median (min - max) of {repeats}"
           f"{steal_note(stolen, cpu_seconds() - cpu_total)}")
     print("| tokenizer | backend | shuffle_window | loader tok/s | / tokenizer-only, wall (per run) "
-          "| loader tok/CPU-s | / tokenizer-only, per CPU-second (per run) | tokenizer share, loader / limit |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| loader tok/CPU-s | / tokenizer-only, per CPU-second (per run) | tokenizer share, loader / limit "
+          "| wall, against the repeat's first limit run only |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for (name, backend, window), rs in runs.items():
         sh = shares.get((name, backend, window))
         print(f"| {name} | {backend} | {window} | {fmt([x[0] for x in rs])} | {fmt3([x[2] for x in rs])} "
-              f"| {fmt([x[1] for x in rs])} | {fmt3([x[3] for x in rs])} | {fmt3(sh) if sh else 'n/a'} |")
+              f"| {fmt([x[1] for x in rs])} | {fmt3([x[3] for x in rs])} | {fmt3(sh) if sh else 'n/a'} "
+              f"| {fmt3([x[4] for x in rs])} |")
+    print("/ tokenizer-only: each loader run over the mean of the tokenizer-only runs just before and just after it.")
     print("tokenizer share: the tokenizer pool's share of the process's CPU in the loader's run (threads Python did "
           "not start), over its share in the tokenizer-only run before it. Each share is taken within one run, so the "
           "machine's speed, which drifts between runs, cancels out; it is the per-CPU-second ratio if the pool spends "
