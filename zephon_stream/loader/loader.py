@@ -53,7 +53,10 @@ class LoaderStatistics(msgspec.Struct, frozen=True):
     step: int
     samples: int
     tokens: int
-    skipped_records: int  # bad records skipped (on_bad_record = "skip"), each once per epoch that read it
+    # bad records skipped (on_bad_record = "skip"), each once per epoch that read it. Counted as the lanes
+    # read, read-ahead included: mid-epoch it runs ahead of the batches handed out, by an amount that depends
+    # on the backend and buffer sizes; once every lane has read an epoch whole it is exact
+    skipped_records: int
     skipped_by_epoch: dict[int, int]  # the same, by the epoch whose split held them
     skipped_shards: int
     buffered_batches: int  # sample batches waiting in lane buffers now
@@ -66,7 +69,8 @@ class LoaderStatistics(msgspec.Struct, frozen=True):
     source_shares: dict[str, float] = {}  # the same as shares of their sum: the realized mix
     weights: dict[str, float] = {}  # the weights in force at the next step (schedule and set_weights)
     worker_restarts: int = 0  # lane workers (processes, Ray actors) that died and were started again
-    # records each source with transforms had its filters drop, each once per epoch that read it
+    # records each source with transforms had its filters drop, each once per epoch that read it (counted
+    # as the lanes read, read-ahead included, as skipped_records)
     filtered_records: dict[str, int] = {}
     filtered_by_epoch: dict[int, int] = {}  # the same, all sources, by the epoch whose split held them
     # packing = "none" with truncate: documents cut at seq_len in the samples this rank's lanes handed
