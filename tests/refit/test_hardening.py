@@ -609,6 +609,10 @@ def test_cli_publishes_and_pulls_a_sharded_checkpoint_by_its_index(tmp_path: Pat
     assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(dst)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not hold the tensors its index gives it: 0 missing [], 1 not in the index" in err[0]
+    missing = tmp_path / "new" / "model.safetensors.index.json"  # a new worker: no checkpoint to update yet
+    assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(missing)) == 2
+    err = capsys.readouterr().err
+    assert "no such index" in err and f"pull into one file (--weights {missing.parent}/model.safetensors)" in err
 
 
 def test_cli_record_directory_exits_2(tmp_path: Path, capsys) -> None:

@@ -111,6 +111,11 @@ async def _pull(args: argparse.Namespace) -> int:
 
     # a new rollout worker: the file is made from the version's table (a sharded one's files are its own to lay out)
     new = not os.path.lexists(args.weights) and not _is_index(args.weights)
+    if _is_index(args.weights) and not os.path.lexists(args.weights):
+        single = os.path.join(os.path.dirname(args.weights), "model.safetensors")
+        raise ConfigError(f"--weights {args.weights}: no such index. A pull updates a sharded checkpoint in place "
+                          f"but does not lay one out: to start a new worker, pull into one file (--weights {single}), "
+                          "which loaders of Hugging Face checkpoints read as well")
     record = args.record or f"{args.weights}.refit"
     if new:
         weights = await _new_weights(args)
