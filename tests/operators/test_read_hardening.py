@@ -15,6 +15,8 @@ import anyio
 import msgspec
 import pytest
 import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zephon_stream import DataError
 from zephon_stream.connectors import LocalStore, MemoryStore
@@ -340,6 +342,31 @@ def test_a_dotted_text_field_reaches_into_nested_objects(name):
         with pytest.raises(DataError, match=why):
             _parse(msgspec.json.encode(bad) + b"\n", text_field=name)
         assert _parse(msgspec.json.encode(bad) + b"\n" + lines, text_field=name, on_bad="skip")[1] == 1
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-5, 5) | st.sampled_from(["a", "b.c", ""]),
+                     lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.sampled_from(["a", "b", "c", "a.b", "b.c", "x"]), inner, max_size=3),
+                     max_leaves=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(records=st.lists(st.dictionaries(st.sampled_from(["a", "b", "a.b", "a.b.c", "x", 'a"q']), _JSON, max_size=4),
+                        min_size=1, max_size=8),
+       name=st.sampled_from(["a.b", "a.b.c", "b.c", 'a"q.b']))
+def test_a_dotted_text_field_against_an_oracle(records, name):
+    """Random nested records: each gives the text that its key or its path holds, or is one
+    counted bad record; the fast path and the any-key path (a quote in the name) alike."""
+    def oracle(record):
+        if name in record:
+            return record[name]
+        for part in name.split("."):
+            record = record.get(part) if isinstance(record, dict) else None
+        return record
+
+    lines = b"".join(msgspec.json.encode(r) + b"\n" for r in records)
+    want = [v for v in map(oracle, records) if isinstance(v, str)]
+    assert _parse(lines, on_bad="skip", text_field=name) == (want, len(records) - len(want))
 
 
 # ---- a shard name that is not UTF-8 ------------------------------------------------------------------
