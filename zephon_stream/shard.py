@@ -20,6 +20,10 @@ Inputs, by key suffix under `src` (a URI or a local path; a file or a folder):
 - chat data, with `messages_field` (and `tools_field`): JSON lines and `.json` records kept as they
   are, Parquet rows written as `{messages_field: ..., tools_field: ...}`; each conversation is
   checked as a chat source reads it (roles, contents, tools), so a bad one is a bad record here;
+- CSV: `*.csv`, `*.tsv` (tab-separated), a header line naming the columns; each row becomes
+  `{"text": ...}` from column `text_field`, read as a string whatever it looks like (a quoted value
+  may hold newlines and delimiters; a row with too few or too many values is a bad record), read
+  whole; not for chat data or images;
 - text files: `*.txt`, `*.md` (when there are no files of the above); each file becomes
   `{"id": its name, "text": its content}`;
 - with `image_field`: an image folder (image files, extensions `image_field`, with a caption file
@@ -78,6 +82,7 @@ ARROW_SUFFIXES = (".arrow",)  # Arrow IPC: Hugging Face datasets' save_to_disk o
 # what Hugging Face datasets' save_to_disk writes beside its .arrow files: metadata, never input
 _HF_METADATA = ("dataset_info.json", "state.json", "dataset_dict.json")
 JSON_SUFFIXES = (".json",)  # JSON lines or one JSON array of records: read when there are no JSONL or Parquet files
+CSV_SUFFIXES = (".csv", ".tsv")  # a header line, then a row a line (a quoted value may hold newlines)
 _ARRAY_MAX = 4 << 30  # the largest JSON array file read whole
 _IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "png"), (b"\xff\xd8\xff", "jpg"), (b"GIF8", "gif"), (b"BM", "bmp"))
 _enc = msgspec.json.Encoder()
@@ -158,6 +163,12 @@ class _CheckedChat(Records):
         return None
 
 
+def _one_line(exc: BaseException, most: int = 300) -> str:
+    """pyarrow's message as one line: a CSV error quotes the row, newlines and all."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= most else text[:most - 3] + "..."
+
+
 def _store_for(uri: str, options: dict[str, Any]) -> tuple[Store, str]:
     """(store, key prefix) for a URI or a local path; a local path is file:// (a folder)."""
     if "://" not in uri:
@@ -210,7 +221,7 @@ class _Job:
         if not exact:  # a folder: what is hidden in it is not input (a file named by itself is)
             under = prefix + "/" if prefix and not prefix.endswith("/") else prefix
             objects = visible([o for o in objects if o.key.startswith(under)], under, "zephon shard", src,
-                              JSON_SUFFIXES + TEXT_SUFFIXES)
+                              JSON_SUFFIXES + CSV_SUFFIXES + TEXT_SUFFIXES)
         if not exact and any(o.key == under + "dataset_dict.json" for o in objects):
             splits = sorted({o.key[len(under):].split("/")[0] for o in objects if "/" in o.key[len(under):]})
             raise ConfigError(f"shard: {src} is a Hugging Face DatasetDict (dataset_dict.json): shard one split's "
@@ -221,8 +232,10 @@ class _Job:
         self.text_field = self.field if self.field is not None else "txt" if folder else "text"
         if self.chat is not None:
             self.text_field = self.chat.field
-            if suffixes == TEXT_SUFFIXES:
-                suffixes = ()  # text files hold no conversations
+            if suffixes in (TEXT_SUFFIXES, CSV_SUFFIXES) and any(o.key.lower().endswith(suffixes) for o in objects):
+                raise ConfigError(f"shard: {src} holds {' '.join('*' + x for x in suffixes)} files, which hold no "
+                                  "conversations (a CSV value is a string, not a list of messages): chat data is "
+                                  "read from JSON lines, .json, Parquet or Arrow files")
         found = [o for o in objects if o.key.lower().endswith(suffixes)] if suffixes else []
         if not found:
             raise ConfigError(f"shard: no input under {src}: looked for {' '.join('*' + s for s in suffixes)}")
@@ -244,6 +257,8 @@ class _Job:
             return ARROW_SUFFIXES
         if any(o.key.lower().endswith(JSON_SUFFIXES) for o in objects):
             return JSON_SUFFIXES
+        if any(o.key.lower().endswith(CSV_SUFFIXES) for o in objects):
+            return CSV_SUFFIXES
         return TEXT_SUFFIXES
 
     async def _refuse_existing(self, store: Store, prefix: str, dst: str) -> None:
@@ -263,6 +278,8 @@ class _Job:
             return self._lines(store, obj)
         if obj.key.lower().endswith(JSON_SUFFIXES):
             return self._json_file(store, obj)
+        if obj.key.lower().endswith(CSV_SUFFIXES):
+            return self._csv(store, obj)
         return self._text_file(store, obj)
 
     async def _json_file(self, store: Store, obj: ObjectInfo) -> AsyncIterator[bytes]:
@@ -387,9 +404,6 @@ class _Job:
         or the file format), read whole, as Parquet rows are."""
         import pyarrow as pa
 
-        from zephon_stream.formats.parquet import resolve_column
-        from zephon_stream.operators.parquet import ParquetParser
-
         if obj.size > _ARRAY_MAX:
             self.bad(DataError(f"{obj.key!r} is an Arrow file of {obj.size} bytes, more than the {_ARRAY_MAX} read "
                                "whole: write it as Parquet", key=obj.key, offset=0))
@@ -406,10 +420,21 @@ class _Job:
             self.bad(DataError(f"{obj.key!r} is not an Arrow IPC stream or file: {str(exc).strip()}", key=obj.key,
                                offset=0))
             return
+        async for row in self._table_rows(obj, schema, batches, "Arrow"):
+            yield row
+
+    async def _table_rows(self, obj: ObjectInfo, schema: Any, batches: Any, kind: str) -> AsyncIterator[Any]:
+        """The rows of a file read as Arrow record batches (Arrow IPC, CSV), through Parquet's row
+        parser; a batch that fails to read or validate ends the file (the rows before it stand)."""
+        import pyarrow as pa
+
+        from zephon_stream.formats.parquet import resolve_column
+        from zephon_stream.operators.parquet import ParquetParser
+
         parser, columns = self._table_parser(ParquetParser)
         try:
-            for name, kind in columns:
-                resolve_column(_ArrowFile(obj.key, schema), name, kind)
+            for name, what in columns:
+                resolve_column(_ArrowFile(obj.key, schema, kind), name, what)
         except UnicodeDecodeError as exc:  # pyarrow decodes names only when asked
             self.bad(DataError(f"{obj.key!r} is damaged: a column name is not UTF-8 ({exc.reason})", key=obj.key,
                                offset=0))
@@ -424,7 +449,7 @@ class _Job:
                 if batch is not None:  # offsets and lengths checked before any value is read: unchecked, a
                     batch.validate(full=True)  # damaged one reads out of bounds (a crash, not an error)
             except (pa.ArrowException, OSError) as exc:  # cut short, or a damaged batch: its rows before it stand
-                self.bad(DataError(f"{obj.key!r} is damaged after row {pos}: {str(exc).strip()}", key=obj.key,
+                self.bad(DataError(f"{obj.key!r} is damaged after row {pos}: {_one_line(exc)}", key=obj.key,
                                    offset=pos))
                 return
             if batch is None:
@@ -432,6 +457,53 @@ class _Job:
             for _, _, record in parser.parse(rows, pos, pa.Table.from_batches([batch])):
                 yield self._row(obj.key, record)
             pos += batch.num_rows
+
+    async def _csv(self, store: Store, obj: ObjectInfo) -> AsyncIterator[Any]:
+        """The rows of a CSV (or TSV) file, read whole: every column a string, as written."""
+        import pyarrow as pa
+        import pyarrow.csv as csv
+
+        if obj.size > _ARRAY_MAX:
+            self.bad(DataError(f"{obj.key!r} is a CSV file of {obj.size} bytes, more than the {_ARRAY_MAX} read "
+                               "whole: split it, or write it as Parquet", key=obj.key, offset=0))
+            return
+        data = await store.read(obj.key)
+        try:  # before pyarrow: it cannot show a bad row that is not UTF-8 (its handler call fails)
+            await threads.run_sync(data.decode)
+        except UnicodeDecodeError as exc:
+            self.bad(DataError(f"CSV file {obj.key!r} is not UTF-8: byte {exc.start} is {data[exc.start]:#04x}; the "
+                               "file is not read (convert it first, e.g. iconv -f latin1 -t utf-8)", key=obj.key,
+                               offset=exc.start))
+            return
+        rejected: list[DataError] = []  # rows with too few or too many values, in the order pyarrow met them
+
+        def bad_row(row: Any) -> str:
+            hint = "" if self.bad.skipping else ' (set on_bad_record = "skip" to skip such rows)'
+            rejected.append(DataError(f"bad record in {obj.key!r}: row {row.number} (the header is row 1) has "
+                                      f"{row.actual_columns} values, the header {row.expected_columns}{hint}",
+                                      key=obj.key, offset=row.number or 0))
+            return "skip"  # counted, or raised, below: never from inside pyarrow
+
+        def checked(batches: Any) -> Any:
+            for batch in batches:
+                while rejected:
+                    self.bad(rejected.pop(0))  # raises unless skipping
+                yield batch
+            while rejected:
+                self.bad(rejected.pop(0))
+
+        delimiter = "\t" if obj.key.lower().endswith(".tsv") else ","
+        try:
+            head = csv.open_csv(pa.BufferReader(data), read_options=csv.ReadOptions(use_threads=False),
+                                parse_options=csv.ParseOptions(delimiter=delimiter, newlines_in_values=True,
+                                                               invalid_row_handler=bad_row),
+                                convert_options=csv.ConvertOptions(column_types={self.text_field: pa.string()}))
+        except (pa.ArrowException, OSError) as exc:
+            self.bad(DataError(f"{obj.key!r} does not read as CSV with a header line: {_one_line(exc)}",
+                               key=obj.key, offset=0))
+            return
+        async for row in self._table_rows(obj, head.schema, checked(head), "CSV"):
+            yield row
 
     def _chat_line(self, payload: Any) -> bytes:
         """A Parquet row's conversation (and tools) as a JSON line, under the fields' own names."""

@@ -220,6 +220,68 @@ def test_a_damaged_json_array_gives_its_records_or_one_line_data_error(edits, cu
     _shard_damaged("x.json", bytes(data[:cut] if cut else data), 12)
 
 
+_CSV_ROWS = [{"id": "1", "text": "hello, world\nsecond line", "n": "3"}, {"id": "2", "text": "123", "n": "x"},
+             {"id": "3", "text": 'she said "hi" ✓', "n": ""}, {"id": "4", "text": "NA", "n": "n"},
+             {"id": "5", "text": "", "n": "e"}]
+
+
+def _csv(rows: list[dict[str, str]], delimiter: str = ",") -> bytes:
+    import csv
+
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]), delimiter=delimiter)
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue().encode()
+
+
+def test_csv_and_tsv_rows_become_documents_as_written(tmp_path):
+    """Quoted values with newlines, delimiters and quotes; text that looks like a number or a null
+    is kept as a string; a BOM before the header is not part of its first name."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.csv").write_bytes(b"\xef\xbb\xbf" + _csv(_CSV_ROWS))
+    (tmp_path / "in" / "b.tsv").write_bytes(_csv(_CSV_ROWS, "\t"))
+    report = shard(str(tmp_path / "in"), str(tmp_path / "out"), progress=False)
+    assert (report.inputs, report.documents, report.skipped) == (2, 10, 0)
+    assert _texts(tmp_path / "out") == [r["text"] for r in _CSV_ROWS] * 2
+    report = shard(str(tmp_path / "in" / "a.csv"), str(tmp_path / "out2"), text_field="n", progress=False)
+    assert _texts(tmp_path / "out2") == [r["n"] for r in _CSV_ROWS]
+    with pytest.raises(DataError, match=r"CSV file 'a.csv' has no column 'body' \(its columns: id, text, n\)"):
+        shard(str(tmp_path / "in" / "a.csv"), str(tmp_path / "out3"), text_field="body", progress=False)
+    with pytest.raises(ConfigError, match=r"holds \*.csv \*.tsv files, which hold no conversations"):
+        shard(str(tmp_path / "in"), str(tmp_path / "out4"), messages_field="messages", progress=False)
+
+
+def test_csv_rows_with_too_few_or_many_values_are_bad_records(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.csv").write_text("id,text\n1,ok\n2,too,many\n3\n4,fine\n")
+    with pytest.raises(DataError, match=r"bad record in 'a.csv': row 3 \(the header is row 1\) has 3 values, the "
+                                        r"header 2 \(set on_bad_record"):
+        shard(str(tmp_path / "in"), str(tmp_path / "out"), progress=False)
+    report = shard(str(tmp_path / "in"), str(tmp_path / "out2"), on_bad="skip", progress=False)
+    assert (report.documents, report.skipped) == (2, 2) and _texts(tmp_path / "out2") == ["ok", "fine"]
+    (tmp_path / "in" / "a.csv").write_text("")
+    with pytest.raises(DataError, match=r"'a.csv' does not read as CSV with a header line: Empty CSV file"):
+        shard(str(tmp_path / "in"), str(tmp_path / "out3"), progress=False)
+    (tmp_path / "in" / "a.csv").write_bytes("id,text\n1,caf\u00e9\n".encode("latin-1"))  # an Excel export
+    with pytest.raises(DataError, match=r"CSV file 'a.csv' is not UTF-8: byte 13 is 0xe9; .* iconv -f latin1"):
+        shard(str(tmp_path / "in"), str(tmp_path / "out4"), progress=False)
+
+
+_CSV_DATA = _csv(_CSV_ROWS * 3)
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, len(_CSV_DATA) - 1), st.sampled_from(b'",\t\n\r\\ax0\xff\x00')),
+                min_size=1, max_size=6), st.integers(0, len(_CSV_DATA)), st.sampled_from(["x.csv", "x.tsv"]))
+def test_a_damaged_csv_file_gives_its_rows_or_one_line_data_error(edits, cut, name) -> None:
+    data = bytearray(_CSV_DATA if name == "x.csv" else _CSV_DATA.replace(b",", b"\t"))
+    for i, b in edits:
+        data[i % len(data)] = b
+    data = data[:cut] if cut else data
+    _shard_damaged(name, bytes(data), data.count(b"\n") + data.count(b"\r") + 1)  # a new line may make a row
+
+
 def test_hidden_inputs_are_not_read(tmp_path, caplog):
     (tmp_path / "in" / ".ipynb_checkpoints").mkdir(parents=True)
     (tmp_path / "in" / "a.jsonl").write_text(json.dumps({"text": "one"}) + "\n")
@@ -273,7 +335,11 @@ def test_a_source_of_json_files_names_what_it_holds_and_the_fix(config, tmp_path
     cfg = config.replace(sources=[SourceConfig(name="sft", uri=f"file://{tmp_path}/d/")])
     with pytest.raises(ConfigError, match=r"source 'sft': no \*.jsonl or .* objects under .*/d/ \(it holds \*.json: 2, "
                                           r"\*.md: 1\); `zephon shard` converts .arrow \(Hugging Face save_to_disk\), "
-                                          r".json \(JSON lines or an array of records\), .txt and .md files"):
+                                          r".json \(JSON lines or an array of records\), .csv, .tsv, .txt and .md "
+                                          r"files"):
+        next(iter(Loader(cfg, backend="threads")))
+    (tmp_path / "d" / "train.json").rename(tmp_path / "d" / "train.csv")
+    with pytest.raises(ConfigError, match=r"\(it holds \*.md: 1, \*.csv: 1, \*.json: 1\); `zephon shard` converts"):
         next(iter(Loader(cfg, backend="threads")))
 
 

@@ -1,6 +1,6 @@
 """`zephon shard`: convert JSONL, JSONL.gz, Parquet, Arrow (save_to_disk), .json (lines, or an
-array of records) or a folder of text files into seekable multi-frame JSONL.zst shards (images with captions into tar
-shards), from and to S3 too.
+array of records), CSV (.csv, .tsv) or a folder of text files into seekable multi-frame JSONL.zst
+shards (images with captions into tar shards), from and to S3 too.
 
     zephon shard SRC DST [--target-size 128MiB] [--frame-size 256KiB] [--text-field text]
                  [--image-field png;jpg] [--name shard] [--on-bad-record error|skip]
@@ -38,7 +38,7 @@ def parse_size(text: str) -> int:
 
 def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `shard` command to an argparse subparsers object (it sets `func`)."""
-    p = subparsers.add_parser("shard", help="convert JSONL(.gz), Parquet, Arrow, .json or text into JSONL.zst shards",
+    p = subparsers.add_parser("shard", help="convert JSONL(.gz), Parquet, Arrow, .json, CSV or text into shards",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="input: a file or folder (local path, file://, s3://bucket/prefix/)")
     p.add_argument("dst", help="output folder (local path, file://, s3://bucket/prefix/)")

@@ -194,8 +194,8 @@ def _list_shards(objects: list[ObjectInfo], name: str, uri: str, images: bool) -
         there = _unread_suffixes(objects)
         held = f" (it holds {_listed(there)})" if there else " (it holds no object)"
         convert = ("; `zephon shard` converts .arrow (Hugging Face save_to_disk), .json (JSON lines or an array of "
-                   "records), .txt and .md files" if not images and set(there) & {"*.arrow", "*.json", "*.txt", "*.md"}
-                   else "")
+                   "records), .csv, .tsv, .txt and .md files"
+                   if not images and set(there) & {"*.arrow", "*.json", "*.csv", "*.tsv", "*.txt", "*.md"} else "")
         raise ConfigError(f"source {name!r}: no {what} objects under {uri}{held}{convert}")
     if len(present) > 1:
         raise ConfigError(f"source {name!r}: {uri} holds both {present[0]} shards ({found[present[0]][0].key!r}) "
