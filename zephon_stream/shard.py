@@ -233,9 +233,10 @@ class _Job:
         if self.chat is not None:
             self.text_field = self.chat.field
             if suffixes in (TEXT_SUFFIXES, CSV_SUFFIXES) and any(o.key.lower().endswith(suffixes) for o in objects):
+                why = " (a CSV value is a string, not a list of messages)" if suffixes == CSV_SUFFIXES else ""
                 raise ConfigError(f"shard: {src} holds {' '.join('*' + x for x in suffixes)} files, which hold no "
-                                  "conversations (a CSV value is a string, not a list of messages): chat data is "
-                                  "read from JSON lines, .json, Parquet or Arrow files")
+                                  f"conversations{why}: chat data is read from JSON lines, .json, Parquet or Arrow "
+                                  "files")
         found = [o for o in objects if o.key.lower().endswith(suffixes)] if suffixes else []
         if not found:
             raise ConfigError(f"shard: no input under {src}: looked for {' '.join('*' + s for s in suffixes)}")

@@ -879,7 +879,6 @@ class Parser:
             self._record = msgspec.json.Decoder(_record_type(text_field))
             self._text = self._text_field if "." not in text_field else self._text_path
         except ValueError:  # a key msgspec cannot rename to (a quote, backslash or control character)
-            self._fields = msgspec.json.Decoder(dict[str, msgspec.Raw])
             self._text = self._text_any_key
         if self.records is not None:
             self._text = _OBJECT.decode

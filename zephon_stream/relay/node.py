@@ -152,7 +152,7 @@ class Relay:
         `stop` is set (between syncs; cancel the caller's scope to stop mid-sync).
 
         Errors are counted and retried, except a ConfigError in the first sync (a profile that no
-        AWS file holds, an unset `*_env` variable...): it is raised, since retrying cannot mend it
+        AWS file holds, an option a store refuses...): it is raised, since retrying cannot mend it
         and a relay that starts misconfigured should fail its deployment, not run unhealthy."""
         stop = stop or anyio.Event()
         ahead = self._jobs.ahead
