@@ -229,6 +229,8 @@ async def _once(relay: Relay, cfg: RelayConfig) -> int:
         print(f"{name}: relayed {len(versions)} version(s) {versions}; parent at {report.parent_latest}")
     for exc in report.errors:
         print(f"zephon relay: error: {exc}", file=sys.stderr)
+    if any(isinstance(exc, ConfigError) for exc in report.errors):
+        return 2  # a mistake in the command or its config, as every command says one
     return 0 if report.ok else 1
 
 
