@@ -20,10 +20,10 @@ Inputs, by key suffix under `src` (a URI or a local path; a file or a folder):
 - chat data, with `messages_field` (and `tools_field`): JSON lines and `.json` records kept as they
   are, Parquet rows written as `{messages_field: ..., tools_field: ...}`; each conversation is
   checked as a chat source reads it (roles, contents, tools), so a bad one is a bad record here;
-- CSV: `*.csv`, `*.tsv` (tab-separated), a header line naming the columns; each row becomes
-  `{"text": ...}` from column `text_field`, read as a string whatever it looks like (a quoted value
-  may hold newlines and delimiters; a row with too few or too many values is a bad record), read
-  whole; not for chat data or images;
+- CSV: `*.csv`, `*.tsv` (tab-separated), gzipped or not (`.csv.gz`), a header line naming the
+  columns; each row becomes `{"text": ...}` from column `text_field`, read as a string whatever it
+  looks like (a quoted value may hold newlines and delimiters; a row with too few or too many
+  values is a bad record), read whole (at most 4 GiB, inflated); not for chat data or images;
 - text files: `*.txt`, `*.md` (when there are no files of the above); each file becomes
   `{"id": its name, "text": its content}`;
 - with `image_field`: an image folder (image files, extensions `image_field`, with a caption file
@@ -45,6 +45,7 @@ import functools
 import io
 import sys
 import time
+import zlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -82,7 +83,7 @@ ARROW_SUFFIXES = (".arrow",)  # Arrow IPC: Hugging Face datasets' save_to_disk o
 # what Hugging Face datasets' save_to_disk writes beside its .arrow files: metadata, never input
 _HF_METADATA = ("dataset_info.json", "state.json", "dataset_dict.json")
 JSON_SUFFIXES = (".json",)  # JSON lines or one JSON array of records: read when there are no JSONL or Parquet files
-CSV_SUFFIXES = (".csv", ".tsv")  # a header line, then a row a line (a quoted value may hold newlines)
+CSV_SUFFIXES = (".csv", ".tsv", ".csv.gz", ".tsv.gz")  # a header, then a row a line (quoted values hold newlines too)
 _ARRAY_MAX = 4 << 30  # the largest JSON array file read whole
 _IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "png"), (b"\xff\xd8\xff", "jpg"), (b"GIF8", "gif"), (b"BM", "bmp"))
 _enc = msgspec.json.Encoder()
@@ -161,6 +162,22 @@ class _CheckedChat(Records):
         if value is None or self.job.conversation(value, reader.key, reader.where(pos), pos):
             return value
         return None
+
+
+def _gunzip(data: bytes, most: int) -> bytes:
+    """Every member of gzip file `data`, inflated: at most `most` bytes (a bomb is a ValueError, a
+    damaged member a zlib.error, a file cut short an EOFError)."""
+    out, n = [], 0
+    while data:
+        d = zlib.decompressobj(31)
+        out.append(d.decompress(data, most + 1 - n))
+        n += len(out[-1])
+        if n > most:
+            raise ValueError(f"it inflates to more than {most} bytes, the most read whole: split it")
+        if not d.eof:
+            raise EOFError("it is cut short: its last gzip member does not end")
+        data = d.unused_data
+    return b"".join(out)
 
 
 def _one_line(exc: BaseException, most: int = 300) -> str:
@@ -469,6 +486,12 @@ class _Job:
                                "whole: split it, or write it as Parquet", key=obj.key, offset=0))
             return
         data = await store.read(obj.key)
+        if obj.key.lower().endswith(".gz"):
+            try:
+                data = await threads.run_sync(_gunzip, data, _ARRAY_MAX)
+            except (zlib.error, EOFError, ValueError) as exc:
+                self.bad(DataError(f"{obj.key!r} does not decompress: {exc}", key=obj.key, offset=0))
+                return
         try:  # before pyarrow: it cannot show a bad row that is not UTF-8 (its handler call fails)
             await threads.run_sync(data.decode)
         except UnicodeDecodeError as exc:
@@ -493,7 +516,7 @@ class _Job:
             while rejected:
                 self.bad(rejected.pop(0))
 
-        delimiter = "\t" if obj.key.lower().endswith(".tsv") else ","
+        delimiter = "\t" if obj.key.lower().removesuffix(".gz").endswith(".tsv") else ","
         try:
             head = csv.open_csv(pa.BufferReader(data), read_options=csv.ReadOptions(use_threads=False),
                                 parse_options=csv.ParseOptions(delimiter=delimiter, newlines_in_values=True,

@@ -248,8 +248,31 @@ def test_csv_and_tsv_rows_become_documents_as_written(tmp_path):
     assert _texts(tmp_path / "out2") == [r["n"] for r in _CSV_ROWS]
     with pytest.raises(DataError, match=r"CSV file 'a.csv' has no column 'body' \(its columns: id, text, n\)"):
         shard(str(tmp_path / "in" / "a.csv"), str(tmp_path / "out3"), text_field="body", progress=False)
-    with pytest.raises(ConfigError, match=r"holds \*.csv \*.tsv files, which hold no conversations"):
+    with pytest.raises(ConfigError, match=r"holds \*.csv \*.tsv \*.csv.gz \*.tsv.gz files, which hold no conver"):
         shard(str(tmp_path / "in"), str(tmp_path / "out4"), messages_field="messages", progress=False)
+
+
+def test_gzipped_csv_of_one_or_more_members_and_its_bounds(tmp_path, monkeypatch):
+    import gzip
+
+    import zephon_stream.shard as shard_module
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.csv.gz").write_bytes(gzip.compress(_csv(_CSV_ROWS)))
+    rows = _csv(_CSV_ROWS, "\t")
+    cut = rows.index(b"\n3\t")  # two members, cut inside the rows: one TSV once inflated
+    (tmp_path / "in" / "b.tsv.gz").write_bytes(gzip.compress(rows[:cut]) + gzip.compress(rows[cut:]))
+    report = shard(str(tmp_path / "in"), str(tmp_path / "out"), progress=False)
+    assert (report.inputs, report.documents) == (2, 10)
+    assert _texts(tmp_path / "out") == [r["text"] for r in _CSV_ROWS] * 2
+    data = (tmp_path / "in" / "a.csv.gz").read_bytes()
+    (tmp_path / "in" / "a.csv.gz").write_bytes(data[:-12])
+    with pytest.raises(DataError, match=r"'a.csv.gz' does not decompress: it is cut short"):
+        shard(str(tmp_path / "in"), str(tmp_path / "out2"), progress=False)
+    (tmp_path / "in" / "a.csv.gz").write_bytes(gzip.compress(_csv(_CSV_ROWS * 50)))  # 4.5 kB in 0.2 kB
+    monkeypatch.setattr(shard_module, "_ARRAY_MAX", 1000)  # a bomb, in small: inflated past the bound
+    with pytest.raises(DataError, match=r"'a.csv.gz' does not decompress: it inflates to more than 1000 bytes"):
+        shard(str(tmp_path / "in"), str(tmp_path / "out3"), progress=False)
 
 
 def test_csv_rows_with_too_few_or_many_values_are_bad_records(tmp_path):
@@ -273,9 +296,13 @@ _CSV_DATA = _csv(_CSV_ROWS * 3)
 
 @settings(max_examples=120, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, len(_CSV_DATA) - 1), st.sampled_from(b'",\t\n\r\\ax0\xff\x00')),
-                min_size=1, max_size=6), st.integers(0, len(_CSV_DATA)), st.sampled_from(["x.csv", "x.tsv"]))
+                min_size=1, max_size=6), st.integers(0, len(_CSV_DATA)),
+       st.sampled_from(["x.csv", "x.tsv", "x.csv.gz"]))
 def test_a_damaged_csv_file_gives_its_rows_or_one_line_data_error(edits, cut, name) -> None:
-    data = bytearray(_CSV_DATA if name == "x.csv" else _CSV_DATA.replace(b",", b"\t"))
+    import gzip
+
+    data = bytearray(_CSV_DATA if name == "x.csv" else gzip.compress(_CSV_DATA) if name == "x.csv.gz"
+                     else _CSV_DATA.replace(b",", b"\t"))
     for i, b in edits:
         data[i % len(data)] = b
     data = data[:cut] if cut else data
@@ -335,11 +362,16 @@ def test_a_source_of_json_files_names_what_it_holds_and_the_fix(config, tmp_path
     cfg = config.replace(sources=[SourceConfig(name="sft", uri=f"file://{tmp_path}/d/")])
     with pytest.raises(ConfigError, match=r"source 'sft': no \*.jsonl or .* objects under .*/d/ \(it holds \*.json: 2, "
                                           r"\*.md: 1\); `zephon shard` converts .arrow \(Hugging Face save_to_disk\), "
-                                          r".json \(JSON lines or an array of records\), .csv, .tsv, .txt and .md "
-                                          r"files"):
+                                          r".json \(JSON lines or an array of records\), .csv, .tsv \(gzipped too\), "
+                                          r".txt and .md files"):
         next(iter(Loader(cfg, backend="threads")))
     (tmp_path / "d" / "train.json").rename(tmp_path / "d" / "train.csv")
     with pytest.raises(ConfigError, match=r"\(it holds \*.md: 1, \*.csv: 1, \*.json: 1\); `zephon shard` converts"):
+        next(iter(Loader(cfg, backend="threads")))
+    for name in ("train.csv", "valid.json", "README.md"):
+        (tmp_path / "d" / name).unlink()
+    (tmp_path / "d" / "train.tsv.gz").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"\(it holds \*.tsv.gz: 1\); `zephon shard` converts"):
         next(iter(Loader(cfg, backend="threads")))
 
 

@@ -194,8 +194,8 @@ def _list_shards(objects: list[ObjectInfo], name: str, uri: str, images: bool) -
         there = _unread_suffixes(objects)
         held = f" (it holds {_listed(there)})" if there else " (it holds no object)"
         convert = ("; `zephon shard` converts .arrow (Hugging Face save_to_disk), .json (JSON lines or an array of "
-                   "records), .csv, .tsv, .txt and .md files"
-                   if not images and set(there) & {"*.arrow", "*.json", "*.csv", "*.tsv", "*.txt", "*.md"} else "")
+                   "records), .csv, .tsv (gzipped too), .txt and .md files"
+                   if not images and set(there) & _CONVERTIBLE else "")
         raise ConfigError(f"source {name!r}: no {what} objects under {uri}{held}{convert}")
     if len(present) > 1:
         raise ConfigError(f"source {name!r}: {uri} holds both {present[0]} shards ({found[present[0]][0].key!r}) "
@@ -215,6 +215,10 @@ def _warn_unread(objects: list[ObjectInfo], name: str, uri: str, kind: str) -> N
         log.warning("source %r: %d object%s under %s %s not read, not being %s shards (%s)", name, n,
                     "" if n == 1 else "s", uri, "is" if n == 1 else "are",
                     {"lines": "JSON-lines", "parquet": "Parquet", "tar": "tar"}[kind], _listed(unread))
+
+
+# what `zephon shard` reads and the loader does not, as `_suffix` names them
+_CONVERTIBLE = {"*.arrow", "*.json", "*.csv", "*.tsv", "*.csv.gz", "*.tsv.gz", "*.txt", "*.md"}
 
 
 def _unread_suffixes(objects: list[ObjectInfo]) -> collections.Counter[str]:
