@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import http.server
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -59,9 +60,16 @@ class _Upstream(http.server.BaseHTTPRequestHandler):
         self.wfile.write(reply)
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        """A connection the proxy cut on purpose is no error here (socketserver printed its traceback)."""
+        if not isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            super().handle_error(request, client_address)
+
+
 @pytest.fixture(scope="module")
 def upstream() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Upstream)
+    server = _Server(("127.0.0.1", 0), _Upstream)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
