@@ -322,6 +322,9 @@ def test_cli_set_weights_digests_and_inspect(config, tmp_path, capsys):
     assert main(["inspect", str(path), "--step", "7", "--set-weights", "6:a=0.1,b=0.9"]) == 0
     out = capsys.readouterr().out
     assert "⟦b⟧" in out and "⟦a⟧" in out
+    with pytest.raises(SystemExit) as exit_:  # argparse took "-1:..." for an option: "expected one argument"
+        main(["stream", str(path), "--steps", "1", "--set-weights", "-1:a=1,b=1"])
+    assert exit_.value.code == 2 and "--set-weights: -1 is negative: give a step >= 0" in capsys.readouterr().err
 
 
 # ---- the 1-point goal ---------------------------------------------------------------------------------

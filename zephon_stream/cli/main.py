@@ -18,7 +18,7 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_glued(sys.argv[1:] if argv is None else argv))
     try:
         return args.func(args)
     except ZephonError as exc:
@@ -36,6 +36,19 @@ def main(argv: list[str] | None = None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def _glued(argv: list[str]) -> list[str]:
+    """`--set-weights -1:web=1` as `--set-weights=-1:web=1`: argparse takes a value that starts with
+    `-` (and is no plain negative number) for an option, and said "expected one argument" instead
+    of what is wrong with the step."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] == "--set-weights" and arg.startswith("-") and ":" in arg:
+            out[-1] = f"--set-weights={arg}"
+        else:
+            out.append(arg)
+    return out
 
 
 class _Parser(argparse.ArgumentParser):
