@@ -177,6 +177,8 @@ def _gunzip(data: bytes, most: int) -> bytes:
         if not d.eof:
             raise EOFError("it is cut short: its last gzip member does not end")
         data = d.unused_data
+        if not data.strip(b"\0"):  # zeros after the last member (tape-style padding), as gzip allows
+            break
     return b"".join(out)
 
 

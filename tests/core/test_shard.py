@@ -261,7 +261,7 @@ def test_gzipped_csv_of_one_or_more_members_and_its_bounds(tmp_path, monkeypatch
     (tmp_path / "in" / "a.csv.gz").write_bytes(gzip.compress(_csv(_CSV_ROWS)))
     rows = _csv(_CSV_ROWS, "\t")
     cut = rows.index(b"\n3\t")  # two members, cut inside the rows: one TSV once inflated
-    (tmp_path / "in" / "b.tsv.gz").write_bytes(gzip.compress(rows[:cut]) + gzip.compress(rows[cut:]))
+    (tmp_path / "in" / "b.tsv.gz").write_bytes(gzip.compress(rows[:cut]) + gzip.compress(rows[cut:]) + b"\0" * 9)
     report = shard(str(tmp_path / "in"), str(tmp_path / "out"), progress=False)
     assert (report.inputs, report.documents) == (2, 10)
     assert _texts(tmp_path / "out") == [r["text"] for r in _CSV_ROWS] * 2
