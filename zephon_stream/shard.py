@@ -104,11 +104,12 @@ def shard(src: str, dst: str, *, target_bytes: int = 128 << 20, frame_bytes: int
           text_field: str | None = None, image_field: str | None = None, name: str = "shard",
           on_bad: Literal["error", "skip"] = "error", max_record_bytes: int = 16 << 20,
           progress: bool | None = None, messages_field: str | None = None, tools_field: str | None = None,
-          **store_options: Any) -> ShardReport:
+          delimiter: str | None = None, **store_options: Any) -> ShardReport:
     """Convert the inputs under `src` into shards under `dst` (see the module docstring).
 
     `text_field` defaults to `"txt"` (the caption files' extension) for an image folder, else `"text"`.
     `messages_field` (and `tools_field`) make it chat data, checked as a chat source reads it.
+    `delimiter`: the one character between CSV values (None: `,` for `.csv`, a tab for `.tsv`).
     `progress`: a tqdm bar on stderr (None: when stderr is a terminal), else a plain line every 5 s.
     `store_options` go to both stores (`endpoint_url=`, `region=`, `addressing_style=` for S3).
     Bad records raise a DataError naming the object and offset, or with `on_bad="skip"` are
@@ -124,7 +125,10 @@ def shard(src: str, dst: str, *, target_bytes: int = 128 << 20, frame_bytes: int
                           "give messages_field alone (and tools_field)")
     if tools_field is not None and messages_field is None:
         raise ConfigError("tools_field is for chat data: give messages_field too")
+    if delimiter is not None and (len(delimiter) != 1 or delimiter in "\"\r\n"):
+        raise ConfigError(f"delimiter {delimiter!r} must be one character, not a quote or a line break")
     job = _Job(target_bytes, frame_bytes, text_field, image_field, name, on_bad, max_record_bytes)
+    job.delimiter = delimiter
     if messages_field is not None:
         job.chat = _CheckedChat(job, SourceConfig(name="shard", uri="file:///", messages_field=messages_field,
                                                   tools_field=tools_field))
@@ -182,6 +186,11 @@ def _gunzip(data: bytes, most: int) -> bytes:
     return b"".join(out)
 
 
+def _other_delimiter(header: str, used: str) -> str | None:
+    """The delimiter a CSV header of one column name seems to use instead of `used`, if any."""
+    return next((c for c in (";", "\t", "|", ",") if c != used and c in header), None)
+
+
 def _one_line(exc: BaseException, most: int = 300) -> str:
     """pyarrow's message as one line: a CSV error quotes the row, newlines and all."""
     text = " ".join(str(exc).split())
@@ -211,6 +220,7 @@ class _Job:
         self.listed: set[str] = set()  # every key under the input prefix (captions beside images)
         self.text_field = "text"  # `field`, or its default for the inputs found
         self.chat: _CheckedChat | None = None  # chat data: its messages (and tools) field
+        self.delimiter: str | None = None  # CSV: the one between values (None: by suffix)
 
     async def run(self, src: str, dst: str, progress: bool | None, options: dict[str, Any]) -> ShardReport:
         store_in, prefix_in = _store_for(src, options)
@@ -518,7 +528,7 @@ class _Job:
             while rejected:
                 self.bad(rejected.pop(0))
 
-        delimiter = "\t" if obj.key.lower().removesuffix(".gz").endswith(".tsv") else ","
+        delimiter = self.delimiter or ("\t" if obj.key.lower().removesuffix(".gz").endswith(".tsv") else ",")
         try:
             head = csv.open_csv(pa.BufferReader(data), read_options=csv.ReadOptions(use_threads=False),
                                 parse_options=csv.ParseOptions(delimiter=delimiter, newlines_in_values=True,
@@ -527,6 +537,12 @@ class _Job:
         except (pa.ArrowException, OSError) as exc:
             self.bad(DataError(f"{obj.key!r} does not read as CSV with a header line: {_one_line(exc)}",
                                key=obj.key, offset=0))
+            return
+        names = head.schema.names
+        if len(names) == 1 and self.text_field not in names and (other := _other_delimiter(names[0], delimiter)):
+            self.bad(DataError(f"CSV file {obj.key!r} has one column, {names[0]!r}, and no {self.text_field!r}: "
+                               f"its header seems separated by {other!r}; pass delimiter={other!r}", key=obj.key,
+                               offset=0))
             return
         async for row in self._table_rows(obj, head.schema, checked(head), "CSV"):
             yield row

@@ -252,6 +252,20 @@ def test_csv_and_tsv_rows_become_documents_as_written(tmp_path):
         shard(str(tmp_path / "in"), str(tmp_path / "out4"), messages_field="messages", progress=False)
 
 
+def test_a_semicolon_csv_names_the_delimiter_to_pass(tmp_path, capsys):
+    """Spreadsheets in many locales export CSV with ';' between values."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.csv").write_bytes(_csv(_CSV_ROWS, ";"))
+    assert main(["shard", str(tmp_path / "in"), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "CSV file 'a.csv' has one column, 'id;text;n', and no 'text': its header seems separated by ';'; pass " \
+           "--delimiter ';'" in err, err
+    assert main(["shard", str(tmp_path / "in"), str(tmp_path / "out2"), "--delimiter", ";"]) == 0
+    assert _texts(tmp_path / "out2") == [r["text"] for r in _CSV_ROWS]
+    with pytest.raises(ConfigError, match=r"delimiter '\"' must be one character, not a quote"):
+        shard(str(tmp_path / "in"), str(tmp_path / "out3"), delimiter='"', progress=False)
+
+
 def test_gzipped_csv_of_one_or_more_members_and_its_bounds(tmp_path, monkeypatch):
     import gzip
 

@@ -57,6 +57,9 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
                         "content} messages); records are checked as a chat source reads them")
     p.add_argument("--tools-field", metavar="NAME",
                    help="chat data: the field or column with each conversation's tools (kept beside it)")
+    p.add_argument("--delimiter", metavar="CHAR",
+                   help="CSV inputs: the one character between values (default: ',' for .csv, tab for .tsv); "
+                        "';' for many spreadsheet exports")
     p.add_argument("--name", default="shard", help="shard names: NAME-00000.jsonl.zst, ... (default shard)")
     p.add_argument("--on-bad-record", choices=["error", "skip"], default="error",
                    help="stop at a bad record (default), or skip and count it")
@@ -80,7 +83,8 @@ def _run(args: argparse.Namespace) -> int:
         report = shard(args.src, args.dst, target_bytes=args.target_size, frame_bytes=args.frame_size,
                        text_field=args.text_field, image_field=args.image_field, name=args.name,
                        on_bad=args.on_bad_record, max_record_bytes=args.max_record_bytes,
-                       messages_field=args.messages_field, tools_field=args.tools_field, **options)
+                       messages_field=args.messages_field, tools_field=args.tools_field,
+                       delimiter=args.delimiter, **options)
     except ZephonError as exc:
         print(f"zephon shard: error: {_as_flags(str(exc))}", file=sys.stderr)
         for note in getattr(exc, "__notes__", []):
@@ -103,7 +107,8 @@ _FLAGS = ((re.compile(r"^empty shard "), "empty input "),
           (re.compile(r"\bset (text|image|messages|tools)_field to one of them\b"), r"pass one of them to --\1-field"),
           (re.compile(r"\b(messages|tools)_field\b"), r"--\1-field"),
           (re.compile(r"\(text_field\)"), "(--text-field)"),
-          (re.compile(r"\(image_field\)"), "(--image-field)"))
+          (re.compile(r"\(image_field\)"), "(--image-field)"),
+          (re.compile(r"\bpass delimiter=('[^']*')"), r"pass --delimiter \1"))
 
 
 def _as_flags(message: str) -> str:
