@@ -15,7 +15,7 @@ import anyio
 import msgspec
 import pytest
 import zstandard
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from zephon_stream import DataError
@@ -354,6 +354,8 @@ _JSON = st.recursive(st.none() | st.booleans() | st.integers(-5, 5) | st.sampled
 @given(records=st.lists(st.dictionaries(st.sampled_from(["a", "b", "a.b", "a.b.c", "x", 'a"q']), _JSON, max_size=4),
                         min_size=1, max_size=8),
        name=st.sampled_from(["a.b", "a.b.c", "b.c", 'a"q.b']))
+@example(records=[{"a": None, "a.b.c": "a"}], name="a.b.c")  # the key, beside a path of another type
+@example(records=[{"a": {"b": 5}, "a.b.c": "a"}, {"a.b": 1, "a": {"b": "x"}}], name="a.b.c")
 def test_a_dotted_text_field_against_an_oracle(records, name):
     """Random nested records: each gives the text that its key or its path holds, or is one
     counted bad record; the fast path and the any-key path (a quote in the name) alike."""

@@ -899,8 +899,13 @@ class Parser:
         return self._record.decode(line).text
 
     def _text_path(self, line: bytes) -> str:
-        """The key that is the whole dotted name, else the path (msgspec decodes those fields alone)."""
-        record = self._record.decode(line)
+        """The key that is the whole dotted name, else the path (msgspec decodes those fields alone).
+        A record whose fields are not of the path's types (`{"a": null, "a.b": "text"}`) is
+        looked at whole: the key may still be there."""
+        try:
+            record = self._record.decode(line)
+        except msgspec.ValidationError:
+            return self._text_any_key(line)
         if record.whole is not msgspec.UNSET:
             return record.whole
         for _ in self.text_field.split("."):
