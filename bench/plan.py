@@ -9,7 +9,9 @@ MemoryStore whose every read and head first sleeps `--latency-ms` (S3's first-by
 of that order). Three kinds: `.jsonl.zst` without a seek table (a probe for the table, then the
 frame headers), `.jsonl.zst` with one, and Parquet. For each it times `plan_source` with
 `PLAN_WORKERS` shards at once and with 1 (the code before the change), alternating, and prints
-the medians (min - max) and their ratio.
+the medians (min - max) and their ratio. Then a mixture of `--sources` sources (the shards shared
+out among them, each listing a request too): `plan_data` with `SOURCES_AT_ONCE` sources at once
+and with 1 (the code before).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from zephon_stream.connectors import MemoryStore
 from zephon_stream.formats.jsonl_zst import seek_table
+from zephon_stream.loader import plan
+from zephon_stream.loader.config import Config, SourceConfig
 from zephon_stream.operators import read
 from zephon_stream.testing.stores import WrappedStore
 
@@ -47,6 +51,10 @@ class Latent(WrappedStore):
     async def head(self, key: str):
         await anyio.sleep(self.ms / 1000)
         return await self.inner.head(key)
+
+    async def list(self, prefix: str = ""):
+        await anyio.sleep(self.ms / 1000)
+        return await self.inner.list(prefix)
 
 
 def _texts() -> list[str]:
@@ -77,6 +85,14 @@ def _store(kind: str, shards: int, texts: list[str]) -> MemoryStore:
     return store
 
 
+async def _plan_sources(stores: list[MemoryStore], ms: float) -> float:
+    cfg = Config(seed=0, seq_len=2048, global_batch_size=12, tokenizer="unused", lanes=12, split_bytes=1 << 20,
+                 sources=[SourceConfig(name=f"s{i}", uri=f"memory://bench{i}/s/") for i in range(len(stores))])
+    t = time.perf_counter()
+    await plan.plan_data(cfg, [Latent(s, ms) for s in stores])
+    return time.perf_counter() - t
+
+
 async def _plan(store: MemoryStore, ms: float) -> float:
     t = time.perf_counter()
     await read.plan_source(Latent(store, ms), "s/", "bench", "memory://s/", "text", 12, 1 << 20, "error")
@@ -88,6 +104,7 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=200)
     ap.add_argument("--latency-ms", type=float, default=20.0)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--sources", type=int, default=8, help="a mixture of this many sources, --shards in all")
     args = ap.parse_args()
     texts = _texts()
     overlapped = read.PLAN_WORKERS
@@ -105,6 +122,18 @@ def main() -> None:
         print(f"{kind:>13}: one at a time {one:.2f} ({min(times[1]):.2f} - {max(times[1]):.2f}), "
               f"{overlapped} at once {many:.2f} ({min(times[overlapped]):.2f} - {max(times[overlapped]):.2f}), "
               f"ratio {one / many:.1f}x")
+    # a mixture: the sources planned one after another (the code before) and at once
+    stores = [_store("zst-seekable", max(1, args.shards // args.sources), texts) for _ in range(args.sources)]
+    at_once, times = plan.SOURCES_AT_ONCE, {1: [], plan.SOURCES_AT_ONCE: []}
+    for _ in range(args.runs):
+        for n in times:
+            plan.SOURCES_AT_ONCE = n
+            times[n].append(anyio.run(_plan_sources, stores, args.latency_ms))
+    plan.SOURCES_AT_ONCE = at_once
+    one, many = (statistics.median(times[n]) for n in (1, at_once))
+    print(f"{args.sources} sources of {max(1, args.shards // args.sources)} zst-seekable shards: one source at a time "
+          f"{one:.2f} ({min(times[1]):.2f} - {max(times[1]):.2f}), {at_once} at once {many:.2f} "
+          f"({min(times[at_once]):.2f} - {max(times[at_once]):.2f}), ratio {one / many:.1f}x")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import msgspec
 
 from zephon_stream.connectors import open_store, parse_uri
 from zephon_stream.connectors.base import Store
+from zephon_stream.engine.ordered import run_ordered
 from zephon_stream.loader.config import Config
 from zephon_stream.operators.read import SourcePlan, plan_source
 
@@ -37,15 +38,32 @@ class DataPlan(msgspec.Struct, frozen=True):
     by_source: dict[str, SourceData] = {}
 
 
+SOURCES_AT_ONCE = 8  # sources planned at once, each with its own PLAN_WORKERS shards at once
+
+
 async def plan_data(config: Config, stores: list[Store]) -> DataPlan:
-    """List and split every source of `config` (read through `stores`, one per source)."""
-    sources = []
-    for src, store in zip(config.sources, stores, strict=True):
+    """List and split every source of `config` (read through `stores`, one per source).
+
+    Sources are planned at the same time (a mixture of many sources starts in the latency of
+    its slowest, not in the sum of them all); a failure is that of the first failing source in
+    the config's order, as if they had been planned one after another."""
+    sources: list[SourcePlan] = []
+
+    async def plan(i: int) -> SourcePlan:
+        src, store = config.sources[i], stores[i]
         field, kind = (src.messages_field, "messages") if src.messages_field is not None else (src.text_field, "text")
-        sources.append(await plan_source(store, parse_uri(src.uri)[2], src.name, src.uri, field,
-                                         config.lanes, config.split_bytes, config.on_bad_record,
-                                         images=src.image_field is not None, max_record=config.max_record_bytes,
-                                         image_field=src.image_field, text_kind=kind, tools_field=src.tools_field))
+        return await plan_source(store, parse_uri(src.uri)[2], src.name, src.uri, field,
+                                 config.lanes, config.split_bytes, config.on_bad_record,
+                                 images=src.image_field is not None, max_record=config.max_record_bytes,
+                                 image_field=src.image_field, text_kind=kind, tools_field=src.tools_field)
+
+    async def keep(_: int, sp: SourcePlan) -> None:
+        sources.append(sp)
+
+    if len(stores) != len(config.sources):
+        raise ValueError(f"{len(config.sources)} sources and {len(stores)} stores")
+    await run_ordered(range(len(stores)), plan, keep, workers=SOURCES_AT_ONCE, window=SOURCES_AT_ONCE,
+                      defer_errors=True)
     h, by_source = hashlib.sha256(), {}
     for sp in sources:
         listing = msgspec.msgpack.encode([sp.name, [(s.key, s.size, s.etag) for s in sp.shards]])

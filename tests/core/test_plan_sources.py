@@ -1,0 +1,66 @@
+"""Planning a config's sources: at the same time, with the result and the errors of one after another."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+
+import anyio
+import pytest
+
+from zephon_stream import ConfigError, SourceConfig
+from zephon_stream.loader.plan import open_stores, plan_data
+from zephon_stream.testing.stores import WrappedStore
+
+
+class Watched(WrappedStore):
+    """Every list sleeps `ms`; the lists in flight across all watched stores are counted."""
+
+    in_flight = peak = 0
+
+    def __init__(self, inner, ms: float) -> None:
+        super().__init__(inner)
+        self.ms = ms
+
+    async def list(self, prefix: str = ""):
+        Watched.in_flight += 1
+        Watched.peak = max(Watched.peak, Watched.in_flight)
+        try:
+            await anyio.sleep(self.ms / 1000)
+            return await self.inner.list(prefix)
+        finally:
+            Watched.in_flight -= 1
+
+
+def _plan(cfg, ms):
+    async def go():
+        async with AsyncExitStack() as stack:
+            stores = await open_stores(cfg, stack)
+            return await plan_data(cfg, [Watched(s, m) for s, m in zip(stores, ms, strict=True)])
+    Watched.in_flight = Watched.peak = 0
+    return anyio.run(go)
+
+
+def _sources(dataset, names):
+    root, _ = dataset
+    return [SourceConfig(name=f"{n}{i}", uri=f"file://{root}/{n}/") for i, n in enumerate(names)]
+
+
+def test_sources_are_planned_at_once_and_kept_in_config_order(config, dataset):
+    cfg = config.replace(sources=_sources(dataset, "abab"))
+    plan = _plan(cfg, [40, 0, 30, 10])  # the first listed last
+    assert Watched.peak == 4
+    assert [sp.name for sp in plan.sources] == ["a0", "b1", "a2", "b3"]
+    assert plan == _plan(cfg, [0, 40, 10, 30])  # shards, splits and the fingerprint, whatever the timing
+
+
+def test_the_error_is_the_first_failing_sources_however_the_plans_overlap(config, dataset, tmp_path):
+    root, _ = dataset
+    (tmp_path / "empty1").mkdir()
+    (tmp_path / "empty3").mkdir()
+    sources = _sources(dataset, "abab")
+    sources[1] = SourceConfig(name="e1", uri=f"file://{tmp_path}/empty1/")
+    sources[3] = SourceConfig(name="e3", uri=f"file://{tmp_path}/empty3/")
+    cfg = config.replace(sources=sources)
+    for ms in ([0, 50, 0, 0], [0, 0, 0, 50], [50, 50, 50, 0]):  # e3 fails first in time, or e1 does
+        with pytest.raises(ConfigError, match=r"^source 'e1': no "):
+            _plan(cfg, ms)
