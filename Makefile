@@ -25,6 +25,15 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not alone" $(PYTEST_ARGS) || [ $$? -eq 5 -a -n "$(PYTEST_ARGS)" ]
 	$(BIN)/python -m pytest -q -m alone $(PYTEST_ARGS) || [ $$? -eq 5 -a -n "$(PYTEST_ARGS)" ]
 
+# The property tests (Hypothesis) draw fixed examples under `make test`; this draws new ones,
+# FUZZ_RUNS times, and a failure prints how to reproduce it. Not part of `make test`.
+FUZZ_RUNS ?= 5
+.PHONY: fuzz
+fuzz: $(STAMP)
+	for i in $$(seq $(FUZZ_RUNS)); do \
+	  $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --hypothesis-profile=fuzz \
+	    $$(grep -rl "@given" tests | sort) $(PYTEST_ARGS) || exit 1; done
+
 # The first run fetches two Debian documentation packages (about 50 MB, with apt-get download) into
 # the cache below and says so, with the size, before it starts; later runs reuse them.
 demo: $(STAMP)
