@@ -609,10 +609,67 @@ def test_cli_publishes_and_pulls_a_sharded_checkpoint_by_its_index(tmp_path: Pat
     assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(dst)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not hold the tensors its index gives it: 0 missing [], 1 not in the index" in err[0]
-    missing = tmp_path / "new" / "model.safetensors.index.json"  # a new worker: no checkpoint to update yet
-    assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(missing)) == 2
-    err = capsys.readouterr().err
-    assert "no such index" in err and f"pull into one file (--weights {missing.parent}/model.safetensors)" in err
+
+
+def test_cli_pull_lays_out_a_new_sharded_checkpoint_whole_and_bound(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A new rollout worker of a model over 5 GB: `pull` into a missing index makes Hugging Face's
+    sharded layout (files of at most --max-shard-size, named and indexed as save_pretrained
+    names them), fills it under other names, and gives the index its name last."""
+    shapes = {f"layers.{i}.w": ((64, 32), torch.bfloat16) for i in range(5)} | {"norm": ((32,), torch.float32)}
+    states = [model(21, shapes), step(model(21, shapes), 22, frac=0.3)]
+    prefix, new = f"file://{tmp_path}/p/", tmp_path / "new"
+    index = new / "model.safetensors.index.json"
+    new.mkdir()
+    run(publish, prefix, states[:1])
+    real = Subscriber.pull
+
+    async def cut(self, state, **kw):  # a pull that fails halfway leaves nothing behind
+        raise RefitError("cut")
+
+    monkeypatch.setattr(Subscriber, "pull", cut)
+    assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(index), "--max-shard-size", "9KB") == 1
+    assert os.listdir(new) == []
+    monkeypatch.setattr(Subscriber, "pull", real)
+    capsys.readouterr()
+    assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(index), "--max-shard-size", "9KB") == 0
+    out = capsys.readouterr().out.split()
+    assert out[:3] + out[4:] == ["version", "1", "digest", "(created", str(index), "and", "its", "3", "files)"]
+    files = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]  # 4 KiB a layer: two a file
+    assert sorted(os.listdir(new)) == sorted([*files, index.name, f"{index.name}.refit"])
+    written = json.loads(index.read_text())
+    assert written["metadata"] == {"total_size": sum(t.numel() * t.element_size() for t in states[0].values())}
+    assert sorted(set(written["weight_map"].values())) == files and sorted(written["weight_map"]) == sorted(shapes)
+    assert all(os.path.getsize(new / f) < 9000 + 1000 for f in files)
+
+    def held() -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in safetensors.load_index(index).items()}
+
+    assert_same(states[0], held())
+    hashed = count_digests(monkeypatch)
+    assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(index)) == 0
+    assert hashed == [0]  # the record was bound to the three files under their own names
+    run(publish, prefix, states[1:])
+    assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(index)) == 0
+    assert_same(states[1], held())
+
+
+def test_shard_files_splits_as_hugging_face_does() -> None:
+    """The same files, tensor for tensor, as huggingface_hub's split (what save_pretrained uses)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    g, seen = torch.Generator().manual_seed(3), set()
+    for trial in range(200):
+        n = int(torch.randint(1, 12, (1,), generator=g))
+        state = {f"t{trial}.{i}": torch.zeros(int(torch.randint(0, 6000, (1,), generator=g)),
+                                              dtype=[torch.float32, torch.bfloat16, torch.int8][i % 3])
+                 for i in range(n)}
+        bound = int(torch.randint(1000, 12000, (1,), generator=g))
+        ours = safetensors.shard_files({k: (t.dtype, tuple(t.shape)) for k, t in state.items()}, bound)
+        theirs = split_torch_state_dict_into_shards(state, max_shard_size=bound)
+        assert ours == theirs.filename_to_tensors, (trial, bound)
+        seen |= {"one file" if len(ours) == 1 else "files", *(["a tensor over the bound"] if any(
+            t.numel() * t.element_size() > bound for t in state.values()) else [])}
+    assert seen == {"one file", "files", "a tensor over the bound"}
 
 
 def test_cli_record_directory_exits_2(tmp_path: Path, capsys) -> None:

@@ -3,6 +3,8 @@
     zephon refit publish --prefix URI --weights FILE.safetensors [--keyframe-every K] [--workers N]
     zephon refit pull    --prefix URI --weights FILE.safetensors [--workers N]   (updates FILE in place,
                                                                            or creates it whole)
+    zephon refit pull    --prefix URI --weights DIR/model.safetensors.index.json [--max-shard-size 5GB]
+                         (a sharded checkpoint: updated in place, or laid out whole as save_pretrained does)
     zephon refit status  --prefix URI
 
 Building the parser imports no torch (`zephon relay --help` stays fast); `publish` and `pull`
@@ -12,12 +14,15 @@ load it when they run.
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import sys
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from zephon_stream.cli.shard import parse_size
 from zephon_stream.connectors import open_store
 from zephon_stream.errors import ConfigError, DataError, RefitError, ZephonError
 from zephon_stream.refit.versions import find_latest, list_versions, read_manifest
@@ -48,10 +53,13 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     pull = sub.add_parser("pull", help="update a safetensors file in place to the latest version")
     pull.add_argument("--prefix", required=True, metavar="URI", help="where the versions were published")
     pull.add_argument("--weights", required=True, metavar="FILE",
-                      help="the .safetensors file to update in place (a missing one is created from the newest "
-                           "version), or a sharded checkpoint's model.safetensors.index.json")
+                      help="the .safetensors file to update in place, or a sharded checkpoint's "
+                           "model.safetensors.index.json (a missing one is created from the newest version)")
     pull.add_argument("--record", metavar="FILE", help="local version record (default: FILE.refit beside the weights)")
     pull.add_argument("--workers", type=int, default=4, metavar="N", help="chunks fetched and checked concurrently")
+    pull.add_argument("--max-shard-size", type=parse_size, default=5 * 1000 ** 3, metavar="SIZE",
+                      help="a missing index is laid out as a new sharded checkpoint of files of at most SIZE of "
+                           "tensors each, as Hugging Face's save_pretrained (default 5GB)")
     pull.set_defaults(func=_pull)
     st = sub.add_parser("status", help="list versions, their sizes and keyframes")
     st.add_argument("--prefix", required=True, metavar="URI", help="where the versions were published")
@@ -109,45 +117,74 @@ async def _publish(args: argparse.Namespace) -> int:
 async def _pull(args: argparse.Namespace) -> int:
     from zephon_stream.refit.subscriber import Subscriber  # torch
 
-    # a new rollout worker: the file is made from the version's table (a sharded one's files are its own to lay out)
-    new = not os.path.lexists(args.weights) and not _is_index(args.weights)
-    if _is_index(args.weights) and not os.path.lexists(args.weights):
-        single = os.path.join(os.path.dirname(args.weights), "model.safetensors")
-        raise ConfigError(f"--weights {args.weights}: no such index. A pull updates a sharded checkpoint in place "
-                          f"but does not lay one out: to start a new worker, pull into one file (--weights {single}), "
-                          "which loaders of Hugging Face checkpoints read as well")
+    # a new rollout worker: the file (or a sharded checkpoint's files and index) is made from the version's table
+    new = not os.path.lexists(args.weights)
     record = args.record or f"{args.weights}.refit"
-    if new:
-        weights = await _new_weights(args)
-        if weights is None:
-            raise RefitError(f"no version is published under {args.prefix}: nothing was pulled, {args.weights} was "
-                             "not created")
-    else:
-        weights = args.weights
+    made = await _new_checkpoint(args) if new else None
+    if new and made is None:
+        raise RefitError(f"no version is published under {args.prefix}: nothing was pulled, {args.weights} was "
+                         "not created")
+    loaded = made.load if made else args.weights
     try:
-        state = _weights(weights, writable=True)
-        async with Subscriber(args.prefix, record=record, weights=state.files or weights,
-                              workers=args.workers) as sub:
+        state = _weights(loaded, writable=True)
+        async with Subscriber(args.prefix, record=record, weights=state.files or loaded, workers=args.workers) as sub:
             version = await sub.pull(state, sync=state.flush)
-            if new:  # complete: it takes its name, and the record is bound to the file under it
+            if made:  # complete: it takes its name(s), and the record is bound to the file(s) under them
                 del state
-                os.replace(weights, args.weights)
-                await sub._rebind(args.weights)
+                made.finish()
+                await sub._rebind(_weights(args.weights).files if made.files else args.weights)
     finally:
-        if new and os.path.lexists(weights):
-            os.unlink(weights)
+        if made:
+            made.clean()
     if version == 0:
         raise RefitError(f"no version is published under {args.prefix}: nothing was pulled, {args.weights} is "
                          "unchanged")
-    made = f" (created {args.weights})" if new else ""
-    print(f"version {version} digest {sub.record.model_digest:016x}{made}")
+    created = f" (created {args.weights}{made.shards()})" if made else ""
+    print(f"version {version} digest {sub.record.model_digest:016x}{created}")
     return 0
 
 
-async def _new_weights(args: argparse.Namespace) -> str | None:
-    """A zero-filled safetensors file beside `--weights` that holds the newest version's tensors
-    (None: no version is published). A pull fills it; it takes the file's name when complete,
-    so a file at that name is always a whole version."""
+class _NewCheckpoint:
+    """Zero-filled files for a new worker, under `.partial` names until a pull has filled them:
+    one safetensors file, or a sharded checkpoint's files and its index (written last, so an
+    index at its name always names whole files of one version)."""
+
+    def __init__(self, weights: str, files: dict[str, list[str]] | None = None, total: int = 0) -> None:
+        self.weights, self.files = weights, files
+        self.root = os.path.dirname(os.path.abspath(weights))
+        # what the pull loads: the .partial file, or an index (a .json name) of the .partial files
+        self.load = f"{weights}.partial" if files is None else f"{weights.removesuffix('.json')}.partial.json"
+        self.partials = [self.load] + [os.path.join(self.root, f"{f}.partial") for f in files or ()]
+        self.weight_map = {n: name for name, held in (files or {}).items() for n in held}
+        self.total = total
+
+    def index(self, suffix: str = "") -> str:
+        return json.dumps({"metadata": {"total_size": self.total},
+                           "weight_map": {n: f"{name}{suffix}" for n, name in self.weight_map.items()}}, indent=2)
+
+    def shards(self) -> str:
+        return f" and its {len(self.files)} files" if self.files else ""
+
+    def finish(self) -> None:
+        if self.files is None:
+            os.replace(self.load, self.weights)
+            return
+        for name in self.files:
+            os.replace(os.path.join(self.root, f"{name}.partial"), os.path.join(self.root, name))
+        with open(f"{self.weights}.tmp", "w") as f:
+            f.write(self.index())
+        os.replace(f"{self.weights}.tmp", self.weights)
+
+    def clean(self) -> None:
+        for path in [*self.partials, f"{self.weights}.tmp"]:
+            if os.path.lexists(path):
+                os.unlink(path)
+
+
+async def _new_checkpoint(args: argparse.Namespace) -> _NewCheckpoint | None:
+    """Zero-filled files that hold the newest version's tensors (None: no version is published):
+    a safetensors file beside `--weights`, or for an index (`*.index.json`) a sharded checkpoint
+    of `--max-shard-size` files, named and indexed as Hugging Face's `save_pretrained` does."""
     import torch
 
     from zephon_stream.refit import safetensors
@@ -160,11 +197,23 @@ async def _new_weights(args: argparse.Namespace) -> str | None:
         got = await read_manifest(store, prefix, latest) if latest else None
     if got is None:
         return None
-    table = got[1]
-    tensors = {spec.name: (getattr(torch, spec.dtype), spec.shape) for spec in table.specs}
-    partial = f"{args.weights}.partial"
-    safetensors.allocate(partial, tensors)
-    return partial
+    tensors = {spec.name: (getattr(torch, spec.dtype), spec.shape) for spec in got[1].specs}
+    if not _is_index(args.weights):
+        made = _NewCheckpoint(args.weights)
+        safetensors.allocate(made.load, tensors)
+        return made
+    stem = os.path.basename(args.weights).removesuffix(".json").removesuffix(".index").removesuffix(".safetensors")
+    total = sum(math.prod(shape) * dtype.itemsize for dtype, shape in tensors.values())
+    made = _NewCheckpoint(args.weights, safetensors.shard_files(tensors, args.max_shard_size, stem or "model"), total)
+    try:
+        for name, held in made.files.items():
+            safetensors.allocate(os.path.join(made.root, f"{name}.partial"), {n: tensors[n] for n in held})
+        with open(made.load, "w") as f:
+            f.write(made.index(".partial"))
+    except BaseException:
+        made.clean()
+        raise
+    return made
 
 
 @_guard

@@ -17,7 +17,7 @@ import torch
 
 from zephon_stream.errors import AccessDenied, ConfigError, DataError, ObjectNotFound, ZephonError
 
-__all__ = ["Mapped", "allocate", "load", "load_index", "save"]
+__all__ = ["Mapped", "allocate", "load", "load_index", "save", "shard_files"]
 
 _DTYPES = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
@@ -248,6 +248,33 @@ def allocate(path: str | os.PathLike[str], tensors: Mapping[str, tuple[torch.dty
             f.truncate(8 + len(text) + total)
     except OSError as exc:
         raise _os_error(os.fspath(path), exc) from exc
+
+
+def shard_files(tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], max_bytes: int,
+                stem: str = "model") -> dict[str, list[str]]:
+    """The files of a sharded checkpoint of `tensors` with at most `max_bytes` of tensor data each,
+    split and named as Hugging Face's `save_pretrained` does (huggingface_hub's split): in the
+    tensors' order, a file takes tensors until the next would pass the bound; a tensor over it
+    gets a file of its own, placed before the file being filled. `{stem}-00001-of-00003.safetensors`,
+    or `{stem}.safetensors` for one file."""
+    groups: list[list[str]] = []
+    current: list[str] = []
+    size = 0
+    for name, (dtype, shape) in tensors.items():
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > max_bytes:
+            groups.append([name])
+            continue
+        if size + nbytes > max_bytes:
+            groups.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    if current or not groups:
+        groups.append(current)
+    if len(groups) == 1:
+        return {f"{stem}.safetensors": groups[0]}
+    return {f"{stem}-{i:05d}-of-{len(groups):05d}.safetensors": names for i, names in enumerate(groups, 1)}
 
 
 def _layout(tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None

@@ -317,13 +317,15 @@ class Subscriber(StoreOwner):
         self._drop_ahead()
         return latest
 
-    async def _rebind(self, weights: str | os.PathLike[str]) -> None:
-        """Bind the record to `weights`: the file this subscriber's last pull wrote, since renamed
-        (`zephon refit pull` fills a new file under another name). The next pull trusts it
-        without re-hashing it, as it would the file under its old name."""
+    async def _rebind(self, weights: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> None:
+        """Bind the record to `weights`: the file (or a sharded checkpoint's files) this
+        subscriber's last pull wrote, since renamed (`zephon refit pull` fills a new checkpoint
+        under other names). The next pull trusts it without re-hashing it, as it would the files
+        under their old names."""
         if self.record.target is not None or not self._trusted:
             raise RefitError("only a file that a completed pull wrote can be rebound")
-        self.weights = Path(weights)
+        self.weights = (Path(weights) if isinstance(weights, (str, os.PathLike))
+                        else tuple(Path(w) for w in weights))
         await self._save(msgspec.structs.replace(self.record, file=FileIdentity.of(self.weights)))
 
     async def prefetch(self, state: Mapping[str, torch.Tensor] | None = None) -> int:
