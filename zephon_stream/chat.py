@@ -42,10 +42,12 @@ Messages: `role` is one of `ROLES` (system, user, assistant, tool); `content` a 
 text parts (`[{"type": "text", "text": ...}]`, passed to the template as it is), or null
 (or absent) in an assistant message that only calls tools (`tool_calls`, a list of objects); other
 keys go to the template as they are. A source's `tools_field` gives each conversation its tools
-(a list of function specs, or a JSON string of one), the template's `tools`. For the sentinel
+(a list of function specs, or a JSON string of one), the template's `tools`; its `documents_field`
+the retrieved documents (a list of objects such as `{"title": ..., "text": ...}`, or a JSON string
+of one), the template's `documents`, as `apply_chat_template(documents=...)` passes them. For the sentinel
 render a tool-calling message loses its calls: the sentinel stands for all that the assistant
 wrote, so the calls are trained with the content. A bad conversation (no role, an unknown role,
-content that is not a string, tools that are not a list of objects, no messages, a template that
+content that is not a string, tools or documents that are not a list of objects, no messages, a template that
 raises) is a `DataError` naming the shard and the record, or a counted skip under
 `on_bad_record = "skip"`.
 """
@@ -70,8 +72,8 @@ import numpy as np
 from zephon_stream.errors import ConfigError, DataError
 from zephon_stream.operators.types import ChatDoc, Conversation
 
-__all__ = ["FIXED_NOW", "ROLES", "ChatTemplate", "ChatTokens", "LossOn", "check_messages", "check_tools",
-           "load_template", "token_mask"]
+__all__ = ["FIXED_NOW", "ROLES", "ChatTemplate", "ChatTokens", "LossOn", "check_documents", "check_messages",
+           "check_tools", "load_template", "token_mask"]
 
 log = logging.getLogger("zephon_stream.loader")
 
@@ -113,41 +115,43 @@ class ChatTemplate:
     def __repr__(self) -> str:
         return f"ChatTemplate({self.origin}, {'generation markers' if self.marked else 'prefix renders'})"
 
-    def render(self, messages: list[dict[str, Any]], tools: Any = None) -> str:
-        """The text of `messages` offered `tools` (both checked: `check_messages`, `check_tools`);
-        a DataError if the template raises."""
+    def render(self, messages: list[dict[str, Any]], tools: Any = None, documents: Any = None) -> str:
+        """The text of `messages` offered `tools` and `documents` (all checked: `check_messages`,
+        `check_tools`, `check_documents`); a DataError if the template raises."""
         check_messages(messages)
-        return self._render(messages, check_tools(tools))
+        return self._render(messages, check_tools(tools), check_documents(documents))
 
-    def spans(self, messages: list[dict[str, Any]], loss_on: LossOn,
-              tools: Any = None) -> tuple[str, list[tuple[int, int]]]:
-        """The text of `messages` (offered `tools`) and the `[start, end)` character spans trained
-        under `loss_on`."""
+    def spans(self, messages: list[dict[str, Any]], loss_on: LossOn, tools: Any = None,
+              documents: Any = None) -> tuple[str, list[tuple[int, int]]]:
+        """The text of `messages` (offered `tools` and `documents`) and the `[start, end)`
+        character spans trained under `loss_on`."""
         check_messages(messages)
-        tools = check_tools(tools)
+        tools, documents = check_tools(tools), check_documents(documents)
         if loss_on == "all":
-            text = self._render(messages, tools)
+            text = self._render(messages, tools, documents)
             return text, [(0, len(text))]
         if self.marked:
-            text, spans = self._marked(messages, tools)
+            text, spans = self._marked(messages, tools, documents)
             return text, spans[-1:] if loss_on == "last_assistant" else spans
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        return self._by_prefixes(messages, tools, turns[-1:] if loss_on == "last_assistant" else turns)
+        return self._by_prefixes(messages, tools, documents, turns[-1:] if loss_on == "last_assistant" else turns)
 
-    def _render(self, messages: list[dict[str, Any]], tools: list[Any] | None, upto: int | None = None) -> str:
+    def _render(self, messages: list[dict[str, Any]], tools: list[Any] | None, documents: list[Any] | None,
+                upto: int | None = None) -> str:
         part = messages if upto is None else messages[:upto]
         try:
-            return self._template.render(messages=part, tools=tools, documents=None, add_generation_prompt=False,
+            return self._template.render(messages=part, tools=tools, documents=documents, add_generation_prompt=False,
                                          **self.variables)
         except Exception as exc:  # a template is user code: whatever it raises is this conversation's failure
             what = "the whole conversation" if upto is None or upto == len(messages) else f"its first {upto} messages"
             raise DataError(f"chat template {self.origin} raised on {what}: {type(exc).__name__}: {exc}") from exc
 
-    def _marked(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> tuple[str, list[tuple[int, int]]]:
+    def _marked(self, messages: list[dict[str, Any]], tools: list[Any] | None,
+                documents: list[Any] | None) -> tuple[str, list[tuple[int, int]]]:
         """Render with every generation block between two marks, then take the marks out."""
-        begin, end = _unused([messages, tools], self._seen, 2)
+        begin, end = _unused([messages, tools, documents], self._seen, 2)
         with _marking(begin, end):
-            raw = self._render(messages, tools)
+            raw = self._render(messages, tools, documents)
         text, spans, open_at, pos = [], [], None, 0
         for piece in re.split(f"([{begin}{end}])", raw):
             if piece == begin or piece == end:
@@ -168,7 +172,7 @@ class ChatTemplate:
                          "(a block inside another, or inside a string that is then cut or filtered): mark each "
                          "assistant message once, at the top level")
 
-    def _by_prefixes(self, messages: list[dict[str, Any]], tools: list[Any] | None,
+    def _by_prefixes(self, messages: list[dict[str, Any]], tools: list[Any] | None, documents: list[Any] | None,
                      turns: list[int]) -> tuple[str, list[tuple[int, int]]]:
         """Each turn's span from renders of the prefixes that end just before and just after it (each
         render a prefix of the next); its content from a render with a sentinel content (and no tool
@@ -183,16 +187,16 @@ class ChatTemplate:
                         3 * len(turns))
         renders, last = {0: ""}, 0
         for k in sorted({len(messages), *turns, *(i + 1 for i in turns)} - {0}):
-            renders[k] = self._render(messages, tools, k)
+            renders[k] = self._render(messages, tools, documents, k)
             if not renders[k].startswith(renders[last]):
                 raise DataError(self._not_prefix(last, k, renders[last], renders[k]))
             last = k
         text, spans = renders[len(messages)], []
-        (sentinel,) = _unused([messages, tools], self._seen, 1) if turns else ("",)
+        (sentinel,) = _unused([messages, tools, documents], self._seen, 1) if turns else ("",)
         for i in turns:
             lo, hi = len(renders[i]), len(renders[i + 1])
             plain = {k: v for k, v in messages[i].items() if k != "tool_calls"}
-            probe = self._render([*messages[:i], {**plain, "content": sentinel}], tools)
+            probe = self._render([*messages[:i], {**plain, "content": sentinel}], tools, documents)
             head, found, tail = probe[lo:].partition(sentinel)
             if (not probe.startswith(renders[i]) or not found or sentinel in tail or hi - lo < len(head) + len(tail)
                     or not text.startswith(head, lo) or not text.endswith(tail, lo, hi)):
@@ -273,6 +277,23 @@ def check_tools(tools: Any) -> list[Any] | None:
     return tools  # an empty list stays one, as `transformers` passes it
 
 
+def check_documents(documents: Any) -> list[Any] | None:
+    """The documents given to a conversation (retrieval-augmented generation): None (none), a list
+    of objects (`{"title": ..., "text": ...}`, as `transformers`' `apply_chat_template(documents=...)`
+    takes them), or a JSON string of such a list, decoded; a DataError otherwise."""
+    if isinstance(documents, str):
+        try:
+            documents = json.loads(documents)
+        except ValueError as exc:
+            raise DataError(f"the documents are a string that is not JSON ({exc}): {_short(documents)}") from exc
+    if documents is None:
+        return None
+    if not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents):
+        raise DataError(f"the documents are {_kind(documents)}, not a list of objects (such as "
+                        '{"title": ..., "text": ...})')
+    return documents  # an empty list stays one, as `transformers` passes it
+
+
 def _kind(value: Any) -> str:
     return "null" if value is None else f"{type(value).__name__} {_short(value)}"
 
@@ -283,7 +304,7 @@ def _short(value: Any) -> str:
 
 
 def _unused(messages: Any, elsewhere: str, n: int) -> list[str]:
-    """`n` private-use characters that occur nowhere in the conversation (and its tools) nor in
+    """`n` private-use characters that occur nowhere in the conversation (its tools, documents) nor in
     `elsewhere` (the template and its variables)."""
     seen = msgspec.json.encode(messages, enc_hook=repr).decode() + elsewhere
     found = list(itertools.islice((c for c in map(chr, _PRIVATE) if c not in seen), n))
@@ -342,11 +363,11 @@ class ChatTokens:
         conversation is raised, or skipped and counted, as `bad` says."""
         rendered = []
         for ref, record in docs:
-            messages, tools = record if isinstance(record, Conversation) else (record, None)
+            messages, tools, documents = record if isinstance(record, Conversation) else (record, None, None)
             try:
                 tools = check_tools(tools)
                 template = self.template.tool_use if tools is not None and self.template.tool_use else self.template
-                rendered.append((ref, *template.spans(messages, self.loss_on, tools)))
+                rendered.append((ref, *template.spans(messages, self.loss_on, tools, documents)))
             except DataError as exc:
                 err = DataError(f"bad conversation in {key!r} (the record at byte {ref[2]} of its split): {exc}",
                                 key=key, offset=ref[2])

@@ -104,11 +104,12 @@ def shard(src: str, dst: str, *, target_bytes: int = 128 << 20, frame_bytes: int
           text_field: str | None = None, image_field: str | None = None, name: str = "shard",
           on_bad: Literal["error", "skip"] = "error", max_record_bytes: int = 16 << 20,
           progress: bool | None = None, messages_field: str | None = None, tools_field: str | None = None,
-          delimiter: str | None = None, **store_options: Any) -> ShardReport:
+          documents_field: str | None = None, delimiter: str | None = None, **store_options: Any) -> ShardReport:
     """Convert the inputs under `src` into shards under `dst` (see the module docstring).
 
     `text_field` defaults to `"txt"` (the caption files' extension) for an image folder, else `"text"`.
-    `messages_field` (and `tools_field`) make it chat data, checked as a chat source reads it.
+    `messages_field` (and `tools_field`, `documents_field`) make it chat data, checked as a chat
+    source reads it.
     `delimiter`: the one character between CSV values (None: `,` for `.csv`, a tab for `.tsv`).
     `progress`: a tqdm bar on stderr (None: when stderr is a terminal), else a plain line every 5 s.
     `store_options` go to both stores (`endpoint_url=`, `region=`, `addressing_style=` for S3).
@@ -122,16 +123,17 @@ def shard(src: str, dst: str, *, target_bytes: int = 128 << 20, frame_bytes: int
         raise ConfigError(f"name {name!r} must be a non-empty file name without '/'")
     if messages_field is not None and (text_field is not None or image_field is not None):
         raise ConfigError("messages_field makes it chat data, whose records have no text_field or image_field: "
-                          "give messages_field alone (and tools_field)")
-    if tools_field is not None and messages_field is None:
-        raise ConfigError("tools_field is for chat data: give messages_field too")
+                          "give messages_field alone (and tools_field, documents_field)")
+    for what, value in (("tools_field", tools_field), ("documents_field", documents_field)):
+        if value is not None and messages_field is None:
+            raise ConfigError(f"{what} is for chat data: give messages_field too")
     if delimiter is not None and (len(delimiter) != 1 or delimiter in "\"\r\n"):
         raise ConfigError(f"delimiter {delimiter!r} must be one character, not a quote or a line break")
     job = _Job(target_bytes, frame_bytes, text_field, image_field, name, on_bad, max_record_bytes)
     job.delimiter = delimiter
     if messages_field is not None:
         job.chat = _CheckedChat(job, SourceConfig(name="shard", uri="file:///", messages_field=messages_field,
-                                                  tools_field=tools_field))
+                                                  tools_field=tools_field, documents_field=documents_field))
     return anyio.run(job.run, src, dst, progress, store_options)
 
 
@@ -154,7 +156,7 @@ class _ArrowRows:
 
 
 class _CheckedChat(Records):
-    """Chat records whose conversations (and tools) are also checked as a chat source reads them,
+    """Chat records whose conversations (and tools, documents) are also checked as a chat source reads them,
     so a conversation the loader would refuse is a bad record here, in file order."""
 
     def __init__(self, job: _Job, src: SourceConfig) -> None:
@@ -348,9 +350,8 @@ class _Job:
             record = msgspec.json.decode(raw)  # valid: the whole array decoded
             value = field(record, self.text_field)
             if self.chat is not None and value is not None:  # a conversation: checked as a chat source reads it
-                tools = self.chat.tools
-                if self.conversation(value if tools is None else Conversation(value, field(record, tools)), obj.key,
-                                      f"record {i} of its JSON array", i):
+                if self.conversation(self.chat.conversation(record, value), obj.key, f"record {i} of its JSON array",
+                                     i):
                     self.documents += 1
                     yield msgspec.json.format(bytes(raw), indent=-1) + b"\n"
                 continue
@@ -382,14 +383,15 @@ class _Job:
                 yield line if line.endswith(b"\n") else line + b"\n"
 
     def conversation(self, payload: Any, key: str, where: str, offset: int) -> bool:
-        """Whether a chat record's conversation (and tools) is one a chat source takes; if not, it is
-        a bad record, raised or counted."""
-        from zephon_stream.chat import check_messages, check_tools
+        """Whether a chat record's conversation (and tools, documents) is one a chat source takes; if
+        not, it is a bad record, raised or counted."""
+        from zephon_stream.chat import check_documents, check_messages, check_tools
 
-        messages, tools = payload if isinstance(payload, Conversation) else (payload, None)
+        messages, tools, documents = payload if isinstance(payload, Conversation) else (payload, None, None)
         try:
             check_messages(messages)
             check_tools(tools)
+            check_documents(documents)
         except DataError as exc:
             hint = "" if self.bad.skipping else ' (set on_bad_record = "skip" to skip such records)'
             self.bad(DataError(f"bad conversation in {key!r} at {where}: {exc}{hint}", key=key, offset=offset))
@@ -417,7 +419,8 @@ class _Job:
         parser = kind(self.text_field, self.image_field, self.on_bad, self.max_record, self.chat)
         parser.bad = self.bad
         if self.chat is not None:
-            return parser, [(self.chat.field, "messages")] + ([(self.chat.tools, "tools")] if self.chat.tools else [])
+            return parser, [(self.chat.field, "messages")] + [
+                (name, what) for name, what in ((self.chat.tools, "tools"), (self.chat.documents, "documents")) if name]
         return parser, parser.columns
 
     def _row(self, key: str, record: Any) -> Any:
@@ -548,10 +551,13 @@ class _Job:
             yield row
 
     def _chat_line(self, payload: Any) -> bytes:
-        """A Parquet row's conversation (and tools) as a JSON line, under the fields' own names."""
+        """A Parquet row's conversation (and tools, documents) as a JSON line, under the fields' own names."""
         assert self.chat is not None
         if isinstance(payload, Conversation):
-            return _enc.encode({self.chat.field: payload.messages, self.chat.tools: payload.tools}) + b"\n"
+            row = {self.chat.field: payload.messages}
+            row.update((name, value) for name, value in ((self.chat.tools, payload.tools),
+                                                         (self.chat.documents, payload.documents)) if name is not None)
+            return _enc.encode(row) + b"\n"
         return _enc.encode({self.chat.field: payload}) + b"\n"
 
     async def _text_file(self, store: Store, obj: ObjectInfo) -> AsyncIterator[bytes]:

@@ -243,4 +243,4 @@ def test_shard_cli_names_its_flags_for_chat_data(tool_data, tmp_path, capsys):
     assert "has no column 'messages' (its columns: conversation): pass one of them to --messages-field" in err, err
     assert main(["shard", str(tmp_path / "pq"), str(tmp_path / "out"), "--messages-field", "m",
                  "--text-field", "t"]) == 2
-    assert "give --messages-field alone (and --tools-field)" in capsys.readouterr().err
+    assert "give --messages-field alone (and --tools-field, --documents-field)" in capsys.readouterr().err

@@ -57,6 +57,8 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
                         "content} messages); records are checked as a chat source reads them")
     p.add_argument("--tools-field", metavar="NAME",
                    help="chat data: the field or column with each conversation's tools (kept beside it)")
+    p.add_argument("--documents-field", metavar="NAME",
+                   help="chat data: the field or column with each conversation's retrieved documents (kept beside it)")
     p.add_argument("--delimiter", metavar="CHAR",
                    help="CSV inputs: the one character between values (default: ',' for .csv, tab for .tsv); "
                         "';' for many spreadsheet exports")
@@ -84,6 +86,7 @@ def _run(args: argparse.Namespace) -> int:
                        text_field=args.text_field, image_field=args.image_field, name=args.name,
                        on_bad=args.on_bad_record, max_record_bytes=args.max_record_bytes,
                        messages_field=args.messages_field, tools_field=args.tools_field,
+                       documents_field=args.documents_field,
                        delimiter=args.delimiter, **options)
     except ZephonError as exc:
         print(f"zephon shard: error: {_as_flags(str(exc))}", file=sys.stderr)
@@ -104,8 +107,9 @@ _FLAGS = ((re.compile(r"^empty shard "), "empty input "),
           (re.compile(r"\braise max_record_bytes\b"), "raise --max-record-bytes"),
           (re.compile(r"\bmax_record_bytes ?= ?(\d+)"), r"--max-record-bytes \1"),
           (re.compile(r"\bmax_record_bytes\b"), "--max-record-bytes"),
-          (re.compile(r"\bset (text|image|messages|tools)_field to one of them\b"), r"pass one of them to --\1-field"),
-          (re.compile(r"\b(messages|tools)_field\b"), r"--\1-field"),
+          (re.compile(r"\bset (text|image|messages|tools|documents)_field to one of them\b"),
+           r"pass one of them to --\1-field"),
+          (re.compile(r"\b(messages|tools|documents)_field\b"), r"--\1-field"),
           (re.compile(r"\(text_field\)"), "(--text-field)"),
           (re.compile(r"\(image_field\)"), "(--image-field)"),
           (re.compile(r"\bpass delimiter=('[^']*')"), r"pass --delimiter \1"))

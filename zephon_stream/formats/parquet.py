@@ -42,7 +42,7 @@ _BINARY = ("binary", "large_binary", "binary_view")
 
 class Column:
     """A column a source reads: `path` as Parquet names it ("meta.text"), `kind` what it holds
-    ("text", "messages", "image", "tools"; "record" for a whole row's columns)."""
+    ("text", "messages", "image", "tools", "documents"; "record" for a whole row's columns)."""
 
     def __init__(self, name: str, path: list[str], kind: str) -> None:
         self.name, self.path, self.kind = name, path, kind
@@ -150,7 +150,7 @@ async def _read_footer(store: Store, key: str, size: int) -> ParquetFooter:
 def resolve_column(footer: ParquetFooter, name: str, kind: str) -> Column:
     """The column `name` names in the file (a top-level name, else a dotted path into structs),
     checked to hold what `kind` says: `"text"` a string (or binary: UTF-8 bytes), `"messages"` a
-    list, `"image"` binary or HF's struct<bytes, path>, `"tools"` a list or a string."""
+    list, `"image"` binary or HF's struct<bytes, path>, `"tools"` and `"documents"` a list or a string."""
     import pyarrow as pa
 
     schema, key = footer.schema, footer.key
@@ -186,21 +186,23 @@ def _check_type(file: str, key: str, name: str, dtype: Any, kind: str) -> None:
     ok = str(dtype) in _STRING or (kind == "text" and str(dtype) in _BINARY)  # binary text: UTF-8, checked per value
     if kind == "messages":  # a chat source's conversations: a list (of structs {role, content}, as HF writes them)
         ok = str(dtype).startswith(("list<", "large_list<"))
-    if kind == "tools":  # the tools offered: a list of function specs, or a JSON string of one
+    if kind in ("tools", "documents"):  # a list (of function specs, of documents), or a JSON string of one
         ok = ok or str(dtype).startswith(("list<", "large_list<"))
     if kind == "image":
         ok = str(dtype) in _BINARY or (str(dtype).startswith("struct") and "bytes" in [f.name for f in dtype]
                                        and str(dtype.field("bytes").type) in _BINARY)
     if not ok:
         want = {"text": "a string", "messages": "a list of messages (list<struct<role, content>>)",
-                "tools": "a list of function specs, or a JSON string of one"}.get(
+                "tools": "a list of function specs, or a JSON string of one",
+                "documents": "a list of documents, or a JSON string of one"}.get(
             kind, "binary, or a struct<bytes: binary, path: string> (HF Image)")
         shown = str(shown) if str(shown).isprintable() else repr(str(shown))
         raise DataError(f"column {name!r} of {file} is {shown}, not {want}: name a {kind} column ({_SETTING[kind]})",
                         key=key, offset=0)
 
 
-_SETTING = {"text": "text_field", "messages": "messages_field", "image": "image_field", "tools": "tools_field"}
+_SETTING = {"text": "text_field", "messages": "messages_field", "image": "image_field", "tools": "tools_field",
+            "documents": "documents_field"}
 
 
 def column_ranges(footer: ParquetFooter, group: int, columns: Sequence[Column]) -> list[tuple[int, int]]:

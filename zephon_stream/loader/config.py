@@ -114,7 +114,7 @@ class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
     WebDataset style (the members of one sample share a key, `000123.png` + `000123.txt`).
     `image_field` lists the member extensions that hold the image (`"png"`, `"jpg;jpeg;png"`);
     `text_field` names the text member (`"txt"`) or a JSON member's field (`"json:caption"`).
-    Elsewhere `text_field` (and `messages_field`, `tools_field`) is a key, else a dotted path
+    Elsewhere `text_field` (and `messages_field`, `tools_field`, `documents_field`) is a key, else a dotted path
     into nested objects (`"doc.body"`), in JSON lines and Parquet alike.
     Image sources need a `[vision]` table.
 
@@ -143,6 +143,7 @@ class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
     chat_template: str | None = None  # a Jinja file; unset: the tokenizer_config.json next to the tokenizer
     loss_on: Literal["assistant", "last_assistant", "all"] = "assistant"
     tools_field: str | None = None  # chat sources: the field holding the tools offered (the template's `tools`)
+    documents_field: str | None = None  # chat sources: the field holding retrieved documents (`documents`)
     # chat sources: extra template variables, as apply_chat_template(**kwargs) passes them (enable_thinking)
     chat_template_kwargs: dict[str, str | int | float | bool] = {}
     transforms: list[TransformStep] = []  # map / filter steps on each record, in order, before tokenizing
@@ -163,6 +164,11 @@ class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
                    "is for chat sources: set messages_field too (the field that holds the conversation)")
             _check(self.tools_field not in ("", self.messages_field), f"{where}.tools_field", self.tools_field,
                    "must name a field of its own, not the conversation's")
+        if self.documents_field is not None:
+            _check(self.messages_field is not None, f"{where}.documents_field", self.documents_field,
+                   "is for chat sources: set messages_field too (the field that holds the conversation)")
+            _check(self.documents_field not in ("", self.messages_field, self.tools_field), f"{where}.documents_field",
+                   self.documents_field, "must name a field of its own, not the conversation's or the tools'")
         if self.image_field is not None:
             _check(bool(self.image_extensions), f"{where}.image_field", self.image_field,
                    'must list member extensions, e.g. "png" or "jpg;jpeg;png;webp"')
@@ -474,7 +480,8 @@ def _chat_order(s: SourceConfig, tokenizer: str) -> list[Any]:
             template += b"\0" + file.name.encode() + b"\0" + file.read_bytes()
     tools = [s.tools_field] if s.tools_field is not None else []  # only when set: older configs keep their digest
     kwargs = [sorted(s.chat_template_kwargs.items())] if s.chat_template_kwargs else []  # likewise
-    return [[s.messages_field, s.loss_on, hashlib.sha256(template).hexdigest()[:16], *tools, *kwargs]]
+    documents = [["documents", s.documents_field]] if s.documents_field is not None else []  # likewise
+    return [[s.messages_field, s.loss_on, hashlib.sha256(template).hexdigest()[:16], *tools, *kwargs, *documents]]
 
 
 def _file_uri(path: Path) -> str:

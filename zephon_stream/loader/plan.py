@@ -55,7 +55,8 @@ async def plan_data(config: Config, stores: list[Store]) -> DataPlan:
         return await plan_source(store, parse_uri(src.uri)[2], src.name, src.uri, field,
                                  config.lanes, config.split_bytes, config.on_bad_record,
                                  images=src.image_field is not None, max_record=config.max_record_bytes,
-                                 image_field=src.image_field, text_kind=kind, tools_field=src.tools_field)
+                                 image_field=src.image_field, text_kind=kind, tools_field=src.tools_field,
+                                 documents_field=src.documents_field)
 
     async def keep(_: int, sp: SourcePlan) -> None:
         sources.append(sp)

@@ -101,6 +101,9 @@ MEANINGS: dict[tuple[str, str], str] = {
                                          "passes them (`{ enable_thinking = false }`). ",
     ("sources", "tools_field"): "Chat sources: the field that holds the tools the conversation may call (a list "
                                 "of JSON-schema function specs, or a JSON string of one), the template's `tools`. ",
+    ("sources", "documents_field"): "Chat sources: the field that holds the documents retrieved for the "
+                                    "conversation (a list of objects such as `{title, text}`, or a JSON string of "
+                                    "one), the template's `documents`, for retrieval-augmented training. ",
     ("sources", "transforms"): "`[[sources.transforms]]` steps (below), applied to each record in order "
                                "before tokenizing. ",
     ("sources", "endpoint_url"): "S3: the endpoint (http://host:port). ",

@@ -190,7 +190,7 @@ class ParquetParser:
                        records: Records) -> list[tuple[int, int, Any]]:
         """Rows as dicts of the columns read (a dotted field also under its dotted name), through `records`."""
         rows = block.to_pylist()
-        for field in (records.field, records.tools):
+        for field in (records.field, records.tools, records.documents):
             if field is not None and field not in block.column_names:
                 for row, value in zip(rows, _values(block, field)):
                     row[field] = value

@@ -108,19 +108,21 @@ class SourcePlan(msgspec.Struct, frozen=True):
 async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field: str,
                       lanes: int, split_bytes: int, on_bad: str, *, images: bool = False,
                       max_record: int = 16 << 20, image_field: str | None = None,
-                      text_kind: str = "text", tools_field: str | None = None) -> SourcePlan:
+                      text_kind: str = "text", tools_field: str | None = None,
+                      documents_field: str | None = None) -> SourcePlan:
     """List a source's shards (sorted by key) and cut them into splits.
 
     With `images`, the shards are WebDataset tar files (`*.tar`), indexed by sample, or Parquet
     files whose `image_field` column holds the images. For a chat source `text_field` is its
     `messages_field` and `text_kind` is "messages" (a Parquet column of lists), and a Parquet
-    file must also have its `tools_field` column, if it has one.
+    file must also have its `tools_field` and `documents_field` columns, if it has them.
     """
     fmt, objects = _list_shards(visible(await store.list(prefix), prefix, f"source {name!r}", uri), name, uri, images)
     for obj in objects:
         _check_key(name, obj.key)
     columns = ([(text_field, text_kind)] + ([(image_field or "", "image")] if images else [])
-               + ([(tools_field, "tools")] if tools_field is not None else []))
+               + [(name, what) for name, what in ((tools_field, "tools"), (documents_field, "documents"))
+                  if name is not None])
     shards, skipped = [], []
 
     async def plan(obj: ObjectInfo) -> ShardPlan | DataError:

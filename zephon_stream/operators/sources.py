@@ -39,9 +39,10 @@ def make_reader(config: Config, source: int, plan: SourcePlan, store: Store, spl
     if plan.format == "parquet":
         image = config.sources[source].image_field
         kind = "messages" if config.sources[source].messages_field is not None else "text"
-        tools = config.sources[source].tools_field
+        src = config.sources[source]
         columns = ([(plan.text_field, kind)] + ([(image, "image")] if image else [])
-                   + ([(tools, "tools")] if tools is not None else []))
+                   + [(name, what) for name, what in ((src.tools_field, "tools"), (src.documents_field, "documents"))
+                      if name is not None])
         if config.sources[source].transforms:  # the steps get whole rows: every column is fetched
             columns.append(("*", "record"))
         return ParquetSplitReader(store, shard, split, config.max_record_bytes, run_cpu, columns=columns, bad=bad,

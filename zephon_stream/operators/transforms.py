@@ -252,7 +252,8 @@ class Records:
         self.steps = _steps(src)
         self.chat = src.messages_field is not None
         self.field = src.messages_field if src.messages_field is not None else src.text_field
-        self.tools = src.tools_field  # a chat source's tools: the payload is then a Conversation
+        self.tools = src.tools_field  # a chat source's tools and documents: the payload is then a Conversation
+        self.documents = src.documents_field
         self.seeded = any(s.seeded for s in self.steps)
         self.plain = not self.steps and not self.chat
 
@@ -304,7 +305,15 @@ class Records:
                                  f"{self.field!r}{' (a string)' if not self.chat else ''}{hint}",
                                  key=reader.key, offset=pos))
             return None
-        return value if self.tools is None else Conversation(value, field(record, self.tools))
+        return self.conversation(record, value)
+
+    def conversation(self, record: Any, messages: Any) -> Any:
+        """A chat record's payload: its `messages`, or with the source's tools or documents field a
+        Conversation of the three (a field the record lacks is None)."""
+        if self.tools is None and self.documents is None:
+            return messages
+        return Conversation(messages, None if self.tools is None else field(record, self.tools),
+                            None if self.documents is None else field(record, self.documents))
 
 
 def _shown(value: Any) -> str:

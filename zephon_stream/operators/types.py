@@ -57,11 +57,13 @@ class ImageDoc:
 
 
 class Conversation(NamedTuple):
-    """A chat record with tools: its messages, and the raw value of its `tools_field` (None when
-    the record has none). A chat source without `tools_field` passes its messages alone."""
+    """A chat record with tools or documents: its messages, and the raw values of its
+    `tools_field` and `documents_field` (None when the record has none, or the source names no
+    such field). A chat source with neither field passes its messages alone."""
 
     messages: Any
     tools: Any
+    documents: Any = None
 
 
 class ChatDoc:
