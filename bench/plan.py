@@ -17,10 +17,12 @@ and with 1 (the code before).
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -107,34 +109,33 @@ def main() -> None:
     ap.add_argument("--sources", type=int, default=8, help="a mixture of this many sources, --shards in all")
     args = ap.parse_args()
     texts = _texts()
-    overlapped = read.PLAN_WORKERS
     print(f"{args.shards} shards, {args.latency_ms:g} ms a request, {args.runs} runs each, alternating; "
           f"median (min - max) seconds")
     for kind in ("zst", "zst-seekable", "parquet"):
         store = _store(kind, args.shards, texts)
-        times: dict[int, list[float]] = {1: [], overlapped: []}
-        for _ in range(args.runs):
-            for workers in (1, overlapped):
-                read.PLAN_WORKERS = workers
-                times[workers].append(anyio.run(_plan, store, args.latency_ms))
-        read.PLAN_WORKERS = overlapped
-        one, many = (statistics.median(times[w]) for w in (1, overlapped))
-        print(f"{kind:>13}: one at a time {one:.2f} ({min(times[1]):.2f} - {max(times[1]):.2f}), "
-              f"{overlapped} at once {many:.2f} ({min(times[overlapped]):.2f} - {max(times[overlapped]):.2f}), "
-              f"ratio {one / many:.1f}x")
+        _compare(f"{kind:>13}: ", "at a time", read, "PLAN_WORKERS", args.runs,
+                 functools.partial(anyio.run, _plan, store, args.latency_ms))
     # a mixture: the sources planned one after another (the code before) and at once
-    stores = [_store("zst-seekable", max(1, args.shards // args.sources), texts) for _ in range(args.sources)]
-    at_once, times = plan.SOURCES_AT_ONCE, {1: [], plan.SOURCES_AT_ONCE: []}
-    for _ in range(args.runs):
-        for n in times:
-            plan.SOURCES_AT_ONCE = n
-            times[n].append(anyio.run(_plan_sources, stores, args.latency_ms))
-    plan.SOURCES_AT_ONCE = at_once
-    one, many = (statistics.median(times[n]) for n in (1, at_once))
-    print(f"{args.sources} sources of {max(1, args.shards // args.sources)} zst-seekable shards: one source at a time "
-          f"{one:.2f} ({min(times[1]):.2f} - {max(times[1]):.2f}), {at_once} at once {many:.2f} "
-          f"({min(times[at_once]):.2f} - {max(times[at_once]):.2f}), ratio {one / many:.1f}x")
+    per = max(1, args.shards // args.sources)
+    stores = [_store("zst-seekable", per, texts) for _ in range(args.sources)]
+    _compare(f"{args.sources} sources of {per} zst-seekable shards: ", "source at a time", plan, "SOURCES_AT_ONCE",
+             args.runs, functools.partial(anyio.run, _plan_sources, stores, args.latency_ms))
 
+
+def _compare(label: str, unit: str, owner: object, setting: str, runs: int, run: Callable[[], float]) -> None:
+    """Time `run` with `owner.setting` at 1 and at its value, alternating, and print both and their ratio."""
+    many = getattr(owner, setting)
+    times: dict[int, list[float]] = {1: [], many: []}
+    try:
+        for _ in range(runs):
+            for n in times:
+                setattr(owner, setting, n)
+                times[n].append(run())
+    finally:
+        setattr(owner, setting, many)
+    a, b = (statistics.median(times[n]) for n in (1, many))
+    print(f"{label}one {unit} {a:.2f} ({min(times[1]):.2f} - {max(times[1]):.2f}), {many} at once {b:.2f} "
+          f"({min(times[many]):.2f} - {max(times[many]):.2f}), ratio {a / b:.1f}x")
 
 if __name__ == "__main__":
     main()

@@ -209,6 +209,37 @@ def write_word_chats(root: Path, n: int, shards: int) -> Path:
     (root / "chatml.jinja").write_text(CHATML)
     return root
 
+def write_jsonl_beside(folder: Path, pairs: list[tuple[list[dict[str, Any]], Any]], field: str,
+                       rng: random.Random) -> None:
+    """Conversations with a value beside them (tools, documents) as 3 JSONL shards in `folder`:
+    the value as it is, a JSON string of it, null, or the key absent (`rng` picks)."""
+    folder.mkdir()
+    lines = []
+    for i, (conv, value) in enumerate(pairs):
+        record: dict[str, Any] = {"id": i, "messages": conv}
+        if value is not None or rng.random() < 0.5:  # none: the key absent, or null
+            record[field] = json.dumps(value) if value is not None and rng.random() < 0.4 else value
+        lines.append(msgspec.json.encode(record) + b"\n")
+    for s in range(3):
+        (folder / f"part-{s}.jsonl").write_bytes(b"".join(lines[s::3]))
+
+
+def write_parquet_beside(root: Path, pairs: list[tuple[list[dict[str, Any]], Any]], field: str,
+                         row_group_size: int) -> None:
+    """The same as 3 Parquet shards each in `root/pq-list/` (the value as nested columns) and
+    `root/pq-str/` (as a JSON string); null where there is none."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for name, as_string in (("pq-str", True), ("pq-list", False)):
+        (root / name).mkdir()
+        for s in range(3):
+            part = pairs[s::3]
+            values = [json.dumps(v) if as_string and v is not None else v for _, v in part]
+            pq.write_table(pa.table({"messages": [c for c, _ in part], field: values}),
+                           root / name / f"part-{s}.parquet", row_group_size=row_group_size)
+
+
 _HEADING = re.compile(r"^(?P<title>\S.*)\n(?P<line>([=\-~^\"'`#*+])\3{2,})\n", re.MULTILINE)
 
 

@@ -265,33 +265,29 @@ def check_tools(tools: Any) -> list[Any] | None:
     """The tools offered to a conversation: None (none), a list of objects (JSON-schema function
     specs, as `transformers`' `apply_chat_template(tools=...)` takes them), or a JSON string of
     such a list, decoded; a DataError otherwise."""
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except ValueError as exc:
-            raise DataError(f"the tools are a string that is not JSON ({exc}): {_short(tools)}") from exc
-    if tools is None:
-        return None
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise DataError(f"the tools are {_kind(tools)}, not a list of objects (function specs)")
-    return tools  # an empty list stays one, as `transformers` passes it
+    return _objects(tools, "tools", "function specs")
 
 
 def check_documents(documents: Any) -> list[Any] | None:
     """The documents given to a conversation (retrieval-augmented generation): None (none), a list
     of objects (`{"title": ..., "text": ...}`, as `transformers`' `apply_chat_template(documents=...)`
     takes them), or a JSON string of such a list, decoded; a DataError otherwise."""
-    if isinstance(documents, str):
+    return _objects(documents, "documents", 'such as {"title": ..., "text": ...}')
+
+
+def _objects(value: Any, what: str, such: str) -> list[Any] | None:
+    """`value` as None or a list of objects, a JSON string of one decoded; a DataError otherwise.
+    An empty list stays one, as `transformers` passes it."""
+    if isinstance(value, str):
         try:
-            documents = json.loads(documents)
+            value = json.loads(value)
         except ValueError as exc:
-            raise DataError(f"the documents are a string that is not JSON ({exc}): {_short(documents)}") from exc
-    if documents is None:
+            raise DataError(f"the {what} are a string that is not JSON ({exc}): {_short(value)}") from exc
+    if value is None:
         return None
-    if not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents):
-        raise DataError(f"the documents are {_kind(documents)}, not a list of objects (such as "
-                        '{"title": ..., "text": ...})')
-    return documents  # an empty list stays one, as `transformers` passes it
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise DataError(f"the {what} are {_kind(value)}, not a list of objects ({such})")
+    return value
 
 
 def _kind(value: Any) -> str:

@@ -14,11 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
-from tests._chat_data import train_tokenizer, word_conversations
+from tests._chat_data import train_tokenizer, word_conversations, write_jsonl_beside, write_parquet_beside
 from tests.core.conftest import make_docs
 from zephon_stream import ConfigError, DataError
 from zephon_stream.chat import ChatTemplate, ChatTokens
@@ -57,22 +55,8 @@ def rag_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[tuple
     root = tmp_path_factory.mktemp("rag")
     rng = random.Random(8)
     pairs = [(conv, _documents(rng)) for conv in word_conversations(seed=9, n=N)]
-    (root / "jsonl").mkdir()
-    lines = []
-    for conv, docs in pairs:
-        record: dict[str, Any] = {"messages": conv}
-        if docs is not None or rng.random() < 0.5:
-            record["retrieved"] = json.dumps(docs) if docs is not None and rng.random() < 0.4 else docs
-        lines.append(msgspec.json.encode(record) + b"\n")
-    for s in range(3):
-        (root / "jsonl" / f"part-{s}.jsonl").write_bytes(b"".join(lines[s::3]))
-    for name, as_string in (("pq-list", False), ("pq-str", True)):
-        (root / name).mkdir()
-        for s in range(3):
-            part = pairs[s::3]
-            docs = [json.dumps(d) if as_string and d is not None else d for _, d in part]
-            pq.write_table(pa.table({"messages": [c for c, _ in part], "retrieved": docs}),
-                           root / name / f"part-{s}.parquet", row_group_size=8)
+    write_jsonl_beside(root / "jsonl", pairs, "retrieved", rng)
+    write_parquet_beside(root, pairs, "retrieved", row_group_size=8)
     train_tokenizer(root / "tokenizer.json", make_docs(random.Random(5), 400, 40))
     (root / "rag.jinja").write_text(RAG)
     return root, pairs

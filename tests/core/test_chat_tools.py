@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests._chat_data import QWEN_TOOLS, tool_conversations, train_tokenizer
+from tests._chat_data import QWEN_TOOLS, tool_conversations, train_tokenizer, write_jsonl_beside, write_parquet_beside
 from tests.core.conftest import make_docs
 from zephon_stream import ConfigError, DataError
 from zephon_stream.chat import ChatTokens
@@ -51,27 +51,13 @@ def tool_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[tupl
     root = tmp_path_factory.mktemp("tools")
     rng = random.Random(4)
     pairs = tool_conversations(seed=11, n=N)
-    (root / "raw").mkdir()
-    lines = []
-    for i, (conv, tools) in enumerate(pairs):
-        record: dict[str, Any] = {"id": i, "messages": conv}
-        if tools is not None or rng.random() < 0.5:  # no tools: the key absent, or null
-            record["tools"] = json.dumps(tools) if tools is not None and rng.random() < 0.4 else tools
-        lines.append(msgspec.json.encode(record) + b"\n")
-    for s in range(3):
-        (root / "raw" / f"part-{s}.jsonl").write_bytes(b"".join(lines[s::3]))
+    write_jsonl_beside(root / "raw", pairs, "tools", rng)
     uniform = [(_uniform(conv), tools) for conv, tools in pairs]
     (root / "jsonl").mkdir()
     for s in range(3):
         (root / "jsonl" / f"part-{s}.jsonl").write_bytes(b"".join(
             msgspec.json.encode({"messages": c, "tools": t}) + b"\n" for c, t in uniform[s::3]))
-    for name, as_string in (("pq-str", True), ("pq-list", False)):
-        (root / name).mkdir()
-        for s in range(3):
-            part = uniform[s::3]
-            tools = [json.dumps(t) if as_string and t is not None else t for _, t in part]
-            pq.write_table(pa.table({"messages": [c for c, _ in part], "tools": tools}),
-                           root / name / f"part-{s}.parquet", row_group_size=16)
+    write_parquet_beside(root, uniform, "tools", row_group_size=16)
     train_tokenizer(root / "tokenizer.json", make_docs(random.Random(5), 400, 40))
     (root / "qwen-tools.jinja").write_text(QWEN_TOOLS)
     return root, pairs
