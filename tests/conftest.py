@@ -33,11 +33,11 @@ from tests._offload import Offload
 from zephon_stream.testing.proxy import FaultProxy, Faults, Link
 from zephon_stream.testing.seaweed import SeaweedServer, empty_bucket
 
-# Property tests draw the same examples on every run (`derandomize`: from each test's name), so
-# `make test` and CI give the same verdict on the same code; `make fuzz` (the "fuzz" profile)
-# draws new ones each run and prints the seed of a failure.
+# Property tests draw the same examples on every run (`derandomize`: seeded from each test's
+# code), so `make test` and CI give the same verdict on the same code; `make fuzz` (the "fuzz"
+# profile) draws new ones each run and prints a failure's example and its @reproduce_failure blob.
 hypothesis.settings.register_profile("test", derandomize=True)
-hypothesis.settings.register_profile("fuzz", derandomize=False)
+hypothesis.settings.register_profile("fuzz", derandomize=False, print_blob=True)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "test"))
 
 _bucket_ids = itertools.count()

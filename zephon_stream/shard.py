@@ -17,9 +17,10 @@ Inputs, by key suffix under `src` (a URI or a local path; a file or a folder):
   input, and a DatasetDict's top folder (`dataset_dict.json`) is refused: name one split;
 - Parquet: `*.parquet`; each row becomes `{"text": ...}` from column `text_field` (a dotted path
   reaches into structs);
-- chat data, with `messages_field` (and `tools_field`): JSON lines and `.json` records kept as they
-  are, Parquet rows written as `{messages_field: ..., tools_field: ...}`; each conversation is
-  checked as a chat source reads it (roles, contents, tools), so a bad one is a bad record here;
+- chat data, with `messages_field` (and `tools_field`, `documents_field`): JSON lines and `.json`
+  records kept as they are, Parquet rows written as `{messages_field: ..., tools_field: ...}`; each
+  conversation is checked as a chat source reads it (roles, contents, tools, documents), so a bad
+  one is a bad record here;
 - CSV: `*.csv`, `*.tsv` (tab-separated), gzipped or not (`.csv.gz`), a header line naming the
   columns; each row becomes `{"text": ...}` from column `text_field`, read as a string whatever it
   looks like (a quoted value may hold newlines and delimiters; a row with too few or too many

@@ -13,9 +13,10 @@ from zephon_stream.testing.stores import WrappedStore
 
 
 class Watched(WrappedStore):
-    """Every list sleeps `ms`; the lists in flight across all watched stores are counted."""
+    """Every list sleeps `ms`, every read 10 ms; the lists, and the reads, in flight across all
+    watched stores are counted."""
 
-    in_flight = peak = 0
+    in_flight = peak = reads = peak_reads = 0
 
     def __init__(self, inner, ms: float) -> None:
         super().__init__(inner)
@@ -30,13 +31,22 @@ class Watched(WrappedStore):
         finally:
             Watched.in_flight -= 1
 
+    async def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        Watched.reads += 1
+        Watched.peak_reads = max(Watched.peak_reads, Watched.reads)
+        try:
+            await anyio.sleep(0.01)
+            return await self.inner.read(key, start, end)
+        finally:
+            Watched.reads -= 1
+
 
 def _plan(cfg, ms):
     async def go():
         async with AsyncExitStack() as stack:
             stores = await open_stores(cfg, stack)
             return await plan_data(cfg, [Watched(s, m) for s, m in zip(stores, ms, strict=True)])
-    Watched.in_flight = Watched.peak = 0
+    Watched.in_flight = Watched.peak = Watched.reads = Watched.peak_reads = 0
     return anyio.run(go)
 
 
@@ -47,10 +57,21 @@ def _sources(dataset, names):
 
 def test_sources_are_planned_at_once_and_kept_in_config_order(config, dataset):
     cfg = config.replace(sources=_sources(dataset, "abab"))
-    plan = _plan(cfg, [40, 0, 30, 10])  # the first listed last
+    plan = _plan(cfg, [90, 30, 70, 50])  # the first listed last
     assert Watched.peak == 4
     assert [sp.name for sp in plan.sources] == ["a0", "b1", "a2", "b3"]
-    assert plan == _plan(cfg, [0, 40, 10, 30])  # shards, splits and the fingerprint, whatever the timing
+    assert plan == _plan(cfg, [30, 90, 50, 70])  # shards, splits and the fingerprint, whatever the timing
+
+
+def test_the_sources_share_one_bound_on_the_shards_planned_at_once(config, dataset, monkeypatch):
+    """A shard's plan may hold a scan of 8-16 MiB: sources at once must not multiply them."""
+    from zephon_stream.operators import read
+
+    monkeypatch.setattr(read, "PLAN_WORKERS", 3)
+    cfg = config.replace(sources=_sources(dataset, "abab"))
+    plan = _plan(cfg, [5, 5, 5, 5])
+    assert Watched.peak == 4 and 2 <= Watched.peak_reads <= 3
+    assert sum(len(sp.shards) for sp in plan.sources) > 3  # more shards than the bound
 
 
 def test_the_error_is_the_first_failing_sources_however_the_plans_overlap(config, dataset, tmp_path):

@@ -651,6 +651,27 @@ def test_cli_pull_lays_out_a_new_sharded_checkpoint_whole_and_bound(tmp_path: Pa
     run(publish, prefix, states[1:])
     assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(index)) == 0
     assert_same(states[1], held())
+    # files already there that a new layout would replace: refused, and left as they are
+    one = tmp_path / "one"
+    one.mkdir()
+    safetensors.save(one / "model.safetensors", {"other": torch.ones(3)})  # a checkpoint under 5 GB: no index
+    capsys.readouterr()
+    assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(one / "model.safetensors.index.json")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"but {one}/model.safetensors is there, which the new checkpoint's files would " \
+        f"replace; to update it in place, pull into it: --weights {one}/model.safetensors" in err[0], err
+    assert sorted(os.listdir(one)) == ["model.safetensors"] and list(loaded(one / "model.safetensors")) == ["other"]
+    (new / index.name).unlink()  # an index lost: its files are still there
+    assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(index), "--max-shard-size", "9KB") == 2
+    assert f"but {new}/{files[0]} is there" in capsys.readouterr().err
+    assert_same(states[1], {k: v for f in files for k, v in loaded(new / f).items()})
+    # one file's worth: Hugging Face's single-file name, and an index for the path asked for
+    (tmp_path / "small").mkdir()
+    small = tmp_path / "small" / "model.safetensors.index.json"
+    assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(small)) == 0
+    assert capsys.readouterr().out.split()[4:] == ["(created", str(small), "and", "model.safetensors)"]
+    assert sorted(os.listdir(small.parent)) == ["model.safetensors", small.name, f"{small.name}.refit"]
+    assert_same(states[1], loaded(small.parent / "model.safetensors"))
 
 
 def test_shard_files_splits_as_hugging_face_does() -> None:

@@ -163,7 +163,9 @@ class _NewCheckpoint:
                            "weight_map": {n: f"{name}{suffix}" for n, name in self.weight_map.items()}}, indent=2)
 
     def shards(self) -> str:
-        return f" and its {len(self.files)} files" if self.files else ""
+        if not self.files:
+            return ""
+        return f" and {next(iter(self.files))}" if len(self.files) == 1 else f" and its {len(self.files)} files"
 
     def finish(self) -> None:
         if self.files is None:
@@ -198,14 +200,25 @@ async def _new_checkpoint(args: argparse.Namespace) -> _NewCheckpoint | None:
     if got is None:
         return None
     tensors = {spec.name: (getattr(torch, spec.dtype), spec.shape) for spec in got[1].specs}
+    if not tensors:
+        raise RefitError(f"version {latest} under {args.prefix} holds no tensors: nothing to lay out at {args.weights}")
     if not _is_index(args.weights):
         made = _NewCheckpoint(args.weights)
-        safetensors.allocate(made.load, tensors)
-        return made
-    stem = os.path.basename(args.weights).removesuffix(".json").removesuffix(".index").removesuffix(".safetensors")
-    total = sum(math.prod(shape) * dtype.itemsize for dtype, shape in tensors.values())
-    made = _NewCheckpoint(args.weights, safetensors.shard_files(tensors, args.max_shard_size, stem or "model"), total)
+    else:
+        stem = os.path.basename(args.weights).removesuffix(".json").removesuffix(".index").removesuffix(".safetensors")
+        total = sum(math.prod(shape) * dtype.itemsize for dtype, shape in tensors.values())
+        files = safetensors.shard_files(tensors, args.max_shard_size, stem or "model")
+        made = _NewCheckpoint(args.weights, files, total)
+        for name in files:  # a checkpoint of another layout (one file, no index) or a leftover: never replaced
+            if os.path.lexists(path := os.path.join(made.root, name)):
+                hint = (f"; to update it in place, pull into it: --weights {path}" if len(files) == 1 else
+                        ": move it away, or pull into another directory")
+                raise ConfigError(f"--weights {args.weights}: no such index, but {path} is there, which the new "
+                                  f"checkpoint's files would replace{hint}")
     try:
+        if made.files is None:
+            safetensors.allocate(made.load, tensors)
+            return made
         for name, held in made.files.items():
             safetensors.allocate(os.path.join(made.root, f"{name}.partial"), {n: tensors[n] for n in held})
         with open(made.load, "w") as f:

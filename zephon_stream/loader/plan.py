@@ -7,12 +7,14 @@ import hashlib
 from contextlib import AsyncExitStack
 from typing import Any
 
+import anyio
 import msgspec
 
 from zephon_stream.connectors import open_store, parse_uri
 from zephon_stream.connectors.base import Store
 from zephon_stream.engine.ordered import run_ordered
 from zephon_stream.loader.config import Config
+from zephon_stream.operators import read
 from zephon_stream.operators.read import SourcePlan, plan_source
 
 __all__ = ["DataPlan", "SourceData", "open_stores", "plan_data"]
@@ -38,7 +40,7 @@ class DataPlan(msgspec.Struct, frozen=True):
     by_source: dict[str, SourceData] = {}
 
 
-SOURCES_AT_ONCE = 8  # sources planned at once, each with its own PLAN_WORKERS shards at once
+SOURCES_AT_ONCE = 8  # sources planned at once (their shards: PLAN_WORKERS at once in all)
 
 
 async def plan_data(config: Config, stores: list[Store]) -> DataPlan:
@@ -48,6 +50,7 @@ async def plan_data(config: Config, stores: list[Store]) -> DataPlan:
     its slowest, not in the sum of them all); a failure is that of the first failing source in
     the config's order, as if they had been planned one after another."""
     sources: list[SourcePlan] = []
+    shards_at_once = anyio.CapacityLimiter(read.PLAN_WORKERS)  # shared: a shard's scan holds up to 16 MiB
 
     async def plan(i: int) -> SourcePlan:
         src, store = config.sources[i], stores[i]
@@ -56,7 +59,7 @@ async def plan_data(config: Config, stores: list[Store]) -> DataPlan:
                                  config.lanes, config.split_bytes, config.on_bad_record,
                                  images=src.image_field is not None, max_record=config.max_record_bytes,
                                  image_field=src.image_field, text_kind=kind, tools_field=src.tools_field,
-                                 documents_field=src.documents_field)
+                                 documents_field=src.documents_field, limiter=shards_at_once)
 
     async def keep(_: int, sp: SourcePlan) -> None:
         sources.append(sp)

@@ -109,13 +109,15 @@ async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field
                       lanes: int, split_bytes: int, on_bad: str, *, images: bool = False,
                       max_record: int = 16 << 20, image_field: str | None = None,
                       text_kind: str = "text", tools_field: str | None = None,
-                      documents_field: str | None = None) -> SourcePlan:
+                      documents_field: str | None = None, limiter: anyio.CapacityLimiter | None = None) -> SourcePlan:
     """List a source's shards (sorted by key) and cut them into splits.
 
     With `images`, the shards are WebDataset tar files (`*.tar`), indexed by sample, or Parquet
     files whose `image_field` column holds the images. For a chat source `text_field` is its
     `messages_field` and `text_kind` is "messages" (a Parquet column of lists), and a Parquet
     file must also have its `tools_field` and `documents_field` columns, if it has them.
+    `limiter` bounds the shards planned at once across the sources that share it (each
+    source's own bound is PLAN_WORKERS).
     """
     fmt, objects = _list_shards(visible(await store.list(prefix), prefix, f"source {name!r}", uri), name, uri, images)
     for obj in objects:
@@ -126,11 +128,12 @@ async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field
     shards, skipped = [], []
 
     async def plan(obj: ObjectInfo) -> ShardPlan | DataError:
-        try:
-            return await (_plan_tar(store, obj, max_record, on_bad) if fmt == "tar" else
-                          plan_parquet(store, obj, columns) if fmt == "parquet" else plan_shard(store, obj))
-        except DataError as exc:
-            return exc
+        async with limiter or contextlib.nullcontext():
+            try:
+                return await (_plan_tar(store, obj, max_record, on_bad) if fmt == "tar" else
+                              plan_parquet(store, obj, columns) if fmt == "parquet" else plan_shard(store, obj))
+            except DataError as exc:
+                return exc
 
     async def keep(obj: ObjectInfo, got: ShardPlan | DataError) -> None:
         if not isinstance(got, DataError):
