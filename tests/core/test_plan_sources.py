@@ -85,3 +85,11 @@ def test_the_error_is_the_first_failing_sources_however_the_plans_overlap(config
     for ms in ([0, 50, 0, 0], [0, 0, 0, 50], [50, 50, 50, 0]):  # e3 fails first in time, or e1 does
         with pytest.raises(ConfigError, match=r"^source 'e1': no "):
             _plan(cfg, ms)
+
+
+def test_warnings_come_in_config_order_whichever_source_finishes_first(config, dataset, caplog):
+    cfg = config.replace(lanes=64, global_batch_size=64, sources=_sources(dataset, "abab"))
+    with caplog.at_level("WARNING", logger="zephon_stream.loader"):
+        _plan(cfg, [90, 30, 70, 10])
+    warned = [r.getMessage().split()[1] for r in caplog.records if "splits for 64 lanes" in r.getMessage()]
+    assert warned == ["'b1'", "'b3'"]  # b3 finishes first; a's sources have splits enough

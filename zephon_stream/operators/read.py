@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BadRecords", "FORMATS", "MAX_DEPTH", "Parser", "RecordCounts", "SUFFIXES", "ShardPlan", "SourcePlan",
            "Split", "SplitReader", "is_hidden", "nesting", "plan_parquet", "plan_shard", "plan_source", "plan_splits",
-           "visible"]
+           "visible", "warn_coarse"]
 
 SUFFIXES = (".jsonl", ".jsonl.zst", *GZIP_SUFFIXES)  # JSON lines, read by SplitReader
 PLAN_WORKERS = 16  # shards planned at once (a scan reads one part of at most 8 MiB at a time)
@@ -149,17 +149,21 @@ async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field
     if not shards:
         raise DataError(f"source {name!r}: every shard under {uri} is empty or corrupt: {skipped}")
     splits = plan_splits(shards, lanes, split_bytes)
-    if 0 < len(splits) < lanes:
-        log.warning("source %r has %d splits for %d lanes: its %s cannot be cut finer, so lanes read its epochs "
-                    "at the same time and nearby batches repeat documents; rewrite it in smaller pieces with "
-                    "`zephon shard`", name, len(splits), lanes,
-                    "zstd frames or gzip members" if fmt == "lines" else "row groups" if fmt == "parquet" else
-                    "samples")
     if not splits:
         raise DataError(f"source {name!r}: the {fmt} shards under {uri} hold no " +
                         {"tar": "samples", "parquet": "rows"}.get(fmt, "data"))
     return SourcePlan(name=name, uri=uri, prefix=prefix, text_field=text_field,
                       shards=shards, splits=splits, skipped_shards=skipped, format=fmt)
+
+
+def warn_coarse(sp: SourcePlan, lanes: int) -> None:
+    """Warn that a planned source has fewer splits than lanes (its pieces are too coarse)."""
+    if 0 < len(sp.splits) < lanes:
+        log.warning("source %r has %d splits for %d lanes: its %s cannot be cut finer, so lanes read its epochs "
+                    "at the same time and nearby batches repeat documents; rewrite it in smaller pieces with "
+                    "`zephon shard`", sp.name, len(sp.splits), lanes,
+                    "zstd frames or gzip members" if sp.format == "lines" else "row groups" if sp.format == "parquet"
+                    else "samples")
 
 
 def is_hidden(key: str, prefix: str) -> bool:
