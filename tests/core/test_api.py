@@ -344,16 +344,34 @@ def test_ctrl_c_while_waiting_for_a_batch_consumes_nothing(config, backend, monk
     assert _records(got[:2] + batches_to(resumed, steps)) == expected
 
 
+def test_stall_warning_s_0_never_warns(config, caplog) -> None:
+    """`stall_warning_s = 0` turns the stall watch off: a lane that keeps a batch waiting logs nothing."""
+    from zephon_stream.testing.stores import WrappedStore
+
+    reads = iter(range(10**9))
+
+    class SlowOnce(WrappedStore):
+        async def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+            if next(reads) == 45:
+                await anyio.sleep(0.6)
+            return await super().read(key, start, end)
+
+    caplog.set_level("WARNING", logger="zephon_stream.loader")
+    want = _records(batches_to(Loader(config), 20))
+    got = _records(batches_to(Loader(config.replace(stall_warning_s=0), wrap_store=SlowOnce), 20))
+    assert got == want
+    assert not [r.getMessage() for r in caplog.records if r.name == "zephon_stream.loader"]
+
+
 @pytest.mark.parametrize("backend", ["threads", "inline"])
-def test_a_batch_that_waits_long_on_one_lane_says_so_and_when_it_ends(config, backend, monkeypatch, caplog) -> None:
+def test_a_batch_that_waits_long_on_one_lane_says_so_and_when_it_ends(config, backend, caplog) -> None:
     """A store that stops answering (a stuck connection; a stopped worker alike) was a silent
     hang: the trainer waited with nothing in its log. Now the wait, its lane, and its end are logged; the batches
     are those of a run without it."""
-    from zephon_stream.loader import loader as loader_mod
     from zephon_stream.testing.stores import WrappedStore
 
     want = _records(batches_to(Loader(config, backend=backend), 20))
-    monkeypatch.setattr(loader_mod, "STALL_WARNING_S", 0.4)
+    config = config.replace(stall_warning_s=0.4)  # an execution setting: the same batches
     reads = iter(range(10**9))
 
     def warned() -> bool:

@@ -254,6 +254,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     sample_buffer: int = 4  # sample batches buffered per lane
     sample_batch: int = 4  # samples per lane-to-sequencer hand-off
     read_ahead: int = 4  # ranged reads (1 MiB) of a split in flight per lane on S3; 1 = one at a time (local: always)
+    stall_warning_s: float = 60.0  # a batch waiting this long for one lane's samples is logged; 0 = never
     vision: VisionConfig | None = None  # the [vision] table; needed by sources with image_field
     schedule: list[ScheduleEntry] = []  # [[schedule]] tables: weights from given global steps on (an order setting)
     packing: Literal["concat", "best_fit", "none"] = "concat"  # how documents become samples
@@ -290,6 +291,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
                       "read_ahead"):
             _check(getattr(self, field) >= 1, field, getattr(self, field), "must be >= 1")
         _check(self.packing_window >= 1, "packing_window", self.packing_window, "must be >= 1")
+        _check(self.stall_warning_s >= 0 and math.isfinite(self.stall_warning_s), "stall_warning_s",
+               self.stall_warning_s, "must be a number of seconds >= 0 (0: never warn)")
         _check(self.piece_tokens >= 0, "piece_tokens", self.piece_tokens, "must be >= 0 (0 = documents whole)")
         _check(not self.truncate or self.packing == "none", "truncate", self.truncate,
                'applies to packing = "none" only (concat and best_fit split long documents)')

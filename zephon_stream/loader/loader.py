@@ -42,11 +42,6 @@ StoreWrapper = Callable[[Store], Store]
 
 log = logging.getLogger("zephon_stream.loader")
 
-# A batch that waits this long for one lane's samples is logged (a warning, again at each multiple,
-# and once more when the samples come): a stuck read or worker is otherwise a silent hang.
-STALL_WARNING_S = 60.0
-
-
 class LoaderStatistics(msgspec.Struct, frozen=True):
     """A snapshot of the loader's progress and buffers (see `Loader.statistics()`)."""
 
@@ -479,7 +474,8 @@ class Loader:
                 stream.relaunch = launch
                 self._batch_streams.add(stream)
                 ended = anyio.Event()
-                tg.start_soon(_watch_stalls, stream, ended)
+                if self.config.stall_warning_s > 0:
+                    tg.start_soon(_watch_stalls, stream, ended, self.config.stall_warning_s)
                 try:
                     yield stream
                 finally:
@@ -732,11 +728,12 @@ class BatchStream:
         return sample
 
 
-async def _watch_stalls(stream: BatchStream, ended: anyio.Event) -> None:
-    """Log a batch that has waited `STALL_WARNING_S` for one lane's samples, at each multiple of
-    it (and `BatchStream._sample` once more when they come): what a hang waits on, where it would
-    be silent. It reads two attributes every few seconds; the batches' path only sets them."""
-    check = min(5.0, STALL_WARNING_S / 4)
+async def _watch_stalls(stream: BatchStream, ended: anyio.Event, every: float) -> None:
+    """Log a batch that has waited `every` seconds (`Config.stall_warning_s`) for one lane's
+    samples, at each multiple of it (and `BatchStream._sample` once more when they come): what a
+    hang waits on, where it would be silent. It reads two attributes every few seconds; the
+    batches' path only sets them."""
+    check = min(5.0, every / 4)
     wait, warned = None, 0  # the wait being watched, and the warnings given for it
     while True:
         with anyio.move_on_after(check):
@@ -747,7 +744,7 @@ async def _watch_stalls(stream: BatchStream, ended: anyio.Event) -> None:
         if wait is None:
             continue
         waited = time.monotonic() - wait[1]
-        if waited >= (warned + 1) * STALL_WARNING_S:
+        if waited >= (warned + 1) * every:
             warned += 1
             stream.stalled = True
             log.warning("batch %d has waited %.0f s for the samples of lane %d (backend %r): a read, its "

@@ -19,9 +19,9 @@ __all__ = ["EXECUTION", "MEANINGS", "config_reference", "undocumented"]
 #: refuses to load under other values of those)
 EXECUTION = {("", k) for k in ("backend", "workers", "cpu_threads", "max_restarts", "ray_address", "ray_actors",
                                "ray_num_cpus", "tokenize_batch", "doc_buffer", "sample_buffer", "sample_batch",
-                               "read_ahead")} | {("sources", k) for k in ("endpoint_url", "region", "addressing_style",
-                                                                         "profile", "connect_timeout",
-                                                                         "read_timeout")} | {
+                               "read_ahead", "stall_warning_s")} | {
+    ("sources", k) for k in ("endpoint_url", "region", "addressing_style", "profile", "connect_timeout",
+                             "read_timeout")} | {
     ("vision", "decode_batch"), ("vision", "decode_ahead"), ("vision", "decode_threads")}
 
 #: (table, key) -> meaning. `table` is "" for top-level keys.
@@ -71,6 +71,8 @@ MEANINGS: dict[tuple[str, str], str] = {
     ("", "read_ahead"): "Ranged reads (up to 1 MiB) of a split in flight per lane, on a store with a round trip a "
                         "request (S3); 1 = one at a time. Local files and `memory://` are always read one part at a "
                         "time (the kernel reads ahead; a window there cost the image bench 5-10%). ",
+    ("", "stall_warning_s"): "Seconds a batch may wait for one lane's samples before a warning names the lane "
+                             "(again at each multiple, and once more when they come); 0 = never. ",
     ("", "vision"): "The `[vision]` table (below); needed by sources with `image_field`.",
     ("", "schedule"): "The `[[schedule]]` tables (below).",
     ("", "packing"): '`"concat"`: concatenate documents and cut every seq_len tokens; `"best_fit"`: whole '
