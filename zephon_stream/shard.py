@@ -42,6 +42,7 @@ is about one shard.
 
 from __future__ import annotations
 
+import codecs
 import functools
 import io
 import sys
@@ -187,6 +188,20 @@ def _gunzip(data: bytes, most: int) -> bytes:
         if not data.strip(b"\0"):  # zeros after the last member (tape-style padding), as gzip allows
             break
     return b"".join(out)
+
+
+def _not_utf8(data: bytes, piece: int = 16 << 20) -> int | None:
+    """The offset of the first byte of `data` that is not UTF-8, or None. It decodes a piece at a
+    time and keeps none of the text: `data.decode()` would hold the whole file again as a str (up
+    to four times its bytes)."""
+    decoder, view = codecs.getincrementaldecoder("utf-8")(), memoryview(data)
+    for start in range(0, max(len(data), 1), piece):
+        pending = len(decoder.getstate()[0])  # the bytes of a character cut at the last piece's end
+        try:
+            decoder.decode(view[start:start + piece], final=start + piece >= len(data))
+        except UnicodeDecodeError as exc:
+            return start - pending + exc.start
+    return None
 
 
 def _other_delimiter(header: str, used: str) -> str | None:
@@ -508,12 +523,10 @@ class _Job:
             except (zlib.error, EOFError, ValueError) as exc:
                 self.bad(DataError(f"{obj.key!r} does not decompress: {exc}", key=obj.key, offset=0))
                 return
-        try:  # before pyarrow: it cannot show a bad row that is not UTF-8 (its handler call fails)
-            await threads.run_sync(data.decode)
-        except UnicodeDecodeError as exc:
-            self.bad(DataError(f"CSV file {obj.key!r} is not UTF-8: byte {exc.start} is {data[exc.start]:#04x}; the "
-                               "file is not read (convert it first, e.g. iconv -f latin1 -t utf-8)", key=obj.key,
-                               offset=exc.start))
+        # before pyarrow: it cannot show a bad row that is not UTF-8 (its handler call fails)
+        if (bad := await threads.run_sync(_not_utf8, data)) is not None:
+            self.bad(DataError(f"CSV file {obj.key!r} is not UTF-8: byte {bad} is {data[bad]:#04x}; the file is not "
+                               "read (convert it first, e.g. iconv -f latin1 -t utf-8)", key=obj.key, offset=bad))
             return
         rejected: list[DataError] = []  # rows with too few or too many values, in the order pyarrow met them
 

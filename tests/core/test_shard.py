@@ -305,6 +305,23 @@ def test_csv_rows_with_too_few_or_many_values_are_bad_records(tmp_path):
         shard(str(tmp_path / "in"), str(tmp_path / "out4"), progress=False)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=40) | st.text(max_size=20).map(str.encode), st.integers(1, 9))
+@example(b"ab\xe2\x82", 3)  # a character cut by the file's end, and across pieces
+@example("x\u20acy".encode(), 2)
+def test_the_utf8_check_of_a_csv_file_finds_the_first_bad_byte_as_decode_does(data, piece) -> None:
+    """A CSV file is checked for UTF-8 a piece at a time, keeping no text (a whole `decode` held
+    the file again as a str): the offset found is the one `bytes.decode` names, for any cut."""
+    from zephon_stream.shard import _not_utf8
+
+    try:
+        data.decode()
+        want = None
+    except UnicodeDecodeError as exc:
+        want = exc.start
+    assert _not_utf8(data, piece) == want
+
+
 _CSV_DATA = _csv(_CSV_ROWS * 3)
 
 
