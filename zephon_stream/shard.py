@@ -24,7 +24,9 @@ Inputs, by key suffix under `src` (a URI or a local path; a file or a folder):
 - CSV: `*.csv`, `*.tsv` (tab-separated), gzipped or not (`.csv.gz`), a header line naming the
   columns; each row becomes `{"text": ...}` from column `text_field`, read as a string whatever it
   looks like (a quoted value may hold newlines and delimiters; a row with too few or too many
-  values is a bad record), read whole (at most 4 GiB, inflated); not for chat data or images;
+  values is a bad record); streamed through a temporary file in TMPDIR (inflated and checked for
+  UTF-8 first: a file that is not UTF-8 is refused whole), so memory stays bounded (pyarrow reads
+  about 32 blocks of `max_record_bytes` + 1 MiB ahead); not for chat data or images;
 - text files: `*.txt`, `*.md` (when there are no files of the above); each file becomes
   `{"id": its name, "text": its content}`;
 - with `image_field`: an image folder (image files, extensions `image_field`, with a caption file
@@ -46,9 +48,10 @@ import codecs
 import functools
 import io
 import sys
+import tempfile
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -87,6 +90,9 @@ _HF_METADATA = ("dataset_info.json", "state.json", "dataset_dict.json")
 JSON_SUFFIXES = (".json",)  # JSON lines or one JSON array of records: read when there are no JSONL or Parquet files
 CSV_SUFFIXES = (".csv", ".tsv", ".csv.gz", ".tsv.gz")  # a header, then a row a line (quoted values hold newlines too)
 _ARRAY_MAX = 4 << 30  # the largest JSON array file read whole
+# a gzipped CSV may inflate to this many times its size, or to _ARRAY_MAX if more (text: 3-10 times)
+_INFLATE_RATIO = 100
+_CSV_PART = 8 << 20  # bytes of a CSV file read from the store at a time
 _IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "png"), (b"\xff\xd8\xff", "jpg"), (b"GIF8", "gif"), (b"BM", "bmp"))
 _enc = msgspec.json.Encoder()
 
@@ -150,8 +156,8 @@ class _ArrowFile(NamedTuple):
 class _ArrowRows:
     """What a table row parser asks of its reader, for the rows of an Arrow file."""
 
-    def __init__(self, key: str, bad: BadRecords) -> None:
-        self.key, self.bad = key, bad
+    def __init__(self, key: str, bad: BadRecords, kind: str) -> None:
+        self.key, self.bad, self.kind = key, bad, kind  # kind: "Arrow", "CSV" (a row's errors name it)
 
     def where(self, pos: int) -> str:
         return f"row {pos}"
@@ -172,36 +178,58 @@ class _CheckedChat(Records):
         return None
 
 
-def _gunzip(data: bytes, most: int) -> bytes:
-    """Every member of gzip file `data`, inflated: at most `most` bytes (a bomb is a ValueError, a
-    damaged member a zlib.error, a file cut short an EOFError)."""
-    out, n = [], 0
-    while data:
-        d = zlib.decompressobj(31)
-        out.append(d.decompress(data, most + 1 - n))
-        n += len(out[-1])
-        if n > most:
-            raise ValueError(f"it inflates to more than {most} bytes, the most read whole: split it")
-        if not d.eof:
+class _Gunzip:
+    """Every member of a gzip stream, inflated as its bytes come (`feed`, then `close`), in pieces of
+    at most `piece` bytes and at most `most` bytes in all: a bomb is a ValueError, a damaged member
+    a zlib.error, a stream cut short an EOFError (from `close`). Zeros after a member are padding,
+    as gzip allows."""
+
+    def __init__(self, most: int, piece: int = 16 << 20) -> None:
+        self.most, self.piece, self.out = most, piece, 0
+        self._member: Any = None  # the member being inflated
+        self._members = 0  # members that ended
+        self._padding = False  # zeros came after the last one
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        while data:
+            if self._member is None:
+                if self._members and not data.strip(b"\0"):
+                    self._padding = True
+                    return
+                if self._padding:
+                    raise zlib.error("bytes after the zeros that pad its last member")
+                self._member = zlib.decompressobj(31)
+            chunk = self._member.decompress(data, min(self.piece, self.most + 1 - self.out))
+            self.out += len(chunk)
+            if self.out > self.most:
+                raise ValueError(f"it inflates to more than {self.most} bytes: a decompression bomb, or split it")
+            yield chunk
+            if self._member.eof:
+                data, self._member, self._members = self._member.unused_data, None, self._members + 1
+            else:
+                data = self._member.unconsumed_tail
+
+    def close(self) -> None:
+        if self._member is not None:
             raise EOFError("it is cut short: its last gzip member does not end")
-        data = d.unused_data
-        if not data.strip(b"\0"):  # zeros after the last member (tape-style padding), as gzip allows
-            break
-    return b"".join(out)
 
 
-def _not_utf8(data: bytes, piece: int = 16 << 20) -> int | None:
-    """The offset of the first byte of `data` that is not UTF-8, or None. It decodes a piece at a
-    time and keeps none of the text: `data.decode()` would hold the whole file again as a str (up
-    to four times its bytes)."""
-    decoder, view = codecs.getincrementaldecoder("utf-8")(), memoryview(data)
-    for start in range(0, max(len(data), 1), piece):
-        pending = len(decoder.getstate()[0])  # the bytes of a character cut at the last piece's end
+class _Utf8Check:
+    """Checks a stream of bytes for UTF-8 a piece at a time and keeps none of the text (a whole
+    `decode` holds the bytes again as a str, up to four times their size). `feed` gives the
+    offset and the value of the first byte that is not UTF-8, or None."""
+
+    def __init__(self) -> None:
+        self._decoder, self.seen = codecs.getincrementaldecoder("utf-8")(), 0
+
+    def feed(self, piece: bytes | memoryview, final: bool = False) -> tuple[int, int] | None:
+        pending = len(self._decoder.getstate()[0])  # the bytes of a character cut at the last piece's end
         try:
-            decoder.decode(view[start:start + piece], final=start + piece >= len(data))
+            self._decoder.decode(piece, final)
         except UnicodeDecodeError as exc:
-            return start - pending + exc.start
-    return None
+            return self.seen - pending + exc.start, exc.object[exc.start]
+        self.seen += len(piece)
+        return None
 
 
 def _other_delimiter(header: str, used: str) -> str | None:
@@ -491,7 +519,7 @@ class _Job:
         except DataError as err:
             self.bad(err)
             return
-        rows, pos = _ArrowRows(obj.key, self.bad), 0
+        rows, pos = _ArrowRows(obj.key, self.bad, kind), 0
         while True:
             try:
                 batch = next(batches, None)
@@ -508,26 +536,56 @@ class _Job:
             pos += batch.num_rows
 
     async def _csv(self, store: Store, obj: ObjectInfo) -> AsyncIterator[Any]:
-        """The rows of a CSV (or TSV) file, read whole: every column a string, as written."""
+        """The rows of a CSV (or TSV) file: the text column a string, as written. The file is read
+        in parts, inflated if gzipped and checked for UTF-8 into a temporary file (in TMPDIR), which
+        pyarrow then reads a block at a time: memory stays bounded whatever the file's size."""
         import pyarrow as pa
         import pyarrow.csv as csv
 
-        if obj.size > _ARRAY_MAX:
-            self.bad(DataError(f"{obj.key!r} is a CSV file of {obj.size} bytes, more than the {_ARRAY_MAX} read "
-                               "whole: split it, or write it as Parquet", key=obj.key, offset=0))
-            return
-        data = await store.read(obj.key)
-        if obj.key.lower().endswith(".gz"):
-            try:
-                data = await threads.run_sync(_gunzip, data, _ARRAY_MAX)
-            except (zlib.error, EOFError, ValueError) as exc:
-                self.bad(DataError(f"{obj.key!r} does not decompress: {exc}", key=obj.key, offset=0))
+        with tempfile.TemporaryDirectory(prefix="zephon-shard-csv-") as tmp:
+            spool = Path(tmp) / "rows.csv"
+            if not await self._spool_csv(store, obj, spool):
                 return
-        # before pyarrow: it cannot show a bad row that is not UTF-8 (its handler call fails)
-        if (bad := await threads.run_sync(_not_utf8, data)) is not None:
-            self.bad(DataError(f"CSV file {obj.key!r} is not UTF-8: byte {bad} is {data[bad]:#04x}; the file is not "
-                               "read (convert it first, e.g. iconv -f latin1 -t utf-8)", key=obj.key, offset=bad))
-            return
+            async for row in self._csv_rows(obj, spool, pa, csv):
+                yield row
+
+    async def _spool_csv(self, store: Store, obj: ObjectInfo, spool: Path) -> bool:
+        """Copy CSV file `obj` to `spool`, inflated and checked; False (after `bad`) if it is not
+        gzip or not UTF-8: such a file is refused whole, before any of its rows is read."""
+        gunzip = _Gunzip(max(_ARRAY_MAX, _INFLATE_RATIO * obj.size)) if obj.key.lower().endswith(".gz") else None
+        check = _Utf8Check()
+
+        def write(part: bytes, last: bool, out: Any) -> tuple[int, int] | None:
+            for piece in gunzip.feed(part) if gunzip is not None else (part,):
+                if (bad := check.feed(piece)) is not None:
+                    return bad
+                out.write(piece)
+            if last and gunzip is not None:
+                gunzip.close()
+            return check.feed(b"", final=True) if last else None
+
+        with spool.open("wb") as out:
+            for start in range(0, max(obj.size, 1), _CSV_PART):
+                part = await store.read(obj.key, start, min(obj.size, start + _CSV_PART)) if obj.size else b""
+                try:
+                    bad = await threads.run_sync(write, part, start + _CSV_PART >= obj.size, out)
+                except (zlib.error, EOFError, ValueError) as exc:
+                    self.bad(DataError(f"{obj.key!r} does not decompress: {exc}", key=obj.key, offset=0))
+                    return False
+                if bad is not None:  # before pyarrow: it cannot show a row that is not UTF-8 (its handler call fails)
+                    at, byte = bad
+                    self.bad(DataError(f"CSV file {obj.key!r} is not UTF-8: byte {at} is {byte:#04x}; the file is "
+                                       "not read (convert it first, e.g. iconv -f latin1 -t utf-8)", key=obj.key,
+                                       offset=at))
+                    return False
+        return True
+
+    async def _csv_rows(self, obj: ObjectInfo, spool: Path, pa: Any, csv: Any) -> AsyncIterator[Any]:
+        """The rows of the checked CSV file at `spool`, read a block at a time. A block holds
+        `max_record_bytes` and 1 MiB more, so a row over the bound is a bad record, not the end of
+        the file. pyarrow reads up to about 32 blocks ahead: that bounds the memory (544 MiB at the
+        default bound; 1 MiB blocks ended the file at a row over 1-2 MiB)."""
+        block = self.max_record + (1 << 20)
         rejected: list[DataError] = []  # rows with too few or too many values, in the order pyarrow met them
 
         def bad_row(row: Any) -> str:
@@ -537,25 +595,42 @@ class _Job:
                                       key=obj.key, offset=row.number or 0))
             return "skip"  # counted, or raised, below: never from inside pyarrow
 
-        def checked(batches: Any) -> Any:
-            for batch in batches:
+        def checked(reader: Any) -> Any:
+            batches = iter(reader)
+            while True:
+                try:
+                    batch = next(batches, None)
+                except pa.ArrowInvalid as exc:
+                    if "straddl" not in str(exc):
+                        raise
+                    raise pa.ArrowInvalid(f"a row holds more than {block} bytes (max_record_bytes and 1 MiB)") from exc
                 while rejected:
                     self.bad(rejected.pop(0))  # raises unless skipping
+                if batch is None:
+                    return
                 yield batch
-            while rejected:
-                self.bad(rejected.pop(0))
 
         delimiter = self.delimiter or ("\t" if obj.key.lower().removesuffix(".gz").endswith(".tsv") else ",")
+
+        def reader(only_text: bool) -> Any:  # only the text column is converted: another column's type, guessed
+            return csv.open_csv(  # from the first block, could not hold a later value and would end the file
+                pa.OSFile(str(spool)), read_options=csv.ReadOptions(use_threads=False, block_size=block),
+                parse_options=csv.ParseOptions(delimiter=delimiter, newlines_in_values=True,
+                                               invalid_row_handler=bad_row),
+                convert_options=csv.ConvertOptions(column_types={self.text_field: pa.string()},
+                                                   include_columns=[self.text_field] if only_text else None))
+
         try:
-            head = csv.open_csv(pa.BufferReader(data), read_options=csv.ReadOptions(use_threads=False),
-                                parse_options=csv.ParseOptions(delimiter=delimiter, newlines_in_values=True,
-                                                               invalid_row_handler=bad_row),
-                                convert_options=csv.ConvertOptions(column_types={self.text_field: pa.string()}))
+            head = reader(False)  # the header's names
+            names = head.schema.names
+            if self.text_field in names:
+                head.close()
+                rejected.clear()  # the first block's bad rows come again
+                head = reader(True)
         except (pa.ArrowException, OSError) as exc:
             self.bad(DataError(f"{obj.key!r} does not read as CSV with a header line: {_one_line(exc)}",
                                key=obj.key, offset=0))
             return
-        names = head.schema.names
         if len(names) == 1 and self.text_field not in names and (other := _other_delimiter(names[0], delimiter)):
             self.bad(DataError(f"CSV file {obj.key!r} has one column, {names[0]!r}, and no {self.text_field!r}: "
                                f"its header seems separated by {other!r}; pass delimiter={other!r}", key=obj.key,

@@ -285,8 +285,58 @@ def test_gzipped_csv_of_one_or_more_members_and_its_bounds(tmp_path, monkeypatch
         shard(str(tmp_path / "in"), str(tmp_path / "out2"), progress=False)
     (tmp_path / "in" / "a.csv.gz").write_bytes(gzip.compress(_csv(_CSV_ROWS * 50)))  # 4.5 kB in 0.2 kB
     monkeypatch.setattr(shard_module, "_ARRAY_MAX", 1000)  # a bomb, in small: inflated past the bound
-    with pytest.raises(DataError, match=r"'a.csv.gz' does not decompress: it inflates to more than 1000 bytes"):
+    monkeypatch.setattr(shard_module, "_INFLATE_RATIO", 2)
+    with pytest.raises(DataError, match=r"'a.csv.gz' does not decompress: it inflates to more than 1000 bytes: a "
+                                        r"decompression bomb"):
         shard(str(tmp_path / "in"), str(tmp_path / "out3"), progress=False)
+    monkeypatch.setattr(shard_module, "_INFLATE_RATIO", 100)  # the bound grows with the file: 20 kB here
+    assert shard(str(tmp_path / "in"), str(tmp_path / "out4"), progress=False).documents == 5 * 50 + 5
+
+
+def test_a_csv_file_streams_through_in_parts(tmp_path, monkeypatch):
+    """A CSV file is read in parts into a checked temporary file, which is parsed a block at a
+    time: no file is read whole (it was, up to 4 GiB, and its text held again as a str)."""
+    import gzip
+
+    import zephon_stream.shard as shard_module
+
+    monkeypatch.setattr(shard_module, "_CSV_PART", 7)  # parts cut rows, characters and gzip members
+    rows = [{"id": str(i), "text": f"caf\u00e9 {i}\n\u20ac"} for i in range(40)]
+    data = b"id,text\n" + b"".join(f'{r["id"]},"{r["text"]}"\n'.encode() for r in rows)
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.csv").write_bytes(data)
+    (tmp_path / "in" / "b.csv.gz").write_bytes(gzip.compress(data[:50]) + gzip.compress(data[50:]) + b"\0" * 20)
+    report = shard(str(tmp_path / "in"), str(tmp_path / "out"), progress=False)
+    assert report.documents == 80 and _texts(tmp_path / "out") == [r["text"] for r in rows] * 2
+    (tmp_path / "in" / "b.csv.gz").write_bytes(gzip.compress(data) + b"\0" * 9 + b"x")
+    with pytest.raises(DataError, match=r"'b.csv.gz' does not decompress: bytes after the zeros that pad its last"):
+        shard(str(tmp_path / "in"), str(tmp_path / "out2"), progress=False)
+    (tmp_path / "in" / "b.csv.gz").unlink()
+    (tmp_path / "in" / "a.csv").write_bytes(data.replace(b"caf\xc3\xa9 30", b"caf\xe9 30"))  # Latin-1
+    at = data.index(b"caf\xc3\xa9 30") + 3
+    with pytest.raises(DataError, match=rf"CSV file 'a.csv' is not UTF-8: byte {at} is 0xe9; the file is not read"):
+        shard(str(tmp_path / "in"), str(tmp_path / "out3"), progress=False)
+
+
+def test_a_long_csv_value_is_a_record_not_the_end_of_the_file(tmp_path):
+    """A block holds max_record_bytes and 1 MiB more, so a long value is read (a value over
+    pyarrow's 1 MiB default block ended the file), and one over the bound is a bad record. Only the text column is
+    converted: another column's type was guessed from the first block, and a later value that did
+    not fit it ('big' in a column of numbers) ended the file."""
+    rows = [{"id": str(i), "text": f"row {i}"} for i in range(30)]
+    rows.insert(20, {"id": "big", "text": "w" * (6 << 20)})
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.csv").write_bytes(_csv(rows))
+    shard(str(tmp_path / "in"), str(tmp_path / "out"), progress=False)
+    assert _texts(tmp_path / "out") == [r["text"] for r in rows]
+    report = shard(str(tmp_path / "in"), str(tmp_path / "out2"), on_bad="skip", max_record_bytes=4 << 20,
+                   progress=False)  # the long value is a bad record, counted
+    assert (report.documents, report.skipped) == (30, 1)
+    with pytest.raises(DataError, match=r"bad row in CSV file 'a.csv', column 'text', row 20: the text is longer"):
+        shard(str(tmp_path / "in"), str(tmp_path / "out4"), max_record_bytes=4 << 20, progress=False)  # not "Parquet"
+    with pytest.raises(DataError, match=r"'a.csv' is damaged after row \d+: a row holds more than 2097152 bytes "
+                                        r"\(max_record_bytes and 1 MiB\)"):
+        shard(str(tmp_path / "in"), str(tmp_path / "out3"), max_record_bytes=1 << 20, progress=False)
 
 
 def test_csv_rows_with_too_few_or_many_values_are_bad_records(tmp_path):
@@ -310,16 +360,18 @@ def test_csv_rows_with_too_few_or_many_values_are_bad_records(tmp_path):
 @example(b"ab\xe2\x82", 3)  # a character cut by the file's end, and across pieces
 @example("x\u20acy".encode(), 2)
 def test_the_utf8_check_of_a_csv_file_finds_the_first_bad_byte_as_decode_does(data, piece) -> None:
-    """A CSV file is checked for UTF-8 a piece at a time, keeping no text (a whole `decode` held
-    the file again as a str): the offset found is the one `bytes.decode` names, for any cut."""
-    from zephon_stream.shard import _not_utf8
+    """A CSV file is checked for UTF-8 as its parts come, keeping no text (a whole `decode` held
+    the file again as a str): the byte found is the one `bytes.decode` names, for any cut."""
+    from zephon_stream.shard import _Utf8Check
 
     try:
         data.decode()
         want = None
     except UnicodeDecodeError as exc:
-        want = exc.start
-    assert _not_utf8(data, piece) == want
+        want = (exc.start, data[exc.start])
+    check = _Utf8Check()
+    got = next((bad for at in range(0, len(data), piece) if (bad := check.feed(data[at:at + piece]))), None)
+    assert (got or check.feed(b"", final=True)) == want
 
 
 _CSV_DATA = _csv(_CSV_ROWS * 3)
@@ -577,6 +629,15 @@ def test_from_and_to_s3(dataset, parquet_dataset, s3, monkeypatch, tmp_path):
     assert _texts(tmp_path / "back") == docs["a"]
     one = shard(f"s3://{s3.bucket}/raw/a-1.parquet", str(tmp_path / "one"), progress=False, **opts)
     assert one.inputs == 1 and _texts(tmp_path / "one") == docs["a"][200:400]
+    import gzip
+
+    import zephon_stream.shard as shard_module
+
+    monkeypatch.setattr(shard_module, "_CSV_PART", 1000)  # a CSV file from S3 comes in ranged reads of parts
+    rows = [{"id": str(i), "text": text} for i, text in enumerate(docs["a"])]
+    client.put_object(Bucket=s3.bucket, Key="csv/a.csv.gz", Body=gzip.compress(_csv(rows)))
+    report = shard(f"s3://{s3.bucket}/csv/", str(tmp_path / "csv"), progress=False, **opts)
+    assert report.documents == 600 and _texts(tmp_path / "csv") == docs["a"]
 
 
 def test_reexports_the_jsonl_writer():

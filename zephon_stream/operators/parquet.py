@@ -214,7 +214,8 @@ class ParquetParser:
 
     def _error(self, reader: ParquetSplitReader, pos: int, column: str, what: str) -> DataError:
         hint = "" if self.bad.skipping else ' (set on_bad_record = "skip" to skip such rows)'
-        return DataError(f"bad row in Parquet file {reader.key!r}, column {column!r}, {reader.where(pos)}: "
+        kind = getattr(reader, "kind", "Parquet")  # zephon shard reads Arrow and CSV files through this parser too
+        return DataError(f"bad row in {kind} file {reader.key!r}, column {column!r}, {reader.where(pos)}: "
                          f"{what}{hint}", key=reader.key, offset=pos)
 
     def _text(self, reader: ParquetSplitReader, pos: int, text: str | bytes | None) -> str:
