@@ -614,7 +614,7 @@ class _Job:
 
         def reader(only_text: bool) -> Any:  # only the text column is converted: another column's type, guessed
             return csv.open_csv(  # from the first block, could not hold a later value and would end the file
-                pa.OSFile(str(spool)), read_options=csv.ReadOptions(use_threads=False, block_size=block),
+                str(spool), read_options=csv.ReadOptions(use_threads=False, block_size=block),
                 parse_options=csv.ParseOptions(delimiter=delimiter, newlines_in_values=True,
                                                invalid_row_handler=bad_row),
                 convert_options=csv.ConvertOptions(column_types={self.text_field: pa.string()},

@@ -52,6 +52,8 @@ class ParquetSplitReader:
     """Streams the rows of a split's row groups, fetching only the chunks of `columns`
     ([(name, "text" | "image")]), through a `ReadWindow` of `read_ahead` requests with `spawn`."""
 
+    kind = "Parquet"  # what a bad row's error calls the file (zephon shard's Arrow and CSV rows say theirs)
+
     def __init__(self, store: Store, shard: ShardPlan, split: Split, max_record: int,
                  run_cpu: Callable[..., Awaitable[Any]] | None = None, *, columns: list[tuple[str, str]],
                  spawn: Spawn | None = None, read_ahead: int = 1, bad: BadRecords | None = None) -> None:
@@ -214,8 +216,7 @@ class ParquetParser:
 
     def _error(self, reader: ParquetSplitReader, pos: int, column: str, what: str) -> DataError:
         hint = "" if self.bad.skipping else ' (set on_bad_record = "skip" to skip such rows)'
-        kind = getattr(reader, "kind", "Parquet")  # zephon shard reads Arrow and CSV files through this parser too
-        return DataError(f"bad row in {kind} file {reader.key!r}, column {column!r}, {reader.where(pos)}: "
+        return DataError(f"bad row in {reader.kind} file {reader.key!r}, column {column!r}, {reader.where(pos)}: "
                          f"{what}{hint}", key=reader.key, offset=pos)
 
     def _text(self, reader: ParquetSplitReader, pos: int, text: str | bytes | None) -> str:
