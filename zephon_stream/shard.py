@@ -26,7 +26,7 @@ Inputs, by key suffix under `src` (a URI or a local path; a file or a folder):
   looks like (a quoted value may hold newlines and delimiters; a row with too few or too many
   values is a bad record); streamed through a temporary file in TMPDIR (inflated and checked for
   UTF-8 first: a file that is not UTF-8 is refused whole), so memory stays bounded (pyarrow reads
-  about 32 blocks of `max_record_bytes` + 1 MiB ahead); not for chat data or images;
+  three blocks of `max_record_bytes` + 1 MiB ahead); not for chat data or images;
 - text files: `*.txt`, `*.md` (when there are no files of the above); each file becomes
   `{"id": its name, "text": its content}`;
 - with `image_field`: an image folder (image files, extensions `image_field`, with a caption file
@@ -49,6 +49,7 @@ import functools
 import io
 import sys
 import tempfile
+import threading
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -62,7 +63,7 @@ import zstandard
 from zephon_stream.connectors import open_store, parse_uri
 from zephon_stream.connectors.base import ObjectInfo, Store
 from zephon_stream.engine import threads
-from zephon_stream.errors import ConfigError, DataError
+from zephon_stream.errors import ConfigError, DataError, ZephonError
 from zephon_stream.formats.jsonl_zst import seek_table, write_jsonl_shards
 from zephon_stream.formats.parquet import PARQUET_SUFFIXES
 from zephon_stream.loader.config import SourceConfig
@@ -93,6 +94,7 @@ _ARRAY_MAX = 4 << 30  # the largest JSON array file read whole
 # a gzipped CSV may inflate to this many times its size, or to _ARRAY_MAX if more (text: 3-10 times)
 _INFLATE_RATIO = 100
 _CSV_PART = 8 << 20  # bytes of a CSV file read from the store at a time
+_CSV_BLOCK_MAX = 1 << 30  # pyarrow's CSV block is an int32; a row over it ends the file, as it says
 _IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "png"), (b"\xff\xd8\xff", "jpg"), (b"GIF8", "gif"), (b"BM", "bmp"))
 _enc = msgspec.json.Encoder()
 
@@ -202,7 +204,8 @@ class _Gunzip:
             chunk = self._member.decompress(data, min(self.piece, self.most + 1 - self.out))
             self.out += len(chunk)
             if self.out > self.most:
-                raise ValueError(f"it inflates to more than {self.most} bytes: a decompression bomb, or split it")
+                raise ValueError(f"it inflates to more than {self.most} bytes (4 GiB, or {_INFLATE_RATIO} times its "
+                                 "size if more): a decompression bomb? If not, gunzip it first")
             yield chunk
             if self._member.eof:
                 data, self._member, self._members = self._member.unused_data, None, self._members + 1
@@ -230,6 +233,61 @@ class _Utf8Check:
             return self.seen - pending + exc.start, exc.object[exc.start]
         self.seen += len(piece)
         return None
+
+
+class _PacedFile(io.RawIOBase):
+    """A file that pyarrow's CSV reader reads only `ahead` blocks beyond the batches taken from it.
+    The reader reads on a thread of its own, up to 32 blocks ahead of the batches (its read-ahead
+    cannot be set), and a block holds `max_record_bytes` + 1 MiB. Each batch taken (`wait`) lets
+    it read one block more. A read is held at most `patience` seconds while the batches' side
+    waits for the reader (a row that spans blocks may need one more), so the two never wait on
+    each other for good. `close` ends a reader that waits."""
+
+    def __init__(self, path: Path, block: int, ahead: int = 3, patience: float = 0.2) -> None:
+        super().__init__()
+        self._file, self._block, self._ahead, self._patience = path.open("rb"), block, ahead, patience
+        self._read = self._batches = 0
+        self._since: float | None = None  # when the batches' side began to wait for the reader
+        self._done = False
+        self._turn = threading.Condition()
+
+    def readable(self) -> bool:
+        return True
+
+    def _may_read(self) -> bool:
+        return (self._done or self._read < (self._batches + self._ahead) * self._block
+                or (self._since is not None and time.monotonic() - self._since >= self._patience))
+
+    def readinto(self, buffer: Any) -> int:
+        with self._turn:
+            while not self._may_read():
+                self._turn.wait(None if self._since is None else self._patience / 4)
+            if self._done:  # closed while the reader waited: it ends
+                return 0
+        n = self._file.readinto(buffer)
+        with self._turn:
+            self._read += n
+        return n
+
+    def wait(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`call(*args, **kwargs)`: a pyarrow call that waits for the reader (the open, which
+        reads the first batch, and each next batch)."""
+        with self._turn:
+            self._since = time.monotonic()
+            self._turn.notify_all()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            with self._turn:
+                self._since, self._batches = None, self._batches + 1
+                self._turn.notify_all()
+
+    def close(self) -> None:
+        with self._turn:
+            self._done = True
+            self._turn.notify_all()
+        self._file.close()
+        super().close()
 
 
 def _other_delimiter(header: str, used: str) -> str | None:
@@ -552,7 +610,8 @@ class _Job:
     async def _spool_csv(self, store: Store, obj: ObjectInfo, spool: Path) -> bool:
         """Copy CSV file `obj` to `spool`, inflated and checked; False (after `bad`) if it is not
         gzip or not UTF-8: such a file is refused whole, before any of its rows is read."""
-        gunzip = _Gunzip(max(_ARRAY_MAX, _INFLATE_RATIO * obj.size)) if obj.key.lower().endswith(".gz") else None
+        most = max(_ARRAY_MAX, _INFLATE_RATIO * obj.size)  # a bomb; gunzip a real file of such a ratio first
+        gunzip = _Gunzip(most) if obj.key.lower().endswith(".gz") else None
         check = _Utf8Check()
 
         def write(part: bytes, last: bool, out: Any) -> tuple[int, int] | None:
@@ -569,6 +628,10 @@ class _Job:
                 part = await store.read(obj.key, start, min(obj.size, start + _CSV_PART)) if obj.size else b""
                 try:
                     bad = await threads.run_sync(write, part, start + _CSV_PART >= obj.size, out)
+                except OSError as exc:  # the temporary file's disk, full or gone
+                    raise ZephonError(f"zephon shard copies CSV file {obj.key!r} into {spool.parent} to parse it, and "
+                                      f"that failed: {exc.strerror or exc}; set TMPDIR to a disk with room for the "
+                                      "file (inflated)") from exc
                 except (zlib.error, EOFError, ValueError) as exc:
                     self.bad(DataError(f"{obj.key!r} does not decompress: {exc}", key=obj.key, offset=0))
                     return False
@@ -583,9 +646,9 @@ class _Job:
     async def _csv_rows(self, obj: ObjectInfo, spool: Path, pa: Any, csv: Any) -> AsyncIterator[Any]:
         """The rows of the checked CSV file at `spool`, read a block at a time. A block holds
         `max_record_bytes` and 1 MiB more, so a row over the bound is a bad record, not the end of
-        the file. pyarrow reads up to about 32 blocks ahead: that bounds the memory (544 MiB at the
-        default bound; 1 MiB blocks ended the file at a row over 1-2 MiB)."""
-        block = self.max_record + (1 << 20)
+        the file (1 MiB blocks ended it at a row over 1-2 MiB); pyarrow reads three blocks ahead of
+        the batches taken (`_PacedFile`)."""
+        block = min(self.max_record + (1 << 20), _CSV_BLOCK_MAX)
         rejected: list[DataError] = []  # rows with too few or too many values, in the order pyarrow met them
 
         def bad_row(row: Any) -> str:
@@ -599,11 +662,12 @@ class _Job:
             batches = iter(reader)
             while True:
                 try:
-                    batch = next(batches, None)
+                    batch = paced[-1].wait(next, batches, None)
                 except pa.ArrowInvalid as exc:
                     if "straddl" not in str(exc):
                         raise
-                    raise pa.ArrowInvalid(f"a row holds more than {block} bytes (max_record_bytes and 1 MiB)") from exc
+                    raise pa.ArrowInvalid(f"a row holds more than {block} bytes (max_record_bytes and 1 MiB, at most "
+                                          "1 GiB)") from exc
                 while rejected:
                     self.bad(rejected.pop(0))  # raises unless skipping
                 if batch is None:
@@ -613,31 +677,38 @@ class _Job:
         delimiter = self.delimiter or ("\t" if obj.key.lower().removesuffix(".gz").endswith(".tsv") else ",")
 
         def reader(only_text: bool) -> Any:  # only the text column is converted: another column's type, guessed
-            return csv.open_csv(  # from the first block, could not hold a later value and would end the file
-                str(spool), read_options=csv.ReadOptions(use_threads=False, block_size=block),
+            paced.append(_PacedFile(spool, block))  # from the first block, could not hold a later value: it ended
+            return paced[-1].wait(  # the file
+                csv.open_csv, paced[-1], read_options=csv.ReadOptions(use_threads=False, block_size=block),
                 parse_options=csv.ParseOptions(delimiter=delimiter, newlines_in_values=True,
                                                invalid_row_handler=bad_row),
                 convert_options=csv.ConvertOptions(column_types={self.text_field: pa.string()},
                                                    include_columns=[self.text_field] if only_text else None))
 
+        paced: list[_PacedFile] = []
         try:
-            head = reader(False)  # the header's names
-            names = head.schema.names
-            if self.text_field in names:
-                head.close()
-                rejected.clear()  # the first block's bad rows come again
-                head = reader(True)
-        except (pa.ArrowException, OSError) as exc:
-            self.bad(DataError(f"{obj.key!r} does not read as CSV with a header line: {_one_line(exc)}",
-                               key=obj.key, offset=0))
-            return
-        if len(names) == 1 and self.text_field not in names and (other := _other_delimiter(names[0], delimiter)):
-            self.bad(DataError(f"CSV file {obj.key!r} has one column, {names[0]!r}, and no {self.text_field!r}: "
-                               f"its header seems separated by {other!r}; pass delimiter={other!r}", key=obj.key,
-                               offset=0))
-            return
-        async for row in self._table_rows(obj, head.schema, checked(head), "CSV"):
-            yield row
+            try:
+                head = reader(False)  # the header's names
+                names = head.schema.names
+                if self.text_field in names:
+                    paced[-1].close()  # first: its reader may wait for a read
+                    head.close()
+                    rejected.clear()  # the first block's bad rows come again
+                    head = reader(True)
+            except (pa.ArrowException, OSError) as exc:
+                self.bad(DataError(f"{obj.key!r} does not read as CSV with a header line: {_one_line(exc)}",
+                                   key=obj.key, offset=0))
+                return
+            if len(names) == 1 and self.text_field not in names and (other := _other_delimiter(names[0], delimiter)):
+                self.bad(DataError(f"CSV file {obj.key!r} has one column, {names[0]!r}, and no {self.text_field!r}: "
+                                   f"its header seems separated by {other!r}; pass delimiter={other!r}", key=obj.key,
+                                   offset=0))
+                return
+            async for row in self._table_rows(obj, head.schema, checked(head), "CSV"):
+                yield row
+        finally:
+            for file in paced:
+                file.close()
 
     def _chat_line(self, payload: Any) -> bytes:
         """A Parquet row's conversation (and tools, documents) as a JSON line, under the fields' own names."""

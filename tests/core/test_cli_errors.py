@@ -108,7 +108,8 @@ BAD_SETTINGS = [
     ({"global_batch_size": "1048560", "seq_len": "16777216"}, "tokens per batch"),
     ({"max_record_bytes": "0"}, "max_record_bytes = 0: must be >= 1"),
     ({"max_record_bytes": "-5"}, "max_record_bytes = -5"),
-    ({"stall_warning_s": "-1"}, "stall_warning_s = -1.0: must be a number of seconds >= 0 (0: never warn)"),
+    ({"stall_warning_s": "-1"}, "stall_warning_s = -1.0: must be 0 (never warn) or a number of seconds >= 0.1"),
+    ({"stall_warning_s": "0.0001"}, "stall_warning_s = 0.0001: must be 0 (never warn) or a number"),
     ({"stall_warning_s": "nan"}, "stall_warning_s = nan"),
     ({"shufle_window": "8"}, "unknown field `shufle_window`; did you mean `shuffle_window`?"),
     ({"xyzzy": "8"}, "unknown field `xyzzy`\n"),  # nothing close: no guess

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
 import anyio
@@ -286,8 +287,8 @@ def test_gzipped_csv_of_one_or_more_members_and_its_bounds(tmp_path, monkeypatch
     (tmp_path / "in" / "a.csv.gz").write_bytes(gzip.compress(_csv(_CSV_ROWS * 50)))  # 4.5 kB in 0.2 kB
     monkeypatch.setattr(shard_module, "_ARRAY_MAX", 1000)  # a bomb, in small: inflated past the bound
     monkeypatch.setattr(shard_module, "_INFLATE_RATIO", 2)
-    with pytest.raises(DataError, match=r"'a.csv.gz' does not decompress: it inflates to more than 1000 bytes: a "
-                                        r"decompression bomb"):
+    with pytest.raises(DataError, match=r"'a.csv.gz' does not decompress: it inflates to more than 1000 bytes \(4 "
+                                        r"GiB, or 2 times its size if more\): a decompression bomb\? If not, gunzip"):
         shard(str(tmp_path / "in"), str(tmp_path / "out3"), progress=False)
     monkeypatch.setattr(shard_module, "_INFLATE_RATIO", 100)  # the bound grows with the file: 20 kB here
     assert shard(str(tmp_path / "in"), str(tmp_path / "out4"), progress=False).documents == 5 * 50 + 5
@@ -318,6 +319,25 @@ def test_a_csv_file_streams_through_in_parts(tmp_path, monkeypatch):
         shard(str(tmp_path / "in"), str(tmp_path / "out3"), progress=False)
 
 
+def test_a_csv_spool_that_fails_says_where_and_what_to_set(tmp_path, monkeypatch, capsys):
+    """The temporary file a CSV file is copied into is on TMPDIR's disk: a full disk is one line
+    naming the file, the folder and TMPDIR, not an OSError traceback."""
+    import errno
+
+    import zephon_stream.shard as shard_module
+
+    def full(self, piece, final=False):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.csv").write_bytes(_csv(_CSV_ROWS))
+    monkeypatch.setattr(shard_module._Utf8Check, "feed", full)
+    assert main(["shard", str(tmp_path / "in"), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert re.search(r"zephon shard copies CSV file 'a.csv' into \S+zephon-shard-csv-\w+ to parse it, and that "
+                     r"failed: No space left on device; set TMPDIR to a disk with room for the file", err), err
+
+
 def test_a_long_csv_value_is_a_record_not_the_end_of_the_file(tmp_path):
     """A block holds max_record_bytes and 1 MiB more, so a long value is read (a value over
     pyarrow's 1 MiB default block ended the file), and one over the bound is a bad record. Only the text column is
@@ -335,7 +355,7 @@ def test_a_long_csv_value_is_a_record_not_the_end_of_the_file(tmp_path):
     with pytest.raises(DataError, match=r"bad row in CSV file 'a.csv', column 'text', row 20: the text is longer"):
         shard(str(tmp_path / "in"), str(tmp_path / "out4"), max_record_bytes=4 << 20, progress=False)  # not "Parquet"
     with pytest.raises(DataError, match=r"'a.csv' is damaged after row \d+: a row holds more than 2097152 bytes "
-                                        r"\(max_record_bytes and 1 MiB\)"):
+                                        r"\(max_record_bytes and 1 MiB, at most 1 GiB\)"):
         shard(str(tmp_path / "in"), str(tmp_path / "out3"), max_record_bytes=1 << 20, progress=False)
 
 

@@ -291,8 +291,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
                       "read_ahead"):
             _check(getattr(self, field) >= 1, field, getattr(self, field), "must be >= 1")
         _check(self.packing_window >= 1, "packing_window", self.packing_window, "must be >= 1")
-        _check(self.stall_warning_s >= 0 and math.isfinite(self.stall_warning_s), "stall_warning_s",
-               self.stall_warning_s, "must be a number of seconds >= 0 (0: never warn)")
+        _check(self.stall_warning_s == 0 or 0.1 <= self.stall_warning_s < math.inf, "stall_warning_s",
+               self.stall_warning_s, "must be 0 (never warn) or a number of seconds >= 0.1")
         _check(self.piece_tokens >= 0, "piece_tokens", self.piece_tokens, "must be >= 0 (0 = documents whole)")
         _check(not self.truncate or self.packing == "none", "truncate", self.truncate,
                'applies to packing = "none" only (concat and best_fit split long documents)')
