@@ -676,16 +676,19 @@ class _Job:
 
         delimiter = self.delimiter or ("\t" if obj.key.lower().removesuffix(".gz").endswith(".tsv") else ",")
 
-        def reader(only_text: bool) -> Any:  # only the text column is converted: another column's type, guessed
-            paced.append(_PacedFile(spool, block))  # from the first block, could not hold a later value: it ended
-            return paced[-1].wait(  # the file
+        def reader(only_text: bool) -> Any:
+            """A pyarrow reader of the spool, paced; `only_text` converts the text column alone
+            (another column's type, guessed from the first block, could not hold a later value:
+            that ended the file)."""
+            paced.append(_PacedFile(spool, block))
+            return paced[-1].wait(
                 csv.open_csv, paced[-1], read_options=csv.ReadOptions(use_threads=False, block_size=block),
                 parse_options=csv.ParseOptions(delimiter=delimiter, newlines_in_values=True,
                                                invalid_row_handler=bad_row),
                 convert_options=csv.ConvertOptions(column_types={self.text_field: pa.string()},
                                                    include_columns=[self.text_field] if only_text else None))
 
-        paced: list[_PacedFile] = []
+        paced: list[_PacedFile] = []  # the header's reader's file, then the rows' reader's (the last)
         try:
             try:
                 head = reader(False)  # the header's names
