@@ -241,11 +241,15 @@ class _PacedFile(io.RawIOBase):
     cannot be set), and a block holds `max_record_bytes` + 1 MiB. Each batch taken (`wait`) lets
     it read one block more. A read is held at most `patience` seconds while the batches' side
     waits for the reader (a row that spans blocks may need one more), so the two never wait on
-    each other for good. `close` ends a reader that waits."""
+    each other for good. `close` ends a reader that waits.
 
-    def __init__(self, path: Path, block: int, ahead: int = 3, patience: float = 0.2) -> None:
+    `spool` is a file that two readers share, one after the other (the header's, then the rows'):
+    each reads from its own position (`_SPOOL_LOCK` keeps a seek and its read together), and
+    neither closes it."""
+
+    def __init__(self, spool: Any, block: int, ahead: int = 3, patience: float = 0.2) -> None:
         super().__init__()
-        self._file, self._block, self._ahead, self._patience = path.open("rb"), block, ahead, patience
+        self._file, self._block, self._ahead, self._patience = spool, block, ahead, patience
         self._read = self._batches = 0
         self._since: float | None = None  # when the batches' side began to wait for the reader
         self._done = False
@@ -264,7 +268,9 @@ class _PacedFile(io.RawIOBase):
                 self._turn.wait(None if self._since is None else self._patience / 4)
             if self._done:  # closed while the reader waited: it ends
                 return 0
-        n = self._file.readinto(buffer)
+        with _SPOOL_LOCK:  # a closed reader's last read may still be running on pyarrow's thread
+            self._file.seek(self._read)
+            n = self._file.readinto(buffer)
         with self._turn:
             self._read += n
         return n
@@ -286,8 +292,22 @@ class _PacedFile(io.RawIOBase):
         with self._turn:
             self._done = True
             self._turn.notify_all()
-        self._file.close()
         super().close()
+
+
+_SPOOL_LOCK = threading.Lock()  # see _PacedFile
+
+
+def _header_past(spool: Any, block: int) -> bool:
+    """Whether the first line of CSV file `spool` that is not blank is longer than `block` bytes
+    (pyarrow then finds no row in its first block: "Empty CSV file or block")."""
+    with _SPOOL_LOCK:
+        spool.seek(0)
+        while (piece := spool.read(1 << 20)) and not piece.strip(b"\r\n"):
+            pass
+        line = piece.lstrip(b"\r\n")
+        line += spool.read(max(0, block + 1 - len(line)))
+    return len(line) > block and b"\n" not in line[:block + 1]
 
 
 def _other_delimiter(header: str, used: str) -> str | None:
@@ -596,20 +616,31 @@ class _Job:
     async def _csv(self, store: Store, obj: ObjectInfo) -> AsyncIterator[Any]:
         """The rows of a CSV (or TSV) file: the text column a string, as written. The file is read
         in parts, inflated if gzipped and checked for UTF-8 into a temporary file (in TMPDIR), which
-        pyarrow then reads a block at a time: memory stays bounded whatever the file's size."""
+        pyarrow then reads a block at a time: memory stays bounded whatever the file's size. The
+        temporary file has no name (it is unlinked as it is made, where the system allows it): a
+        `zephon shard` that is killed leaves nothing behind in TMPDIR."""
         import pyarrow as pa
         import pyarrow.csv as csv
 
-        with tempfile.TemporaryDirectory(prefix="zephon-shard-csv-") as tmp:
-            spool = Path(tmp) / "rows.csv"
+        try:
+            spool = tempfile.TemporaryFile(prefix="zephon-shard-csv-")
+        except OSError as exc:
+            raise self._spool_error(obj, exc) from exc
+        with spool:
             if not await self._spool_csv(store, obj, spool):
                 return
             async for row in self._csv_rows(obj, spool, pa, csv):
                 yield row
 
-    async def _spool_csv(self, store: Store, obj: ObjectInfo, spool: Path) -> bool:
-        """Copy CSV file `obj` to `spool`, inflated and checked; False (after `bad`) if it is not
-        gzip or not UTF-8: such a file is refused whole, before any of its rows is read."""
+    @staticmethod
+    def _spool_error(obj: ObjectInfo, exc: OSError) -> ZephonError:
+        return ZephonError(f"zephon shard copies CSV file {obj.key!r} into a temporary file in {tempfile.gettempdir()} "
+                           f"to parse it, and that failed: {exc.strerror or exc}; set TMPDIR to a disk with room for "
+                           "the file (inflated)")
+
+    async def _spool_csv(self, store: Store, obj: ObjectInfo, spool: Any) -> bool:
+        """Copy CSV file `obj` into the open file `spool`, inflated and checked; False (after `bad`) if
+        it is not gzip or not UTF-8: such a file is refused whole, before any of its rows is read."""
         most = max(_ARRAY_MAX, _INFLATE_RATIO * obj.size)  # a bomb; gunzip a real file of such a ratio first
         gunzip = _Gunzip(most) if obj.key.lower().endswith(".gz") else None
         check = _Utf8Check()
@@ -623,28 +654,27 @@ class _Job:
                 gunzip.close()
             return check.feed(b"", final=True) if last else None
 
-        with spool.open("wb") as out:
-            for start in range(0, max(obj.size, 1), _CSV_PART):
-                part = await store.read(obj.key, start, min(obj.size, start + _CSV_PART)) if obj.size else b""
-                try:
-                    bad = await threads.run_sync(write, part, start + _CSV_PART >= obj.size, out)
-                except OSError as exc:  # the temporary file's disk, full or gone
-                    raise ZephonError(f"zephon shard copies CSV file {obj.key!r} into {spool.parent} to parse it, and "
-                                      f"that failed: {exc.strerror or exc}; set TMPDIR to a disk with room for the "
-                                      "file (inflated)") from exc
-                except (zlib.error, EOFError, ValueError) as exc:
-                    self.bad(DataError(f"{obj.key!r} does not decompress: {exc}", key=obj.key, offset=0))
-                    return False
-                if bad is not None:  # before pyarrow: it cannot show a row that is not UTF-8 (its handler call fails)
-                    at, byte = bad
-                    self.bad(DataError(f"CSV file {obj.key!r} is not UTF-8: byte {at} is {byte:#04x}; the file is "
-                                       "not read (convert it first, e.g. iconv -f latin1 -t utf-8)", key=obj.key,
-                                       offset=at))
-                    return False
+        for start in range(0, max(obj.size, 1), _CSV_PART):
+            part = await store.read(obj.key, start, min(obj.size, start + _CSV_PART)) if obj.size else b""
+            try:
+                bad = await threads.run_sync(write, part, start + _CSV_PART >= obj.size, spool)
+                if bad is None and start + _CSV_PART >= obj.size:
+                    await threads.run_sync(spool.flush)
+            except OSError as exc:  # the temporary file's disk, full or gone
+                raise self._spool_error(obj, exc) from exc
+            except (zlib.error, EOFError, ValueError) as exc:
+                self.bad(DataError(f"{obj.key!r} does not decompress: {exc}", key=obj.key, offset=0))
+                return False
+            if bad is not None:  # before pyarrow: it cannot show a row that is not UTF-8 (its handler call fails)
+                at, byte = bad
+                self.bad(DataError(f"CSV file {obj.key!r} is not UTF-8: byte {at} is {byte:#04x}; the file is "
+                                   "not read (convert it first, e.g. iconv -f latin1 -t utf-8)", key=obj.key,
+                                   offset=at))
+                return False
         return True
 
-    async def _csv_rows(self, obj: ObjectInfo, spool: Path, pa: Any, csv: Any) -> AsyncIterator[Any]:
-        """The rows of the checked CSV file at `spool`, read a block at a time. A block holds
+    async def _csv_rows(self, obj: ObjectInfo, spool: Any, pa: Any, csv: Any) -> AsyncIterator[Any]:
+        """The rows of the checked CSV file `spool` (open), read a block at a time. A block holds
         `max_record_bytes` and 1 MiB more, so a row over the bound is a bad record, not the end of
         the file (1 MiB blocks ended it at a row over 1-2 MiB); pyarrow reads three blocks ahead of
         the batches taken (`_PacedFile`)."""
@@ -699,8 +729,12 @@ class _Job:
                     rejected.clear()  # the first block's bad rows come again
                     head = reader(True)
             except (pa.ArrowException, OSError) as exc:
-                self.bad(DataError(f"{obj.key!r} does not read as CSV with a header line: {_one_line(exc)}",
-                                   key=obj.key, offset=0))
+                why = _one_line(exc)
+                if "Empty CSV file or block" in why and _header_past(spool, block):
+                    why = (f"its header line is longer than {block} bytes (a block: max_record_bytes and 1 MiB, at "
+                           "most 1 GiB); raise max_record_bytes if the header is right")
+                self.bad(DataError(f"{obj.key!r} does not read as CSV with a header line: {why}", key=obj.key,
+                                   offset=0))
                 return
             if len(names) == 1 and self.text_field not in names and (other := _other_delimiter(names[0], delimiter)):
                 self.bad(DataError(f"CSV file {obj.key!r} has one column, {names[0]!r}, and no {self.text_field!r}: "

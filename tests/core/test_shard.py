@@ -334,8 +334,31 @@ def test_a_csv_spool_that_fails_says_where_and_what_to_set(tmp_path, monkeypatch
     monkeypatch.setattr(shard_module._Utf8Check, "feed", full)
     assert main(["shard", str(tmp_path / "in"), str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
-    assert re.search(r"zephon shard copies CSV file 'a.csv' into \S+zephon-shard-csv-\w+ to parse it, and that "
+    assert re.search(r"zephon shard copies CSV file 'a.csv' into a temporary file in \S+ to parse it, and that "
                      r"failed: No space left on device; set TMPDIR to a disk with room for the file", err), err
+
+
+def test_a_csv_spool_has_no_name_in_tmpdir(tmp_path, monkeypatch):
+    """The temporary file is unlinked as it is made: a `zephon shard` killed while it parses a CSV
+    file (a spool of gigabytes) leaves nothing in TMPDIR, and neither does one that ends."""
+    import tempfile
+
+    import zephon_stream.shard as shard_module
+
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    seen = []
+    rows = shard_module._Job._csv_rows
+
+    def listing(self, *args, **kwargs):
+        seen.append(sorted(p.name for p in (tmp_path / "tmp").iterdir()))  # the spool is written: rows are next
+        return rows(self, *args, **kwargs)
+
+    monkeypatch.setattr(shard_module._Job, "_csv_rows", listing)
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.csv").write_bytes(_csv(_CSV_ROWS))
+    assert shard(str(tmp_path / "in"), str(tmp_path / "out"), progress=False).documents == len(_CSV_ROWS)
+    assert seen == [[]] and not any((tmp_path / "tmp").iterdir())
 
 
 def test_a_long_csv_value_is_a_record_not_the_end_of_the_file(tmp_path):
@@ -357,6 +380,23 @@ def test_a_long_csv_value_is_a_record_not_the_end_of_the_file(tmp_path):
     with pytest.raises(DataError, match=r"'a.csv' is damaged after row \d+: a row holds more than 2097152 bytes "
                                         r"\(max_record_bytes and 1 MiB, at most 1 GiB\)"):
         shard(str(tmp_path / "in"), str(tmp_path / "out3"), max_record_bytes=1 << 20, progress=False)
+
+
+def test_a_csv_header_longer_than_a_block_says_so(tmp_path):
+    """pyarrow finds no row in a first block that the header fills ("Empty CSV file or block"):
+    the error says the header is too long and which setting to raise; blank lines before it do not count."""
+    header = ",".join(f"column_{i}" for i in range(100_000)) + ",text"  # 1.2 MB
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.csv").write_text("\n\r\n" + header + "\n" + "1," * 100_000 + "hello\n")
+    with pytest.raises(DataError, match=r"'a.csv' does not read as CSV with a header line: its header line is longer "
+                                        r"than 1049577 bytes \(a block: max_record_bytes and 1 MiB, at most 1 GiB\); "
+                                        r"raise max_record_bytes if the header is right"):
+        shard(str(tmp_path / "in"), str(tmp_path / "out"), max_record_bytes=1001, progress=False)
+    shard(str(tmp_path / "in"), str(tmp_path / "out2"), max_record_bytes=2 << 20, progress=False)
+    assert _texts(tmp_path / "out2") == ["hello"]
+    (tmp_path / "in" / "a.csv").write_text("\n" * (3 << 20))  # blank lines alone: pyarrow's own words
+    with pytest.raises(DataError, match=r"'a.csv' does not read as CSV with a header line: CSV parse error: Empty"):
+        shard(str(tmp_path / "in"), str(tmp_path / "out3"), max_record_bytes=1001, progress=False)
 
 
 def test_csv_rows_with_too_few_or_many_values_are_bad_records(tmp_path):
