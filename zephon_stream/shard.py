@@ -623,7 +623,7 @@ class _Job:
         import pyarrow.csv as csv
 
         try:
-            spool = tempfile.TemporaryFile(prefix="zephon-shard-csv-")
+            spool = tempfile.TemporaryFile(buffering=0, prefix="zephon-shard-csv-")
         except OSError as exc:
             raise self._spool_error(obj, exc) from exc
         with spool:
