@@ -258,6 +258,11 @@ class _PacedFile(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
+    @property
+    def bytes_read(self) -> int:
+        with self._turn:
+            return self._read
+
     def _may_read(self) -> bool:
         return (self._done or self._read < (self._batches + self._ahead) * self._block
                 or (self._since is not None and time.monotonic() - self._since >= self._patience))
@@ -345,6 +350,7 @@ class _Job:
         self.text_field = "text"  # `field`, or its default for the inputs found
         self.chat: _CheckedChat | None = None  # chat data: its messages (and tools) field
         self.delimiter: str | None = None  # CSV: the one between values (None: by suffix)
+        self.meter = _Progress(0, False, io.StringIO())  # `run`'s
 
     async def run(self, src: str, dst: str, progress: bool | None, options: dict[str, Any]) -> ShardReport:
         store_in, prefix_in = _store_for(src, options)
@@ -352,17 +358,20 @@ class _Job:
         async with store_in, store_out:
             objects = await self._inputs(store_in, prefix_in, src)
             await self._refuse_existing(store_out, prefix_out, dst)
-            meter = _Progress(sum(o.size for o in objects), progress)
             out = _TarOut(self, store_out, prefix_out) if self.image_field else _ZstOut(self, store_out, prefix_out)
+            self.meter = meter = _Progress(sum(o.size for o in objects), progress,
+                                           counts=lambda: (self.documents, len(out.keys)))
+            metered = _Metered(store_in, meter)
             try:
                 for obj in objects:
-                    async for item in self._items(store_in, obj):
+                    meter.start_object(obj)
+                    async for item in self._items(metered, obj):
                         await out.add(item)
-                        meter.tick(self.documents, len(out.keys))
-                    meter.done_object(obj.size)
+                        meter.tick()
+                    meter.done_object()
                 await out.close()
             finally:
-                meter.close(self.documents, len(out.keys))
+                meter.close()
         return ShardReport(len(objects), self.documents, self.bad.count, sum(o.size for o in objects), out.bytes_out,
                            out.keys)
 
@@ -627,10 +636,15 @@ class _Job:
         except OSError as exc:
             raise self._spool_error(obj, exc) from exc
         with spool:
-            if not await self._spool_csv(store, obj, spool):
-                return
-            async for row in self._csv_rows(obj, spool, pa, csv):
-                yield row
+            self.meter.share = 0.5  # the copy reads the file: half its bytes on the meter
+            try:
+                if not await self._spool_csv(store, obj, spool):
+                    return
+                self.meter.share = 0.5 * obj.size / max(1, spool.seek(0, io.SEEK_END))  # and the rows, the copy's
+                async for row in self._csv_rows(obj, spool, pa, csv):
+                    yield row
+            finally:
+                self.meter.share = 1.0
 
     @staticmethod
     def _spool_error(obj: ObjectInfo, exc: OSError) -> ZephonError:
@@ -689,10 +703,12 @@ class _Job:
             return "skip"  # counted, or raised, below: never from inside pyarrow
 
         def checked(reader: Any) -> Any:
-            batches = iter(reader)
+            batches, counted = iter(reader), 0
             while True:
                 try:
                     batch = paced[-1].wait(next, batches, None)
+                    self.meter.read(obj.key, paced[-1].bytes_read - counted)  # the copy's bytes parsed so far
+                    counted = paced[-1].bytes_read
                 except pa.ArrowInvalid as exc:
                     if "straddl" not in str(exc):
                         raise
@@ -892,13 +908,33 @@ class _TarOut:
             await self._shard()
 
 
-class _Progress:
-    """Input bytes done: a tqdm bar on a terminal, else a plain line every 5 s, on stderr."""
+class _Metered:
+    """The input store, telling `meter` the bytes of each read (the `Store` calls, delegated)."""
 
-    def __init__(self, total: int, bar: bool | None, file: Any = None, clock: Callable[[], float] = time.monotonic):
-        self.file, self.total, self.clock = file or sys.stderr, total, clock
+    def __init__(self, store: Store, meter: _Progress) -> None:
+        self._store, self._meter = store, meter
+
+    def __getattr__(self, name: str) -> Any:  # list, head, overlap_reads, ...
+        return getattr(self._store, name)
+
+    async def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        data = await self._store.read(key, start, end)
+        self._meter.read(key, len(data))
+        return data
+
+
+class _Progress:
+    """Input bytes done: a tqdm bar on a terminal, else a plain line every 5 s, on stderr. The bytes
+    of the object in hand count as they are read (`read`, from `_Metered`), so one large file moves
+    it too; `counts()` gives the documents and shards so far."""
+
+    def __init__(self, total: int, bar: bool | None, file: Any = None, clock: Callable[[], float] = time.monotonic,
+                 counts: Callable[[], tuple[int, int]] = lambda: (0, 0)):
+        self.file, self.total, self.clock, self.counts = file or sys.stderr, total, clock, counts
         self.done, self.start = 0, clock()
         self.last = self.start
+        self.key, self.size, self.current = None, 0, 0  # the object in hand, its size, its bytes counted
+        self.share = 1.0  # of each byte read of it (see `read`)
         use_bar = self.file.isatty() if bar is None else bar
         self.bar = None
         if use_bar:
@@ -910,29 +946,49 @@ class _Progress:
                 self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="shard",
                                 file=self.file)
 
-    def tick(self, documents: int, shards: int) -> None:
+    def start_object(self, obj: ObjectInfo) -> None:
+        self.key, self.size, self.current = obj.key, obj.size, 0
+
+    def read(self, key: str, nbytes: int) -> None:
+        """`nbytes` read of `key`: they count if it is the object in hand, times `share`, up to its
+        size (a file's footer may be read twice, a caption beside an image is not the image). A CSV
+        file is read twice, once from the store and once from its copy: half its size each time."""
+        if key == self.key:
+            self._add(min(round(nbytes * self.share), self.size - self.current))
+            self.tick()
+
+    def done_object(self) -> None:
+        """The object in hand is done: what was not read of it (a Parquet file's other columns) counts too."""
+        self._add(self.size - self.current)
+        self.key = None
+
+    def _add(self, nbytes: int) -> None:
+        self.current += nbytes
+        self.done += nbytes
+        if self.bar is not None and nbytes:
+            self.bar.update(nbytes)
+
+    def tick(self) -> None:
         now = self.clock()
         if now - self.last < (0.5 if self.bar is not None else 5.0):
             return
         self.last = now
         if self.bar is not None:
+            documents, shards = self.counts()
             self.bar.set_postfix(documents=documents, shards=shards, refresh=True)
         else:
-            self._line(documents, shards)
+            self._line()
 
-    def done_object(self, size: int) -> None:
-        self.done += size
+    def close(self) -> None:
         if self.bar is not None:
-            self.bar.update(size)
-
-    def close(self, documents: int, shards: int) -> None:
-        if self.bar is not None:
+            documents, shards = self.counts()
             self.bar.set_postfix(documents=documents, shards=shards)
             self.bar.close()
         else:
-            self._line(documents, shards)
+            self._line()
 
-    def _line(self, documents: int, shards: int) -> None:
+    def _line(self) -> None:
+        documents, shards = self.counts()
         pct = 100 * self.done / self.total if self.total else 100.0
         buf = io.StringIO()
         print(f"shard: {self.done}/{self.total} input bytes ({pct:.0f}%), {documents} documents, {shards} shards, "

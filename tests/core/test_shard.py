@@ -648,28 +648,64 @@ def test_cli_errors_name_its_flags_not_the_config_keys(tmp_path, capsys):
 
 
 def test_progress_bar_on_a_terminal_and_lines_elsewhere():
+    from zephon_stream.connectors.base import ObjectInfo
+
     class Tty(io.StringIO):
         def isatty(self):
             return True
 
-    now = [0.0]
+    now, counts = [0.0], [(3, 0)]
     tty = Tty()
-    bar = _Progress(1000, None, tty, clock=lambda: now[0])
+    bar = _Progress(1000, None, tty, clock=lambda: now[0], counts=lambda: counts[0])
     assert bar.bar is not None
-    bar.done_object(400)
-    bar.close(7, 1)
+    bar.start_object(ObjectInfo("a", 400, "e"))
+    bar.done_object()
+    counts[0] = (7, 1)
+    bar.close()
     assert "400/1000" in tty.getvalue().replace("B", "").replace(" ", "") or "40%" in tty.getvalue()
     plain = io.StringIO()
-    lines = _Progress(1000, None, plain, clock=lambda: now[0])
-    lines.done_object(500)
-    lines.tick(3, 0)
+    lines = _Progress(1000, None, plain, clock=lambda: now[0], counts=lambda: counts[0])
+    counts[0] = (3, 0)
+    lines.start_object(ObjectInfo("a", 500, "e"))
+    lines.read("a", 300)
+    lines.read("a.txt", 100)  # another object's bytes (a caption beside an image) are not this one's
+    lines.read("a", 300)  # read twice (a footer): at most the object's size counts
     assert plain.getvalue() == ""  # at most one line every 5 s
     now[0] = 6.0
-    lines.tick(3, 0)
-    lines.close(5, 1)
+    lines.tick()
+    lines.done_object()
+    lines.start_object(ObjectInfo("b", 500, "e"))
+    lines.read("b", 100)
+    lines.done_object()  # what was not read (a Parquet file's other columns) counts once the object is done
+    counts[0] = (5, 1)
+    lines.close()
     assert plain.getvalue().splitlines() == [
         "shard: 500/1000 input bytes (50%), 3 documents, 0 shards, 6 s",
-        "shard: 500/1000 input bytes (50%), 5 documents, 1 shards, 6 s"]
+        "shard: 1000/1000 input bytes (100%), 5 documents, 1 shards, 6 s"]
+
+
+def test_the_progress_moves_while_one_large_file_is_read(tmp_path, monkeypatch, capsys):
+    """The bytes of the file in hand count as they are read: a single 5 GB file (or the copy of a
+    CSV file, which yields no row until it is done) moved the meter only at its end."""
+    import itertools
+
+    import zephon_stream.shard as shard_module
+
+    class EveryCall(shard_module._Progress):  # a line at every tick: the clock moves 6 s a call
+        def __init__(self, total, bar, file=None, clock=None, **kwargs):
+            ticks = itertools.count(0, 6)
+            super().__init__(total, False, file, clock=lambda: next(ticks), **kwargs)
+
+    monkeypatch.setattr(shard_module, "_Progress", EveryCall)
+    monkeypatch.setattr(shard_module, "_CSV_PART", 100)
+    (tmp_path / "in").mkdir()
+    data = _csv([{"id": str(i), "text": f"row {i}"} for i in range(100)])
+    (tmp_path / "in" / "a.csv").write_bytes(data)
+    capsys.readouterr()
+    shard(str(tmp_path / "in"), str(tmp_path / "out"), progress=False)
+    done = [int(m) for m in re.findall(r"shard: (\d+)/\d+ input bytes", capsys.readouterr().err)]
+    assert done == sorted(done) and done[-1] == len(data), done
+    assert sum(0 < d < len(data) for d in done) >= len(data) // 100 - 1, done  # a line at each part read
 
 
 def test_from_and_to_s3(dataset, parquet_dataset, s3, monkeypatch, tmp_path):
