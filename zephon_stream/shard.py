@@ -326,6 +326,33 @@ def _one_line(exc: BaseException, most: int = 300) -> str:
     return text if len(text) <= most else text[:most - 3] + "..."
 
 
+def _place(uri: str) -> str:
+    """Where `uri` (a URI or a local path) points, comparable between two: `file:///abs/path` or
+    `s3://bucket/key`, a folder ending in '/'."""
+    if "://" not in uri:
+        path = Path(uri).resolve()
+        return path.as_uri() + ("/" if path.is_dir() or uri.endswith("/") else "")
+    scheme, location, prefix = parse_uri(uri)
+    if scheme == "file":
+        path = Path(location) / prefix
+        return path.resolve().as_uri() + ("/" if path.is_dir() or uri.endswith("/") else "")
+    return f"{scheme}://{location.strip('/')}/{prefix}"
+
+
+def _refuse_overlap(src: str, dst: str) -> None:
+    """A ConfigError if the output folder `dst` is the input, inside it, or holds it: a loader
+    source reads every data file under its folder, so one would read every document twice (the
+    shards and the file they came from)."""
+    a, b = _place(src), _place(dst.rstrip("/") + "/")
+    if a == b.rstrip("/") or b.startswith(a if a.endswith("/") else a + "/"):
+        where = "is the input" if a.rstrip("/") == b.rstrip("/") else "is inside the input"
+        raise ConfigError(f"shard: the output {dst} {where} {src}: a source at {src} (or the next shard of it) would "
+                          "read the shards too, and every document twice; write them to a folder of their own")
+    if a.startswith(b):
+        raise ConfigError(f"shard: the output {dst} holds the input {src}: a source at {dst} would read the input too, "
+                          "and every document twice; write the shards to a folder of their own")
+
+
 def _store_for(uri: str, options: dict[str, Any]) -> tuple[Store, str]:
     """(store, key prefix) for a URI or a local path; a local path is file:// (a folder)."""
     if "://" not in uri:
@@ -353,6 +380,7 @@ class _Job:
         self.meter = _Progress(0, False, io.StringIO())  # `run`'s
 
     async def run(self, src: str, dst: str, progress: bool | None, options: dict[str, Any]) -> ShardReport:
+        _refuse_overlap(src, dst)
         store_in, prefix_in = _store_for(src, options)
         store_out, prefix_out = _store_for(dst if dst.endswith("/") or "://" not in dst else dst + "/", options)
         async with store_in, store_out:

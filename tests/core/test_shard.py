@@ -647,6 +647,25 @@ def test_cli_errors_name_its_flags_not_the_config_keys(tmp_path, capsys):
     assert "column 'body' of Parquet file 'a.parquet' is int64, not a string: name a text column (--text-field)" in err
 
 
+def test_the_output_may_not_be_the_input_inside_it_or_hold_it(tmp_path, monkeypatch, capsys):
+    """A loader source reads every data file under its folder: shards written into the input's
+    folder (or a folder holding the input) were read beside the input, every document twice."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text('{"text": "a"}\n')
+    monkeypatch.chdir(tmp_path)
+    for src, dst, why in [("in", "in", "is the input in: a source at in (or the next shard of it) would read the "
+                                        "shards too"),
+                          ("in/", "in/out", "is inside the input in/"),
+                          (f"file://{tmp_path}/in/", f"file://{tmp_path}/in/shards/", "is inside the input"),
+                          ("in/a.jsonl", "in", "holds the input in/a.jsonl: a source at in would read the input too"),
+                          ("in", ".", "holds the input in")]:
+        assert main(["shard", src, dst]) == 2
+        assert f"zephon shard: error: shard: the output {dst} {why}" in capsys.readouterr().err
+    assert list((tmp_path / "in").iterdir()) == [tmp_path / "in" / "a.jsonl"]
+    assert shard("in/a.jsonl", "in-shards", progress=False).documents == 1  # a sibling folder
+    assert shard("in", "in/../elsewhere/", progress=False).documents == 1
+
+
 def test_progress_bar_on_a_terminal_and_lines_elsewhere():
     from zephon_stream.connectors.base import ObjectInfo
 
