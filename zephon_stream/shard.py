@@ -120,13 +120,17 @@ def shard(src: str, dst: str, *, target_bytes: int = 128 << 20, frame_bytes: int
     `text_field` defaults to `"txt"` (the caption files' extension) for an image folder, else `"text"`.
     `messages_field` (and `tools_field`, `documents_field`) make it chat data, checked as a chat
     source reads it.
-    `delimiter`: the one character between CSV values (None: `,` for `.csv`, a tab for `.tsv`).
+    `delimiter`: the one character between CSV values (None: `,` for `.csv`, a tab for `.tsv`;
+    the two characters `\\t` are a tab too).
     `progress`: a tqdm bar on stderr (None: when stderr is a terminal), else a plain line every 5 s.
     `store_options` go to both stores (`endpoint_url=`, `region=`, `addressing_style=` for S3).
     Bad records raise a DataError naming the object and offset, or with `on_bad="skip"` are
     counted in the report.
     """
-    for what, value in (("target_bytes", target_bytes), ("frame_bytes", frame_bytes)):
+    for what, value in (("target_bytes", target_bytes), ("frame_bytes", frame_bytes),
+                        ("max_record_bytes", max_record_bytes)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{what} is a number of bytes (an int, e.g. 128 << 20), not {value!r}")
         if value < 1:
             raise ConfigError(f"{what} must be >= 1, got {value}")
     if not name or "/" in name:
@@ -137,6 +141,7 @@ def shard(src: str, dst: str, *, target_bytes: int = 128 << 20, frame_bytes: int
     for what, value in (("tools_field", tools_field), ("documents_field", documents_field)):
         if value is not None and messages_field is None:
             raise ConfigError(f"{what} is for chat data: give messages_field too")
+    delimiter = "\t" if delimiter == "\\t" else delimiter  # `--delimiter '\t'`, as a shell passes it
     if delimiter is not None and (len(delimiter) != 1 or delimiter in "\"\r\n"):
         raise ConfigError(f"delimiter {delimiter!r} must be one character, not a quote or a line break")
     job = _Job(target_bytes, frame_bytes, text_field, image_field, name, on_bad, max_record_bytes)
@@ -429,8 +434,21 @@ class _Job:
                                   "files")
         found = [o for o in objects if o.key.lower().endswith(suffixes)] if suffixes else []
         if not found:
-            raise ConfigError(f"shard: no input under {src}: looked for {' '.join('*' + s for s in suffixes)}")
+            raise ConfigError(self._no_input(src, objects))
         return found
+
+    def _no_input(self, src: str, objects: list[ObjectInfo]) -> str:
+        """What is wrong with an input that gave no object to read: there is nothing, or nothing of a kind read."""
+        if not objects:
+            local = "://" not in src or src.startswith("file://")
+            path = Path(parse_uri(src)[1]) / parse_uri(src)[2] if "://" in src else Path(src)
+            return f"shard: {src} {'does not exist' if local and not path.exists() else 'holds no files'}"
+        kinds = ((*PARQUET_SUFFIXES, *ARROW_SUFFIXES, *(f".{e.strip().lower()}" for e in self.image_field.split(";")
+                                                          if e.strip())) if self.image_field else
+                 (*SUFFIXES, *JSON_SUFFIXES, *PARQUET_SUFFIXES, *ARROW_SUFFIXES, *CSV_SUFFIXES, *TEXT_SUFFIXES))
+        some = ", ".join(o.key.rsplit("/", 1)[-1] for o in objects[:3]) + (", ..." if len(objects) > 3 else "")
+        return (f"shard: no input under {src}: it holds {len(objects)} files ({some}), none of a kind zephon shard "
+                f"reads: {' '.join('*' + k for k in kinds)}")
 
     def _suffixes(self, objects: list[ObjectInfo]) -> tuple[str, ...]:
         """The input family: JSON lines or Parquet if there are any, else text files (or images)."""

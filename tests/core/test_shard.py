@@ -265,6 +265,13 @@ def test_a_semicolon_csv_names_the_delimiter_to_pass(tmp_path, capsys):
     assert _texts(tmp_path / "out2") == [r["text"] for r in _CSV_ROWS]
     with pytest.raises(ConfigError, match=r"delimiter '\"' must be one character, not a quote"):
         shard(str(tmp_path / "in"), str(tmp_path / "out3"), delimiter='"', progress=False)
+    (tmp_path / "tsv").mkdir()
+    (tmp_path / "tsv" / "a.tsv").write_bytes(_csv(_CSV_ROWS, "\t"))
+    assert main(["shard", str(tmp_path / "tsv"), str(tmp_path / "out5"), "--delimiter", ","]) == 1
+    err = capsys.readouterr().err
+    assert "its header seems separated by '\\t'; pass --delimiter '\\t'" in err, err
+    assert main(["shard", str(tmp_path / "tsv"), str(tmp_path / "out5"), "--delimiter", "\\t"]) == 0  # as pasted
+    assert _texts(tmp_path / "out5") == [r["text"] for r in _CSV_ROWS]
 
 
 def test_gzipped_csv_of_one_or_more_members_and_its_bounds(tmp_path, monkeypatch):
@@ -552,10 +559,25 @@ def test_refuses_to_overwrite_and_bad_settings(dataset, tmp_path):
     shard(str(root / "a"), str(tmp_path / "out"), progress=False)
     with pytest.raises(ConfigError, match="already holds 'shard-00000.jsonl.zst'"):
         shard(str(root / "a"), str(tmp_path / "out"), progress=False)
-    with pytest.raises(ConfigError, match="no input under"):
+    with pytest.raises(ConfigError, match=r"shard: \S+nothing does not exist$"):  # it said "looked for *.txt *.md"
         shard(str(tmp_path / "nothing"), str(tmp_path / "o"), progress=False)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"shard: \S+empty holds no files$"):
+        shard(str(tmp_path / "empty"), str(tmp_path / "o"), progress=False)
+    (tmp_path / "odd").mkdir()
+    for name in ("a.docx", "b.pdf", "c.xlsx", "d.doc"):
+        (tmp_path / "odd" / name).write_bytes(b"x")
+    with pytest.raises(ConfigError, match=r"no input under \S+odd: it holds 4 files \(a.docx, b.pdf, c.xlsx, \.\.\.\), "
+                                          r"none of a kind zephon shard reads: \*.jsonl .* \*.parquet .*\*.md$"):
+        shard(str(tmp_path / "odd"), str(tmp_path / "o"), progress=False)
+    with pytest.raises(ConfigError, match=r"none of a kind zephon shard reads: \*.parquet \*.arrow \*.png \*.jpg$"):
+        shard(str(tmp_path / "odd"), str(tmp_path / "o"), image_field="png;jpg", progress=False)
     with pytest.raises(ConfigError, match="target_bytes must be >= 1"):
         shard(str(root / "a"), str(tmp_path / "o"), target_bytes=0)
+    with pytest.raises(ConfigError, match=r"target_bytes is a number of bytes \(an int, e.g. 128 << 20\), not '1MiB'"):
+        shard(str(root / "a"), str(tmp_path / "o"), target_bytes="1MiB")  # it was a TypeError from a comparison
+    with pytest.raises(ConfigError, match=r"max_record_bytes is a number of bytes .* not 1.5"):
+        shard(str(root / "a"), str(tmp_path / "o"), max_record_bytes=1.5)
 
 
 def test_image_folder_with_captions_becomes_tar_shards(tmp_path):

@@ -61,7 +61,7 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
                    help="chat data: the field or column with each conversation's retrieved documents (kept beside it)")
     p.add_argument("--delimiter", metavar="CHAR",
                    help="CSV inputs: the one character between values (default: ',' for .csv, tab for .tsv); "
-                        "';' for many spreadsheet exports")
+                        "';' for many spreadsheet exports, '\\t' for a tab")
     p.add_argument("--name", default="shard", help="shard names: NAME-00000.jsonl.zst, ... (default shard)")
     p.add_argument("--on-bad-record", choices=["error", "skip"], default="error",
                    help="stop at a bad record (default), or skip and count it")
