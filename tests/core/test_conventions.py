@@ -68,9 +68,19 @@ def test_unknown_bos_and_eos_list_the_special_tokens(config):
         _first(config.replace(eos_token="</s>"))
 
 
-def test_hub_style_tokenizer_name_says_to_pass_a_file(config):
+def test_hub_style_tokenizer_name_says_to_pass_a_file(config, tmp_path):
     with pytest.raises(ConfigError, match=r"tokenizer 'gpt2' is not a file; pass the path of a tokenizer.json"):
         _first(config.replace(tokenizer="gpt2"))
+    # from a config file, the name is a path relative to it: "cannot be read: [Errno 2] ..." said nothing of the hub
+    tokenizer = config.tokenizer
+    for name in ("gpt2", "Qwen/Qwen2-0.5B"):
+        (tmp_path / "stream.toml").write_text(config.replace(tokenizer=name).to_toml())
+        with pytest.raises(ConfigError, match=rf"tokenizer '{tmp_path}/{name}' is not a file or a model's directory; "
+                                              r"pass the path of a tokenizer.json \(in a config file, relative to it; "
+                                              r"models on a hub are not downloaded\)"):
+            _first(Config.from_toml(tmp_path / "stream.toml"))
+    (tmp_path / "stream.toml").write_text(config.replace(tokenizer=f"file://{tokenizer}").to_toml())
+    assert Config.from_toml(tmp_path / "stream.toml").tokenizer == tokenizer  # a file:// URI, as sources take
 
 
 def test_plain_and_relative_paths_in_toml_are_relative_to_the_config(config, dataset, tmp_path):

@@ -13,7 +13,7 @@ import hashlib
 import math
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import msgspec
 
@@ -414,7 +414,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         """This config with a relative tokenizer path, and plain source paths (no `file://`, `s3://`),
         made absolute from `base`; a plain source path becomes a `file://` URI."""
         root = Path(base).resolve()
-        tokenizer = self.tokenizer if Path(self.tokenizer).is_absolute() else str(root / self.tokenizer)
+        tokenizer = self.tokenizer
+        if tokenizer.startswith("file:///"):  # a source's URI form, for a local file
+            tokenizer = unquote(urlsplit(tokenizer).path)
+        tokenizer = tokenizer if Path(tokenizer).is_absolute() else str(root / tokenizer)
         sources = [msgspec.structs.replace(s, uri=_file_uri(root / s.uri)) if "://" not in s.uri else s
                    for s in self.sources]
         sources = [msgspec.structs.replace(s, chat_template=str(root / s.chat_template))

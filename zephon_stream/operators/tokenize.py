@@ -166,8 +166,12 @@ def _read(path: str) -> bytes:
     try:
         return Path(path).read_bytes()
     except OSError as exc:
-        hub = not Path(path).exists() and "/" not in path.strip("/") and not path.endswith(".json")
-        why = ("is not a file; pass the path of a tokenizer.json (models on a hub are not downloaded)" if hub
+        # a model's name ("gpt2", "Qwen/Qwen2-0.5B"; a config file's is made absolute from its folder)
+        hub = not Path(path).exists() and not path.endswith(".json")
+        why = ("is not a file; pass the path of a tokenizer.json (models on a hub are not downloaded)"
+               if hub and "/" not in path.strip("/") else
+               "is not a file or a model's directory; pass the path of a tokenizer.json (in a config file, relative "
+               "to it; models on a hub are not downloaded)" if hub
                else "is a directory with no tokenizer.json in it: pass the path of a tokenizer.json"
                if Path(path).is_dir() else f"cannot be read: {exc}")
         raise ConfigError(f"tokenizer {path!r} {why}") from exc
