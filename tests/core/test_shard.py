@@ -524,6 +524,13 @@ def test_bad_records_of_a_json_array_name_their_place_or_are_counted(tmp_path):
 def test_a_source_of_json_files_names_what_it_holds_and_the_fix(config, tmp_path):
     from zephon_stream.loader.loader import Loader
 
+    missing = config.replace(sources=[SourceConfig(name="sft", uri=f"file://{tmp_path}/missing/")])
+    with pytest.raises(ConfigError, match=r"^source 'sft': file://\S+/missing/ does not exist$"):  # not "no object"
+        next(iter(Loader(missing, backend="threads")))
+    (tmp_path / "empty").mkdir()
+    empty = config.replace(sources=[SourceConfig(name="sft", uri=f"file://{tmp_path}/empty/")])
+    with pytest.raises(ConfigError, match=r"objects under \S+/empty/ \(it holds no object\)"):
+        next(iter(Loader(empty, backend="threads")))
     (tmp_path / "d").mkdir()
     for split in ("train", "valid"):
         (tmp_path / "d" / f"{split}.json").write_text(json.dumps({"text": "x"}) + "\n")
