@@ -28,7 +28,7 @@ CASES = {
                   r"'x.jsonl' at byte \d+: (JSON is malformed|Input data was truncated)"),
     "utf8": ("x.jsonl", GOOD + b'{"text": "bad \xff byte"}\n' + GOOD, r"'x.jsonl' at byte \d+: Invalid UTF-8"),
     "missing_field": ("x.jsonl", GOOD + b'{"body": "no text"}\n' + GOOD,
-                      r"'x.jsonl' at byte \d+: Object missing required field `text`"),
+                      r"'x.jsonl' at byte \d+: Object missing required field `text`; the record's fields are 'body'"),
     "empty_shard": ("x.jsonl", b"", r"empty shard 'x.jsonl' \(0 bytes\)"),
     "truncated_zst": ("x.jsonl.zst", zstandard.ZstdCompressor().compress(GOOD * 4)[:-9],
                       r"truncated .zst shard 'x.jsonl.zst': frame at byte 0"),
@@ -109,7 +109,8 @@ def test_a_source_with_no_document_is_an_error_not_a_spin(config, tmp_path, back
     cfg = config.replace(sources=[config.sources[0], src], on_bad_record="skip", max_epochs=0)
     with pytest.raises(DataError, match=r"source 'typo' \(file://.*\) yields no document in a whole epoch of its "
                                         r"\d+ splits, .*: all 160 of its records are bad and skipped .*the first: "
-                                        r"bad record in 'a.jsonl' at byte 0: Object missing required field `txet`"):
+                                        r"bad record in 'a.jsonl' at byte 0: Object missing required field `txet`; "
+                                        r"the record's fields are 'text'"):
         anyio.run(_first_batch, cfg, backend)
 
 

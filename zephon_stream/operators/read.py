@@ -990,6 +990,13 @@ def _why(exc: Exception, line: bytes) -> str:
     if line.startswith(b"\xef\xbb\xbf"):
         return f"{msg}: the line starts with a UTF-8 byte order mark (EF BB BF); remove it"
     if isinstance(exc, msgspec.ValidationError):
+        if msg.startswith("Object missing required field"):  # the setting names another field: say which there are
+            try:
+                fields = list(_OBJECT.decode(line))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                return msg
+            shown = ", ".join(repr(f) for f in fields[:8]) + (", ..." if len(fields) > 8 else "")
+            return f"{msg}; the record's fields are {shown or 'none'}"
         return msg
     if "UTF-8" in msg:
         try:
