@@ -69,7 +69,13 @@ def test_coarse_frames_warn_once_naming_the_source(tmp_path, dataset, caplog):
     warned = [r.getMessage() for r in caplog.records if "splits for 12 lanes" in r.getMessage()]
     assert warned == ["source 'small' has 6 splits for 12 lanes: its zstd frames or gzip members cannot be cut "
                       "finer, so lanes read its epochs at the same time and nearby batches repeat documents; "
-                      "rewrite it in smaller pieces with `zephon shard`"]
+                      "rewrite it with smaller frames: `zephon shard --frame-size` (256KiB by default), e.g. 64KiB"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="zephon_stream.loader"):  # one epoch: the other lanes pad
+        next(iter(Loader(cfg.replace(max_epochs=1), backend="inline")))
+    warned = [r.getMessage() for r in caplog.records if "splits for 12 lanes" in r.getMessage()]
+    assert len(warned) == 1 and "cannot be cut finer, so 6 of its lanes have no split in an epoch and give padding " \
+                                "while the others read; rewrite it with smaller frames" in warned[0], warned
 
 
 def test_lanes_end_an_epoch_together(config):

@@ -62,7 +62,7 @@ async def plan_data(config: Config, stores: list[Store]) -> DataPlan:
                                  documents_field=src.documents_field, limiter=shards_at_once)
 
     async def keep(_: int, sp: SourcePlan) -> None:
-        read.warn_coarse(sp, config.lanes)  # here: in the config's order, whichever source finished first
+        read.warn_coarse(sp, config.lanes, config.max_epochs)  # in the config's order, whichever source finished first
         sources.append(sp)
 
     if len(stores) != len(config.sources):

@@ -158,14 +158,18 @@ async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field
                       shards=shards, splits=splits, skipped_shards=skipped, format=fmt)
 
 
-def warn_coarse(sp: SourcePlan, lanes: int) -> None:
-    """Warn that a planned source has fewer splits than lanes (its pieces are too coarse)."""
+def warn_coarse(sp: SourcePlan, lanes: int, max_epochs: int = 0) -> None:
+    """Warn that a planned source has fewer splits than lanes (its pieces are too coarse), with
+    what that costs: with `max_epochs`, lanes without a split pad; without, epochs overlap."""
     if 0 < len(sp.splits) < lanes:
-        log.warning("source %r has %d splits for %d lanes: its %s cannot be cut finer, so lanes read its epochs "
-                    "at the same time and nearby batches repeat documents; rewrite it in smaller pieces with "
-                    "`zephon shard`", sp.name, len(sp.splits), lanes,
-                    "zstd frames or gzip members" if sp.format == "lines" else "row groups" if sp.format == "parquet"
-                    else "samples")
+        piece = ("zstd frames or gzip members" if sp.format == "lines" else "row groups" if sp.format == "parquet"
+                 else "samples")
+        cost = (f"{lanes - len(sp.splits)} of its lanes have no split in an epoch and give padding while the others "
+                "read" if max_epochs else "lanes read its epochs at the same time and nearby batches repeat documents")
+        fix = ("with smaller frames: `zephon shard --frame-size` (256KiB by default), e.g. 64KiB"
+               if sp.format == "lines" else "in smaller pieces with `zephon shard`")
+        log.warning("source %r has %d splits for %d lanes: its %s cannot be cut finer, so %s; rewrite it %s",
+                    sp.name, len(sp.splits), lanes, piece, cost, fix)
 
 
 def is_hidden(key: str, prefix: str) -> bool:
