@@ -403,8 +403,10 @@ class _Job:
                         meter.tick()
                     meter.done_object()
                 await out.close()
-            finally:
-                meter.close()
+            except BaseException:
+                meter.close(done=False)  # the error is the last line, not a progress line
+                raise
+            meter.close()
         return ShardReport(len(objects), self.documents, self.bad.count, sum(o.size for o in objects), out.bytes_out,
                            out.keys)
 
@@ -1025,12 +1027,13 @@ class _Progress:
         else:
             self._line()
 
-    def close(self) -> None:
+    def close(self, done: bool = True) -> None:
+        """The last line (the bar closed, or a plain line if the run is `done`)."""
         if self.bar is not None:
             documents, shards = self.counts()
             self.bar.set_postfix(documents=documents, shards=shards)
             self.bar.close()
-        else:
+        elif done:
             self._line()
 
     def _line(self) -> None:

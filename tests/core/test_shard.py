@@ -261,6 +261,7 @@ def test_a_semicolon_csv_names_the_delimiter_to_pass(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "CSV file 'a.csv' has one column, 'id;text;n', and no 'text': its header seems separated by ';'; pass " \
            "--delimiter ';'" in err, err
+    assert err.count("\n") == 1, err  # the error alone: no progress line before it
     assert main(["shard", str(tmp_path / "in"), str(tmp_path / "out2"), "--delimiter", ";"]) == 0
     assert _texts(tmp_path / "out2") == [r["text"] for r in _CSV_ROWS]
     with pytest.raises(ConfigError, match=r"delimiter '\"' must be one character, not a quote"):
