@@ -403,6 +403,28 @@ def test_status_reports_a_bad_version_and_goes_on(tmp_path: Path, capsys) -> Non
     assert "v2/MANIFEST" in lines[3]
 
 
+def test_a_delta_manifest_without_its_base_digest_is_unusable(tmp_path: Path, capsys) -> None:
+    """A MANIFEST whose `base_model_digest` key is damaged (the field then absent) was taken as
+    valid, and the pull's chain check formatted None: a TypeError traceback (a new-user trial
+    flipped each byte of a MANIFEST; 34 of 1,828 flips, all in that key, crashed)."""
+    prefix = f"file://{tmp_path}/p/"
+    run(publish, prefix, [model(1), step(model(1), 2)])
+    path = tmp_path / "p" / "v2" / "MANIFEST"
+    data = path.read_bytes()
+    at = data.index(b"base_model_digest")
+    path.write_bytes(data[:at + 2] + bytes([data[at + 2] ^ 1]) + data[at + 3:])
+    with pytest.raises(DataError, match="invalid manifest for version 2: base_version and base_model_digest come "
+                                        "together"):
+        manifest_mod.decode_manifest(path.read_bytes(), "v2/MANIFEST")
+    capsys.readouterr()
+    assert zephon("refit", "status", "--prefix", prefix) == 0
+    assert [ln.split()[:2] for ln in capsys.readouterr().out.splitlines()[2:]] == [["1", "-"], ["2", "unusable:"]]
+    weights = tmp_path / "w.safetensors"
+    assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(weights)) != 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "base_version and base_model_digest come together" in err, err
+
+
 def test_manifest_chunk_bytes_messages_name_the_real_fault() -> None:
     store = MemoryStore()
 

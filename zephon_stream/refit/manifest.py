@@ -191,6 +191,8 @@ def _check(m: Manifest, max_chunk_bytes: int) -> TensorTable:
         raise ValueError(f"base_version {m.base_version} is not version-1 = {m.version - 1}")
     if m.base_version is None and not m.keyframe:
         raise ValueError("a version without a base must be a keyframe")
+    if (m.base_version is None) != (m.base_model_digest is None):
+        raise ValueError("base_version and base_model_digest come together: a delta names its base's digest")
     if m.chunk_bytes > max_chunk_bytes:
         raise ValueError(f"chunk_bytes {m.chunk_bytes} is over the limit of {max_chunk_bytes}")
     if m.chunk_bytes % 8:
