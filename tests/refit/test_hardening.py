@@ -425,6 +425,15 @@ def test_a_delta_manifest_without_its_base_digest_is_unusable(tmp_path: Path, ca
     assert "Traceback" not in err and "base_version and base_model_digest come together" in err, err
 
 
+def test_a_prefix_that_is_a_file_is_one_line(tmp_path: Path, capsys) -> None:
+    (tmp_path / "w.safetensors").write_bytes(b"x" * 16)
+    for argv in (["status", "--prefix", f"file://{tmp_path}/w.safetensors"],
+                 ["pull", "--prefix", f"file://{tmp_path}/w.safetensors/", "--weights", str(tmp_path / "new")]):
+        assert zephon("refit", *argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "w.safetensors/ is a file, not a folder" in err, err
+
+
 def test_manifest_chunk_bytes_messages_name_the_real_fault() -> None:
     store = MemoryStore()
 

@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 from tests.relay._helpers import assert_same, committed, model, snapshot, step, zeros_like
-from zephon_stream import ConfigError, DataError, DigestMismatch, ObjectNotFound, RefitError
+from zephon_stream import ConfigError, DataError, DigestMismatch, RefitError
 from zephon_stream.cli.relay import add_subparser
 from zephon_stream.connectors import LocalStore, MemoryStore, memory_store
 from zephon_stream.connectors.base import Store
@@ -282,9 +282,11 @@ def test_relay_child_and_publisher_in_missing_directories(tmp_path: Path) -> Non
 
 
 def test_local_store_root_that_is_a_file_still_refused(tmp_path: Path) -> None:
+    """At once, as a ConfigError: a read of a key under it was a NotADirectoryError traceback
+    (refit status, publish and relay, in a new-user trial)."""
     (tmp_path / "f").write_bytes(b"x")
-    with pytest.raises(ObjectNotFound, match="is not a directory"):
-        anyio.run(LocalStore(tmp_path / "f").list)
+    with pytest.raises(ConfigError, match=r"file://\S+/f/ is a file, not a folder: a file:// store or prefix names"):
+        LocalStore(tmp_path / "f")
     assert anyio.run(LocalStore(tmp_path / "absent").list) == []
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from zephon_stream.connectors.base import ObjectInfo, StoreStatistics
 from zephon_stream.engine import threads
-from zephon_stream.errors import AccessDenied, AlreadyExists, ObjectNotFound
+from zephon_stream.errors import AccessDenied, AlreadyExists, ConfigError, ObjectNotFound
 
 __all__ = ["LocalStore"]
 
@@ -28,6 +28,8 @@ class LocalStore:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).resolve()
+        if self.root.exists() and not self.root.is_dir():  # every call would fail (NotADirectoryError for a key)
+            raise ConfigError(f"file://{self.root}/ is a file, not a folder: a file:// store or prefix names a folder")
         self._requests = 0
         self._bytes_read = 0
         self._bytes_written = 0
