@@ -298,6 +298,12 @@ def test_relay_without_a_parent_is_a_plain_error(capsys, monkeypatch) -> None:
     assert main(["relay", "--once", "--to", "memory://a/"]) == 2
     err = capsys.readouterr().err
     assert err == "zephon relay: error: a relay needs a parent (--from URI) and at least one child (--to URI)\n"
+    with pytest.raises(SystemExit) as usage:
+        main(["relay", "--once", "--from", "memory://p/", "--to", "memory://a/", "--log-level", "LOUD"])
+    assert usage.value.code == 2
+    err = capsys.readouterr().err  # it was logging's ValueError traceback
+    assert err == ("zephon relay: error: argument --log-level: invalid choice: 'LOUD' (choose from 'DEBUG', 'INFO', "
+                   "'WARNING', 'ERROR') (see zephon relay --help)\n"), err
 
 
 def test_relay_metrics_on_a_port_in_use_is_one_error(tmp_path) -> None:

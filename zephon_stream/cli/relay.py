@@ -125,7 +125,8 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, metavar="S", help="on SIGTERM, seconds a running sync may finish")
     p.add_argument("--log-format", choices=["json", "text"], default="json",
                    help="json: one JSON object per line (default); text: one line for people, fields as key=value")
-    p.add_argument("--log-level", default="INFO", metavar="LEVEL", help="DEBUG, INFO (default), WARNING or ERROR")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   metavar="LEVEL", help="DEBUG, INFO (default), WARNING or ERROR")
     p.set_defaults(func=main, parent=None, children=None)
     return p
 
