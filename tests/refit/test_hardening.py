@@ -425,6 +425,16 @@ def test_a_delta_manifest_without_its_base_digest_is_unusable(tmp_path: Path, ca
     assert "Traceback" not in err and "base_version and base_model_digest come together" in err, err
 
 
+def test_status_of_an_empty_or_missing_prefix_says_so(tmp_path: Path, capsys) -> None:
+    """A typo in --prefix printed `latest 0` and an empty table, as a healthy store does."""
+    (tmp_path / "empty").mkdir()
+    for name, note in (("nope", " (its folder does not exist)"), ("empty", "")):
+        assert zephon("refit", "status", "--prefix", f"file://{tmp_path}/{name}/") == 0
+        out, err = capsys.readouterr()
+        assert out.splitlines()[0] == "latest 0" and len(out.splitlines()) == 2
+        assert err == f"no version is published under file://{tmp_path}/{name}/{note}\n", err
+
+
 def test_a_prefix_that_is_a_file_is_one_line(tmp_path: Path, capsys) -> None:
     (tmp_path / "w.safetensors").write_bytes(b"x" * 16)
     for argv in (["status", "--prefix", f"file://{tmp_path}/w.safetensors"],

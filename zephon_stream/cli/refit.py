@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from zephon_stream.cli.shard import parse_size
-from zephon_stream.connectors import open_store
+from zephon_stream.connectors import open_store, parse_uri
 from zephon_stream.errors import ConfigError, DataError, RefitError, ZephonError
 from zephon_stream.refit.versions import find_latest, list_versions, read_manifest
 
@@ -237,7 +237,13 @@ async def _status(args: argparse.Namespace) -> int:
         print(f"latest {latest}")
         print(f"{'version':>8} {'base':>6} {'keyframe':>8} {'delta_bytes':>12} {'key_bytes':>12} "
               f"{'changes':>10} {'ratio':>8} digest")
-        for v in await list_versions(store, prefix):
+        versions = await list_versions(store, prefix)
+        if not versions:  # on stderr: stdout keeps its two lines for scripts
+            where = parse_uri(args.prefix)
+            missing = where[0] == "file" and not os.path.exists(os.path.join(where[1], where[2]))
+            print(f"no version is published under {args.prefix}{' (its folder does not exist)' if missing else ''}",
+                  file=sys.stderr)
+        for v in versions:
             try:
                 got = await read_manifest(store, prefix, v)
             except (DataError, RefitError) as exc:  # one bad version: say so, and show the others
