@@ -357,3 +357,8 @@ def test_a_config_flag_says_the_config_is_positional(capsys, cfg) -> None:
     err = usage_error(["stream", "--config", str(cfg)])
     assert "unrecognized arguments: --config; the config file is given by itself: zephon stream CONFIG.toml" in err
     assert "given by itself" not in usage_error(["stream", str(cfg), "--confg"])
+    # an unknown argument is the subcommand's, not `zephon`'s (it said "zephon: error: ... see zephon --help")
+    assert usage_error(["refit", "status", "--prefix", "memory://x/", "--json"]) == (
+        "zephon refit status: error: unrecognized arguments: --json (see zephon refit status --help)\n")
+    assert usage_error(["stream", str(cfg), "--steps", "1", "extra"]).startswith(
+        "zephon stream: error: unrecognized arguments: extra (see zephon stream --help)")

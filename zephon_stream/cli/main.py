@@ -18,7 +18,7 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(_glued(sys.argv[1:] if argv is None else argv))
+    args = _parse(build_parser(), _glued(sys.argv[1:] if argv is None else argv))
     try:
         return args.func(args)
     except ZephonError as exc:
@@ -36,6 +36,21 @@ def main(argv: list[str] | None = None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """`parser.parse_args(argv)`, with an unknown argument blamed on the subcommand it was given to
+    (`zephon refit pull: error: unrecognized arguments: --version 1`), not on `zephon` itself."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        used = parser
+        for word in argv:  # down the subcommands named, as argparse went
+            subs = {name: p for action in used._actions if isinstance(action, argparse._SubParsersAction)
+                    for name, p in action.choices.items()}
+            if word in subs:
+                used = subs[word]
+        used.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def _glued(argv: list[str]) -> list[str]:
