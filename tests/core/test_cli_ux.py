@@ -298,6 +298,11 @@ def test_relay_without_a_parent_is_a_plain_error(capsys, monkeypatch) -> None:
     assert main(["relay", "--once", "--to", "memory://a/"]) == 2
     err = capsys.readouterr().err
     assert err == "zephon relay: error: a relay needs a parent (--from URI) and at least one child (--to URI)\n"
+    for flag, value, said in (("--workers", "0", "workers=0 (must be >= 1)"), ("--keep-versions", "0",
+                                                                           "keep_versions=0 (must be >= 1 (unset: "
+                                                                           "the parent's retention))")):
+        assert main(["relay", "--once", "--from", "memory://p/", "--to", "memory://a/", flag, value]) == 2
+        assert capsys.readouterr().err == f"zephon relay: error: invalid relay settings: {said}\n"  # only the wrong one
     with pytest.raises(SystemExit) as usage:
         main(["relay", "--once", "--from", "memory://p/", "--to", "memory://a/", "--log-level", "LOUD"])
     assert usage.value.code == 2

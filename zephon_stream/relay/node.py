@@ -103,10 +103,14 @@ class Relay:
         workers = resolve_workers(workers, lanes, default=8, owner="Relay")
         if not children:
             raise RefitError("a relay needs at least one child prefix (--to)")
-        if (workers < 1 or poll_interval <= 0 or max_batch < 1 or (keep_versions or 1) < 1
-                or (threads is not None and threads < 1)):
-            raise RefitError(f"invalid relay settings: workers={workers}, poll_interval={poll_interval}, "
-                             f"max_batch={max_batch}, keep_versions={keep_versions}, threads={threads}")
+        wrong = [f"{name}={value} (must be {want})" for name, value, ok, want in (
+            ("workers", workers, workers >= 1, ">= 1"), ("poll_interval", poll_interval, poll_interval > 0, "> 0"),
+            ("max_batch", max_batch, max_batch >= 1, ">= 1"),
+            ("keep_versions", keep_versions, keep_versions is None or keep_versions >= 1,
+             ">= 1 (unset: the parent's retention)"),
+            ("threads", threads, threads is None or threads >= 1, ">= 1")) if not ok]
+        if wrong:  # each wrong one, named (all five were listed); keep_versions 0 mirrored the parent, silently
+            raise RefitError(f"invalid relay settings: {', '.join(wrong)}")
         self.parent = parent if isinstance(parent, Prefix) else Prefix(parent)
         self.child_prefixes = [c if isinstance(c, Prefix) else Prefix(c) for c in children]
         check_disjoint(self.parent, self.child_prefixes)
