@@ -425,6 +425,22 @@ def test_a_delta_manifest_without_its_base_digest_is_unusable(tmp_path: Path, ca
     assert "Traceback" not in err and "base_version and base_model_digest come together" in err, err
 
 
+def test_a_prefix_may_be_a_local_folder_path(tmp_path: Path, monkeypatch, capsys) -> None:
+    """As a loader source's path may (it said: unsupported URI scheme ... use file://)."""
+    import torch
+    from safetensors.torch import save_file
+
+    monkeypatch.chdir(tmp_path)
+    save_file({"a": torch.arange(8, dtype=torch.float32)}, "m.safetensors")
+    assert zephon("refit", "publish", "--prefix", "versions", "--weights", "m.safetensors") == 0
+    assert (tmp_path / "versions" / "v1" / "MANIFEST").is_file()
+    capsys.readouterr()
+    assert zephon("refit", "status", "--prefix", "./versions/") == 0
+    assert capsys.readouterr().out.splitlines()[0] == "latest 1"
+    assert zephon("refit", "pull", "--prefix", f"{tmp_path}/versions", "--weights", "copy.safetensors") == 0
+    assert (tmp_path / "copy.safetensors").read_bytes() == (tmp_path / "m.safetensors").read_bytes()
+
+
 def test_status_of_an_empty_or_missing_prefix_says_so(tmp_path: Path, capsys) -> None:
     """A typo in --prefix printed `latest 0` and an empty table, as a healthy store does."""
     (tmp_path / "empty").mkdir()

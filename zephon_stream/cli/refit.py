@@ -38,7 +38,8 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("refit", help="publish, pull and inspect delta-compressed weight versions")
     sub = p.add_subparsers(dest="refit_command", required=True)
     pub = sub.add_parser("publish", help="publish a safetensors file as the next version")
-    pub.add_argument("--prefix", required=True, help="file:///dir/, s3://bucket/prefix/ or memory://name/")
+    pub.add_argument("--prefix", required=True, type=_prefix,
+                     help="file:///dir/ (or a local folder's path), s3://bucket/prefix/ or memory://name/")
     pub.add_argument("--weights", required=True, metavar="FILE",
                      help="the .safetensors file to publish, or a sharded checkpoint's model.safetensors.index.json")
     pub.add_argument("--keyframe-every", type=int, default=10, metavar="K",
@@ -51,7 +52,8 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     pub.add_argument("--workers", type=int, default=4, metavar="N", help="chunks encoded and uploaded concurrently")
     pub.set_defaults(func=_publish)
     pull = sub.add_parser("pull", help="update a safetensors file in place to the latest version")
-    pull.add_argument("--prefix", required=True, metavar="URI", help="where the versions were published")
+    pull.add_argument("--prefix", required=True, type=_prefix, metavar="URI",
+                      help="where the versions were published (a URI, or a local folder's path)")
     pull.add_argument("--weights", required=True, metavar="FILE",
                       help="the .safetensors file to update in place, or a sharded checkpoint's "
                            "model.safetensors.index.json (a missing one is created from the newest version)")
@@ -62,9 +64,20 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
                            "tensors each, as Hugging Face's save_pretrained (default 5GB)")
     pull.set_defaults(func=_pull)
     st = sub.add_parser("status", help="list versions, their sizes and keyframes")
-    st.add_argument("--prefix", required=True, metavar="URI", help="where the versions were published")
+    st.add_argument("--prefix", required=True, type=_prefix, metavar="URI",
+                    help="where the versions were published (a URI, or a local folder's path)")
     st.set_defaults(func=_status)
     return p
+
+
+def _prefix(text: str) -> str:
+    """A `--prefix`: a URI as given, or a local folder's path as its file:// URI (as a source's path
+    in a loader config is; `unsupported URI scheme` said to write one)."""
+    if "://" in text:
+        return text
+    from pathlib import Path
+
+    return Path(text).resolve().as_uri() + "/"
 
 
 def _guard(fn: Any) -> Any:
