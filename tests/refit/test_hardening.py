@@ -298,6 +298,11 @@ def test_cli_chunk_bytes_over_the_limit_exits_2_and_writes_nothing(tmp_path: Pat
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "chunk_bytes=2147483648" in err[0] and "multiple of 8" not in err[0]
     assert list((tmp_path / "p").iterdir()) == []
+    assert zephon("refit", "publish", "--prefix", f"file://{tmp_path}/p/", "--weights", str(weights),
+                  "--chunk-bytes", "2GiB") == 2  # a size, as --max-shard-size takes (an int only, before)
+    assert "chunk_bytes=2147483648" in capsys.readouterr().err
+    assert zephon("refit", "publish", "--prefix", f"file://{tmp_path}/p/", "--weights", str(weights),
+                  "--chunk-bytes", "64KiB") == 0
 
 
 def test_layout_no_reader_accepts_is_refused_before_writing(monkeypatch) -> None:

@@ -46,7 +46,7 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
                      help="publish a full keyframe every K versions, deltas between (default 10)")
     pub.add_argument("--keep-versions", type=int, default=8, metavar="N",
                      help="versions kept under the prefix; older ones are deleted (default 8)")
-    pub.add_argument("--chunk-bytes", type=int, default=4 << 20, metavar="B",
+    pub.add_argument("--chunk-bytes", type=parse_size, default=4 << 20, metavar="SIZE",
                      help="bytes per chunk, the unit of upload and digest (default 4 MiB)")
     pub.add_argument("--overwrite", action="store_true", help="also publish overwrite objects (for retries)")
     pub.add_argument("--workers", type=int, default=4, metavar="N", help="chunks encoded and uploaded concurrently")
