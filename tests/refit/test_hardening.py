@@ -251,6 +251,18 @@ def test_bad_publisher_setting_refused_before_anything_is_written(option: str, v
     assert store.objects == {}
 
 
+def test_a_value_that_is_not_a_tensor_is_refused_before_anything_is_written() -> None:
+    store = MemoryStore()
+
+    async def go() -> None:
+        async with Publisher("p/", store=store) as pub:
+            with pytest.raises(ConfigError, match=r"state_dict\['step'\] is int, not a tensor: a refit version holds"):
+                await pub.publish({"w": torch.zeros(4), "step": 3})  # an AttributeError on `.shape`, before
+
+    anyio.run(go)
+    assert store.objects == {}
+
+
 def test_bad_subscriber_setting_refused() -> None:
     for option, value in (("workers", 0), ("staged_bytes", -1), ("threads", 0)):
         with pytest.raises(ConfigError, match=option):

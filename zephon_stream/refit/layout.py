@@ -138,8 +138,13 @@ class TensorTable:
     @classmethod
     def from_local(cls, state: Mapping[str, torch.Tensor], sharding: Sharding) -> TensorTable:
         """The global table of a rank's local state_dict: split dims scaled back by world_size."""
+        import torch
+
         items = []
         for name, t in state.items():
+            if not isinstance(t, torch.Tensor):  # an int or a list in a state_dict: an AttributeError, before
+                raise ConfigError(f"state_dict[{name!r}] is {type(t).__name__}, not a tensor: a refit version holds "
+                                  "tensors only (publish the others another way, or as tensors)")
             shape = list(t.shape)
             dim = sharding.dims.get(name)
             if dim is not None:
