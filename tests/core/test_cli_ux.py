@@ -303,6 +303,9 @@ def test_relay_without_a_parent_is_a_plain_error(capsys, monkeypatch) -> None:
                                                                            "the parent's retention))")):
         assert main(["relay", "--once", "--from", "memory://p/", "--to", "memory://a/", flag, value]) == 2
         assert capsys.readouterr().err == f"zephon relay: error: invalid relay settings: {said}\n"  # only the wrong one
+    assert main(["relay", "--once", "--from", "memory://p/", "--to", "memory://a/", "--metrics-port", "9"]) == 2
+    assert capsys.readouterr().err == ("zephon relay: error: --metrics-port serves a daemon's /metrics and /healthz; "
+                                       "--once syncs once and serves nothing: leave out one of them\n")  # was ignored
     with pytest.raises(SystemExit) as usage:
         main(["relay", "--once", "--from", "memory://p/", "--to", "memory://a/", "--log-level", "LOUD"])
     assert usage.value.code == 2

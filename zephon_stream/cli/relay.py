@@ -190,6 +190,9 @@ def load_config(args: argparse.Namespace) -> RelayConfig:
         raise ConfigError(f"{args.config or 'command line'}: invalid relay config: {exc}{hint}") from exc
     if cfg.parent is None or not cfg.to:
         raise ConfigError("a relay needs a parent (--from URI) and at least one child (--to URI)")
+    if args.once and args.metrics_port is not None:  # a config file's port is the daemon's: no error for it
+        raise ConfigError("--metrics-port serves a daemon's /metrics and /healthz; --once syncs once and serves "
+                          "nothing: leave out one of them")
     return cfg
 
 
