@@ -64,3 +64,26 @@ def test_which_stores_overlap_the_ranged_reads_of_a_split(tmp_path):
     assert not overlaps_reads(local) and not overlaps_reads(MemoryStore())
     assert not overlaps_reads(WrappedStore(local)) and overlaps_reads(WrappedStore(LatencyStore(local)))
     assert overlaps_reads(LatencyStore(local)) and overlaps_reads(S3Store) and overlaps_reads(object())
+
+
+def test_delete_takes_the_folders_it_empties_not_the_root_or_others(tmp_path):
+    """As on S3, where a folder is only a key's prefix: refit retention left an empty `vN/` folder
+    for every version it removed."""
+    root = tmp_path / "root"
+    store = LocalStore(root)
+
+    async def go() -> None:
+        for key in ("v1/MANIFEST", "v1/c/0", "v2/MANIFEST", "LATEST"):
+            await store.put(key, b"x")
+        await store.delete("v1/c/0")
+        assert not (root / "v1" / "c").exists() and (root / "v1").is_dir()  # v1 still holds its MANIFEST
+        await store.delete("v1/MANIFEST")
+        assert not (root / "v1").exists() and (root / "v2").is_dir()
+        await store.delete("v2/MANIFEST")
+        await store.delete("LATEST")
+        assert root.is_dir() and list(root.iterdir()) == []  # the root stays
+        await store.delete("v9/none")  # nothing there: nothing to do
+        await store.put("v1/MANIFEST", b"y")  # a folder taken can come back
+        assert await store.read("v1/MANIFEST") == b"y"
+
+    anyio.run(go)

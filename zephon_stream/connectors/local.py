@@ -114,9 +114,15 @@ class LocalStore:
 
     def _put(self, key: str, data: bytes, if_none_match: bool) -> None:
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{id(data):x}.tmp")
-        tmp.write_bytes(data)
+        for last in (False, True):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                tmp.write_bytes(data)
+                break
+            except FileNotFoundError:  # a delete took the folder as it emptied (`_delete`): once more
+                if last:
+                    raise
         try:
             if if_none_match:
                 try:
@@ -130,7 +136,20 @@ class LocalStore:
 
     async def delete(self, key: str) -> None:
         self._requests += 1
-        await threads.run_sync(lambda: self._path(key).unlink(missing_ok=True))
+        await threads.run_sync(self._delete, key)
+
+    def _delete(self, key: str) -> None:
+        """Remove the object, and the folders it leaves empty up to the root (as S3 has no folders:
+        a refit prefix's retention left a `vN/` folder behind for every version it removed)."""
+        path = self._path(key)
+        path.unlink(missing_ok=True)
+        folder = path.parent
+        while folder != self.root and self.root in folder.parents:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (or gone): the folders above are not empty either
+                break
+            folder = folder.parent
 
     async def copy(self, src_key: str, dst_key: str) -> None:
         data = await self.read(src_key)
