@@ -458,6 +458,20 @@ def test_a_prefix_may_be_a_local_folder_path(tmp_path: Path, monkeypatch, capsys
     assert (tmp_path / "copy.safetensors").read_bytes() == (tmp_path / "m.safetensors").read_bytes()
 
 
+def test_a_pull_into_another_model_names_the_file_and_the_prefix(tmp_path: Path, monkeypatch, capsys) -> None:
+    from safetensors.torch import save_file
+
+    monkeypatch.chdir(tmp_path)
+    save_file({"a": torch.arange(8, dtype=torch.float32)}, "m.safetensors")
+    save_file({"b": torch.arange(8, dtype=torch.float32)}, "other.safetensors")
+    assert zephon("refit", "publish", "--prefix", "versions", "--weights", "m.safetensors") == 0
+    capsys.readouterr()
+    assert zephon("refit", "pull", "--prefix", "versions", "--weights", "other.safetensors") == 2
+    assert capsys.readouterr().err == (  # it said only "state_dict does not match the tensor table: ..."
+        f"zephon refit pull: error: --weights other.safetensors against the versions under "
+        f"file://{tmp_path}/versions/: state_dict does not match the tensor table: missing ['a'], unexpected ['b']\n")
+
+
 def test_status_of_an_empty_or_missing_prefix_says_so(tmp_path: Path, capsys) -> None:
     """A typo in --prefix printed `latest 0` and an empty table, as a healthy store does."""
     (tmp_path / "empty").mkdir()

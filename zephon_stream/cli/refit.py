@@ -140,12 +140,16 @@ async def _pull(args: argparse.Namespace) -> int:
     loaded = made.load if made else args.weights
     try:
         state = _weights(loaded, writable=True)
-        async with Subscriber(args.prefix, record=record, weights=state.files or loaded, workers=args.workers) as sub:
-            version = await sub.pull(state, sync=state.flush)
-            if made:  # complete: it takes its name(s), and the record is bound to the file(s) under them
-                del state
-                made.finish()
-                await sub._rebind(_weights(args.weights).files if made.files else args.weights)
+        try:
+            async with Subscriber(args.prefix, record=record, weights=state.files or loaded,
+                                  workers=args.workers) as sub:
+                version = await sub.pull(state, sync=state.flush)
+                if made:  # complete: it takes its name(s), and the record is bound to the file(s) under them
+                    del state
+                    made.finish()
+                    await sub._rebind(_weights(args.weights).files if made.files else args.weights)
+        except ConfigError as exc:  # the file against the versions (its tensors, shapes, dtypes): name both
+            raise ConfigError(f"--weights {args.weights} against the versions under {args.prefix}: {exc}") from exc
     finally:
         if made:
             made.clean()
