@@ -308,11 +308,15 @@ def test_cli_chunk_bytes_over_the_limit_exits_2_and_writes_nothing(tmp_path: Pat
     assert zephon("refit", "publish", "--prefix", f"file://{tmp_path}/p/", "--weights", str(weights),
                   "--chunk-bytes", "2147483648") == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "chunk_bytes=2147483648" in err[0] and "multiple of 8" not in err[0]
+    assert len(err) == 1 and "--chunk-bytes 2147483648 is out of range" in err[0] and "multiple of 8" not in err[0]
     assert list((tmp_path / "p").iterdir()) == []
     assert zephon("refit", "publish", "--prefix", f"file://{tmp_path}/p/", "--weights", str(weights),
                   "--chunk-bytes", "2GiB") == 2  # a size, as --max-shard-size takes (an int only, before)
-    assert "chunk_bytes=2147483648" in capsys.readouterr().err
+    assert "--chunk-bytes 2147483648" in capsys.readouterr().err  # the flag, not the setting (chunk_bytes=...)
+    for flag in ("--keyframe-every", "--keep-versions", "--workers"):
+        assert zephon("refit", "publish", "--prefix", f"file://{tmp_path}/p/", "--weights", str(weights), flag,
+                      "0") == 2
+        assert capsys.readouterr().err == f"zephon refit publish: error: {flag} 0 must be an int >= 1\n"
     assert zephon("refit", "publish", "--prefix", f"file://{tmp_path}/p/", "--weights", str(weights),
                   "--chunk-bytes", "64KiB") == 0
 

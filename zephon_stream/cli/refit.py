@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +68,9 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     st.add_argument("--prefix", required=True, type=_prefix, metavar="URI",
                     help="where the versions were published (a URI, or a local folder's path)")
     st.set_defaults(func=_status)
+    for command in (pub, pull, st):  # the library's errors name its settings; here they are these flags
+        command.set_defaults(flags={a.dest: a.option_strings[-1] for a in command._actions
+                                    if a.option_strings and a.dest != "help"})
     return p
 
 
@@ -87,7 +91,9 @@ def _guard(fn: Any) -> Any:
         try:
             return anyio.run(fn, args)
         except ZephonError as exc:
-            print(f"zephon refit {args.refit_command}: error: {exc}", file=sys.stderr)
+            flags = getattr(args, "flags", {})  # `keyframe_every=0 must be ...` as `--keyframe-every 0 must be ...`
+            said = re.sub(r"\b([a-z_]+)=", lambda m: f"{flags[m[1]]} " if m[1] in flags else m[0], str(exc))
+            print(f"zephon refit {args.refit_command}: error: {said}", file=sys.stderr)
             for note in getattr(exc, "__notes__", []):
                 print(f"  {note}", file=sys.stderr)
             return 2 if isinstance(exc, ConfigError) else 1
