@@ -291,6 +291,20 @@ def test_relay_text_log_keeps_the_fields(monkeypatch) -> None:
     assert "event=version_committed child=file:///c/ version=7" in line, line
 
 
+def test_relay_from_a_missing_local_parent_warns(capsys, monkeypatch, tmp_path) -> None:
+    """A relay may start before the first publish, so it runs; but a mistyped --from said only
+    'relayed 0', and a daemon polled it for ever."""
+    root = logging.getLogger("zephon_stream")
+    monkeypatch.setattr(root, "handlers", list(root.handlers))
+    monkeypatch.setattr(root, "propagate", root.propagate)
+    assert main(["relay", "--once", "--from", f"file://{tmp_path}/nope/", "--to", f"file://{tmp_path}/c/",
+                 "--log-format", "text"]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"file://{tmp_path}/c/: relayed 0 version(s) []; parent at 0\n"
+    assert f"WARNING zephon_stream.relay.node: the parent file://{tmp_path}/nope/ does not exist (yet): nothing is " \
+           "relayed until a publisher makes it; check --from if it should event=parent_missing" in err, err
+
+
 def test_relay_without_a_parent_is_a_plain_error(capsys, monkeypatch) -> None:
     root = logging.getLogger("zephon_stream")
     monkeypatch.setattr(root, "handlers", list(root.handlers))

@@ -38,6 +38,7 @@ import sys
 import tomllib
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import anyio
 import anyio.abc
@@ -218,12 +219,21 @@ def main(args: argparse.Namespace) -> int:
     except ZephonError as exc:  # a usage error: a plain line, like every other command's, not a log record
         print(f"zephon relay: error: {exc}", file=sys.stderr)
         return 2
+    _warn_missing_parent(cfg.parent.uri)
     try:
         with unwrap_groups():  # a failure in the daemon's task group is one error, not a group
             return anyio.run(_once if args.once else _daemon, relay, cfg)
     except ZephonError as exc:
         log.error("%s", exc, extra={"event": "fatal"})
         return 2
+
+
+def _warn_missing_parent(uri: str) -> None:
+    """A local parent folder that does not exist: a relay may start before the first publish, but a
+    mistyped --from looked the same (nothing relayed, and a daemon polling it for ever)."""
+    if uri.startswith("file://") and not os.path.exists(unquote(urlsplit(uri).path)):
+        log.warning("the parent %s does not exist (yet): nothing is relayed until a publisher makes it; check --from "
+                    "if it should", uri, extra={"event": "parent_missing"})
 
 
 async def _once(relay: Relay, cfg: RelayConfig) -> int:
