@@ -476,6 +476,22 @@ def test_a_pull_into_another_model_names_the_file_and_the_prefix(tmp_path: Path,
         f"file://{tmp_path}/versions/: state_dict does not match the tensor table: missing ['a'], unexpected ['b']\n")
 
 
+def test_a_failed_pull_into_a_new_file_leaves_no_record(tmp_path: Path, monkeypatch, capsys) -> None:
+    """The file is not made, and neither is its record (a `new.safetensors.refit` stayed behind)."""
+    from safetensors.torch import save_file
+
+    monkeypatch.chdir(tmp_path)
+    save_file({"a": torch.arange(8, dtype=torch.float32)}, "m.safetensors")
+    assert zephon("refit", "publish", "--prefix", "versions", "--weights", "m.safetensors") == 0
+    key = next(p for p in (tmp_path / "versions" / "v1").iterdir() if p.name.startswith("key-"))
+    data = bytearray(key.read_bytes())
+    data[len(data) // 2] ^= 1
+    key.write_bytes(bytes(data))
+    assert zephon("refit", "pull", "--prefix", "versions", "--weights", "new.safetensors") == 1
+    assert "corrupt object" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors", "versions"]
+
+
 def test_status_of_an_empty_or_missing_prefix_says_so(tmp_path: Path, capsys) -> None:
     """A typo in --prefix printed `latest 0` and an empty table, as a healthy store does."""
     (tmp_path / "empty").mkdir()

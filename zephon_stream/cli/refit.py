@@ -14,6 +14,7 @@ load it when they run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -144,6 +145,8 @@ async def _pull(args: argparse.Namespace) -> int:
         raise RefitError(f"no version is published under {args.prefix}: nothing was pulled, {args.weights} was "
                          "not created")
     loaded = made.load if made else args.weights
+    fresh_record = made is not None and not os.path.lexists(record)  # made with the new file, goes with it
+    finished = False
     try:
         state = _weights(loaded, writable=True)
         try:
@@ -153,12 +156,16 @@ async def _pull(args: argparse.Namespace) -> int:
                 if made:  # complete: it takes its name(s), and the record is bound to the file(s) under them
                     del state
                     made.finish()
+                    finished = True
                     await sub._rebind(_weights(args.weights).files if made.files else args.weights)
         except ConfigError as exc:  # the file against the versions (its tensors, shapes, dtypes): name both
             raise ConfigError(f"--weights {args.weights} against the versions under {args.prefix}: {exc}") from exc
     finally:
         if made:
             made.clean()
+            if fresh_record and not finished:  # a record of a file that was not made: it went with the file
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(record)
     if version == 0:
         raise RefitError(f"no version is published under {args.prefix}: nothing was pulled, {args.weights} is "
                          "unchanged")
