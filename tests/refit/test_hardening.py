@@ -460,6 +460,10 @@ def test_a_prefix_may_be_a_local_folder_path(tmp_path: Path, monkeypatch, capsys
     assert capsys.readouterr().out.splitlines()[0] == "latest 1"
     assert zephon("refit", "pull", "--prefix", f"{tmp_path}/versions", "--weights", "copy.safetensors") == 0
     assert (tmp_path / "copy.safetensors").read_bytes() == (tmp_path / "m.safetensors").read_bytes()
+    capsys.readouterr()
+    assert zephon("refit", "publish", "--prefix", "memory://cli-note/", "--weights", "m.safetensors") == 0
+    assert capsys.readouterr().err == ("zephon refit publish: note: memory://cli-note/ is in this process's memory: "
+                                       "the version is gone when the command exits (file:// or s3:// keep it)\n")
 
 
 def test_a_pull_into_another_model_names_the_file_and_the_prefix(tmp_path: Path, monkeypatch, capsys) -> None:

@@ -41,7 +41,8 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="refit_command", required=True)
     pub = sub.add_parser("publish", help="publish a safetensors file as the next version")
     pub.add_argument("--prefix", required=True, type=_prefix,
-                     help="file:///dir/ (or a local folder's path), s3://bucket/prefix/ or memory://name/")
+                     help="file:///dir/ (or a local folder's path) or s3://bucket/prefix/ (memory://name/ lives "
+                          "in this process only)")
     pub.add_argument("--weights", required=True, metavar="FILE",
                      help="the .safetensors file to publish, or a sharded checkpoint's model.safetensors.index.json")
     pub.add_argument("--keyframe-every", type=int, default=10, metavar="K",
@@ -124,6 +125,9 @@ async def _publish(args: argparse.Namespace) -> int:
     from zephon_stream.refit.publisher import Publisher  # torch
 
     state = _weights(args.weights)
+    if args.prefix.startswith("memory://"):
+        print(f"zephon refit publish: note: {args.prefix} is in this process's memory: the version is gone when "
+              "the command exits (file:// or s3:// keep it)", file=sys.stderr)
     async with Publisher(args.prefix, keyframe_every=args.keyframe_every, keep_versions=args.keep_versions,
                          chunk_bytes=args.chunk_bytes, overwrite=args.overwrite, workers=args.workers) as pub:
         info = await pub.publish(state)
