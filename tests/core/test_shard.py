@@ -677,6 +677,17 @@ def test_cli_errors_name_its_flags_not_the_config_keys(tmp_path, capsys):
     assert "column 'body' of Parquet file 'a.parquet' is int64, not a string: name a text column (--text-field)" in err
 
 
+def test_a_sharegpt_record_says_where_a_map_step_is(tmp_path, capsys):
+    """The chat check's hint names a map step, which the loader has and zephon shard has not."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text('{"messages": [{"from": "human", "value": "hi"}]}\n')
+    assert main(["shard", str(tmp_path / "in"), str(tmp_path / "out"), "--messages-field", "messages"]) == 1
+    err = capsys.readouterr().err
+    assert "(ShareGPT style: map from/value to role/content with a map step of a loader source, " \
+           "[[sources.transforms]]: zephon shard copies records as they are, so give such files to the loader as " \
+           "they are)" in err, err
+
+
 def test_the_output_may_not_be_the_input_inside_it_or_hold_it(tmp_path, monkeypatch, capsys):
     """A loader source reads every data file under its folder: shards written into the input's
     folder (or a folder holding the input) were read beside the input, every document twice."""

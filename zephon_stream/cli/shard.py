@@ -112,7 +112,11 @@ _FLAGS = ((re.compile(r"^empty shard "), "empty input "),
           (re.compile(r"\b(messages|tools|documents)_field\b"), r"--\1-field"),
           (re.compile(r"\(text_field\)"), "(--text-field)"),
           (re.compile(r"\(image_field\)"), "(--image-field)"),
-          (re.compile(r"\bpass delimiter=('[^']*')"), r"pass --delimiter \1"))
+          (re.compile(r"\bpass delimiter=('[^']*')"), r"pass --delimiter \1"),
+          # the loader maps records (a source's [[sources.transforms]]); zephon shard copies them as they are
+          (re.compile(r"with a map step\)"),
+           "with a map step of a loader source, [[sources.transforms]]: zephon shard copies records as they are, "
+           "so give such files to the loader as they are)"))
 
 
 def _as_flags(message: str) -> str:
