@@ -382,5 +382,8 @@ def test_a_config_flag_says_the_config_is_positional(capsys, cfg) -> None:
     # an unknown argument is the subcommand's, not `zephon`'s (it said "zephon: error: ... see zephon --help")
     assert usage_error(["refit", "status", "--prefix", "memory://x/", "--json"]) == (
         "zephon refit status: error: unrecognized arguments: --json (see zephon refit status --help)\n")
+    assert usage_error(["refit", "pull", "--prefx", "memory://x/", "--weights", "w.safetensors"]) == (
+        "zephon refit pull: error: the following arguments are required: --prefix; --prefx is not one of its options "
+        "(did you mean --prefix?) (see zephon refit pull --help)\n")  # it named --prefix alone
     assert usage_error(["stream", str(cfg), "--steps", "1", "extra"]).startswith(
         "zephon stream: error: unrecognized arguments: extra (see zephon stream --help)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import json
 import re
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """`parser.parse_args(argv)`, with an unknown argument blamed on the subcommand it was given to
     (`zephon refit pull: error: unrecognized arguments: --version 1`), not on `zephon` itself."""
+    _ARGV[:] = argv  # for `_Parser.error`, which argparse calls with the message alone
     args, extra = parser.parse_known_args(argv)
     if extra:
         used = parser
@@ -66,12 +68,21 @@ def _glued(argv: list[str]) -> list[str]:
     return out
 
 
+_ARGV: list[str] = []  # the arguments being parsed (see `_parse`)
+
+
 class _Parser(argparse.ArgumentParser):
     """A usage error is one line, like every other error (argparse prints the whole usage first)."""
 
     def error(self, message: str) -> NoReturn:
         if re.search(r"unrecognized arguments: (.* )?--config\b", message):
             message += "; the config file is given by itself: zephon stream CONFIG.toml (inspect, config too)"
+        if message.startswith("the following arguments are required"):  # a typo of one is named: --prefx
+            known = [o for o in self._option_string_actions if o.startswith("--")]
+            typos = [a.split("=")[0] for a in _ARGV if a.startswith("--") and a.split("=")[0] not in known]
+            near = [(t, difflib.get_close_matches(t, known, n=1)) for t in typos]
+            message += "".join(f"; {t} is not one of its options{f' (did you mean {m[0]}?)' if m else ''}"
+                               for t, m in near)
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
