@@ -60,7 +60,7 @@ import anyio
 import msgspec
 import zstandard
 
-from zephon_stream.connectors import open_store, parse_uri
+from zephon_stream.connectors import missing_locally, open_store, parse_uri
 from zephon_stream.connectors.base import ObjectInfo, Store
 from zephon_stream.engine import threads
 from zephon_stream.errors import ConfigError, DataError, ZephonError
@@ -442,9 +442,7 @@ class _Job:
     def _no_input(self, src: str, objects: list[ObjectInfo]) -> str:
         """What is wrong with an input that gave no object to read: there is nothing, or nothing of a kind read."""
         if not objects:
-            local = "://" not in src or src.startswith("file://")
-            path = Path(parse_uri(src)[1]) / parse_uri(src)[2] if "://" in src else Path(src)
-            return f"shard: {src} {'does not exist' if local and not path.exists() else 'holds no files'}"
+            return f"shard: {src} {'does not exist' if missing_locally(src) else 'holds no files'}"
         kinds = ((*PARQUET_SUFFIXES, *ARROW_SUFFIXES, *(f".{e.strip().lower()}" for e in self.image_field.split(";")
                                                           if e.strip())) if self.image_field else
                  (*SUFFIXES, *JSON_SUFFIXES, *PARQUET_SUFFIXES, *ARROW_SUFFIXES, *CSV_SUFFIXES, *TEXT_SUFFIXES))

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from zephon_stream.cli.shard import parse_size
-from zephon_stream.connectors import open_store, parse_uri
+from zephon_stream.connectors import missing_locally, open_store
 from zephon_stream.errors import ConfigError, DataError, RefitError, ZephonError
 from zephon_stream.refit.versions import find_latest, list_versions, read_manifest
 
@@ -273,9 +273,8 @@ async def _status(args: argparse.Namespace) -> int:
               f"{'changes':>10} {'ratio':>8} digest")
         versions = await list_versions(store, prefix)
         if not versions:  # on stderr: stdout keeps its two lines for scripts
-            where = parse_uri(args.prefix)
-            missing = where[0] == "file" and not os.path.exists(os.path.join(where[1], where[2]))
-            print(f"no version is published under {args.prefix}{' (its folder does not exist)' if missing else ''}",
+            missing = " (its folder does not exist)" if missing_locally(args.prefix) else ""
+            print(f"no version is published under {args.prefix}{missing}",
                   file=sys.stderr)
         for v in versions:
             try:

@@ -38,12 +38,12 @@ import sys
 import tomllib
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import anyio
 import anyio.abc
 import msgspec
 
+from zephon_stream.connectors import missing_locally
 from zephon_stream.errors import ConfigError, ZephonError, closest_key, unwrap_groups
 from zephon_stream.relay import Prefix, Relay, prometheus_text
 
@@ -231,7 +231,7 @@ def main(args: argparse.Namespace) -> int:
 def _warn_missing_parent(uri: str) -> None:
     """A local parent folder that does not exist: a relay may start before the first publish, but a
     mistyped --from looked the same (nothing relayed, and a daemon polling it for ever)."""
-    if uri.startswith("file://") and not os.path.exists(unquote(urlsplit(uri).path)):
+    if missing_locally(uri):
         log.warning("the parent %s does not exist (yet): nothing is relayed until a publisher makes it; check --from "
                     "if it should", uri, extra={"event": "parent_missing"})
 

@@ -6,6 +6,7 @@ URIs: `file:///abs/dir/` (local directory), `memory://NAME/prefix/` (in-process 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from urllib.parse import unquote, urlparse
 
@@ -14,8 +15,8 @@ from zephon_stream.connectors.local import LocalStore
 from zephon_stream.connectors.memory import MemoryStore
 from zephon_stream.errors import ConfigError
 
-__all__ = ["LocalStore", "MemoryStore", "ObjectInfo", "Store", "StoreStatistics", "open_store", "parse_uri",
-           "register_scheme"]
+__all__ = ["LocalStore", "MemoryStore", "ObjectInfo", "Store", "StoreStatistics", "missing_locally", "open_store",
+           "parse_uri", "register_scheme"]
 
 _MEMORY: dict[str, MemoryStore] = {}
 _SCHEMES: dict[str, Callable[..., Store]] = {}
@@ -45,6 +46,15 @@ def parse_uri(uri: str) -> tuple[str, str, str]:
         raise ConfigError(f"URI {uri!r} has no bucket: use {parsed.scheme}://bucket/prefix/")
     prefix = parsed.path.lstrip("/")
     return parsed.scheme, parsed.netloc, prefix + "/" if prefix and not prefix.endswith("/") else prefix
+
+
+def missing_locally(uri: str) -> bool:
+    """Whether `uri` (a URI, or a plain local path) names a local path that does not exist: a
+    mistyped folder, which a store lists as empty. False for other stores."""
+    if "://" not in uri:
+        return not os.path.exists(uri)
+    scheme, location, _ = parse_uri(uri)
+    return scheme == "file" and not os.path.exists(location)
 
 
 def open_store(uri: str, **options: object) -> tuple[Store, str]:

@@ -38,14 +38,13 @@ import logging
 import math
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
-from urllib.parse import unquote, urlsplit
 
 import anyio
 import msgspec
 import numpy as np
 
+from zephon_stream.connectors import missing_locally
 from zephon_stream.connectors.base import ObjectInfo, Store
 from zephon_stream.engine import threads
 from zephon_stream.engine.ordered import run_ordered
@@ -208,7 +207,7 @@ def _list_shards(objects: list[ObjectInfo], name: str, uri: str, images: bool) -
         what = " or ".join(f"*{s}" for k in kinds for s in FORMATS[k])
         there = _unread_suffixes(objects)
         held = f" (it holds {_listed(there)})" if there else " (it holds no object)"
-        if not objects and uri.startswith("file://") and not Path(unquote(urlsplit(uri).path)).exists():
+        if not objects and missing_locally(uri):
             raise ConfigError(f"source {name!r}: {uri} does not exist")
         convert = ("; `zephon shard` converts .arrow (Hugging Face save_to_disk), .json (JSON lines or an array of "
                    "records), .csv, .tsv (gzipped too), .txt and .md files"
