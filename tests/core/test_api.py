@@ -237,6 +237,34 @@ def test_processes_backend_from_a_script(config, tmp_path, guarded, race, script
     assert "bootstrapping phase" not in proc.stderr and proc.stderr.count("Traceback") == 1, proc.stderr
 
 
+TORCH_SCRIPT = """
+import os
+import sys
+
+had_torch = "torch" in sys.modules  # in a worker: whether the fork server gave it torch already
+import torch  # noqa: E402  (a trainer's script imports it at its top)
+
+from zephon_stream import Config, Loader  # noqa: E402
+
+if __name__ == "__main__":
+    for batch in Loader(Config.from_toml(sys.argv[1]), backend="processes"):
+        break
+    print("streamed step", batch["step"])
+else:  # a worker importing this script again
+    with open(f"worker-{os.getpid()}", "w") as out:
+        out.write(str(had_torch))
+"""
+
+
+def test_processes_workers_do_not_import_torch_again(config, tmp_path) -> None:
+    # each worker imports the trainer's script again: its `import torch` cost every worker about a
+    # CPU-second at every stream's start, now done once in the fork server
+    proc = _run_script(tmp_path, config.replace(workers=2), TORCH_SCRIPT, timeout=240)
+    assert proc.returncode == 0 and proc.stdout == "streamed step 0\n", proc.stderr
+    seen = [p.read_text() for p in tmp_path.glob("worker-*")]
+    assert seen == ["True", "True"], seen
+
+
 def test_a_second_stream_beside_an_open_one_is_refused(config) -> None:
     """Two streams of one Loader would each continue from the last batch handed out, and their lanes
     disagreed (an internal error at the older one's next batch): the second is refused."""
