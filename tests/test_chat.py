@@ -323,7 +323,8 @@ def test_a_turn_whose_surroundings_depend_on_the_content_is_refused():
     ([{"from": "human", "value": "x"}], r"message 0 has no role \(keys: from, value\) \(ShareGPT style: map "
                                         r"from/value to role/content with a map step\)"),
     ([{"role": "user", "content": "x"}, {"role": "gpt", "content": "y"}],
-     r"message 1 has role 'gpt'; a role is one of system, user, assistant, tool \(for 'assistant'\? rename"),
+     r"message 1 has role 'gpt'; a role is one of system, user, assistant, tool \('gpt' looks like 'assistant': "
+     r"rename the roles with a map step"),
     ([{"role": "user", "content": ["x"]}], r"message 0 \(user\) has content part 0 that is str 'x', not an object "
                                            "with a type"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
@@ -343,7 +344,10 @@ def test_bad_conversations_are_data_errors_naming_the_shard(tokenizer_path, mess
     with pytest.raises(DataError, match=problem) as info:
         tokens([((0, 3, 4096, 80), messages)], BadRecords(), "sft/part-0.jsonl")
     assert info.value.key == "sft/part-0.jsonl" and info.value.offset == 4096
-    assert "bad conversation in 'sft/part-0.jsonl' (the record at byte 4096 of its split)" in str(info.value)
+    assert "bad conversation in 'sft/part-0.jsonl' at byte 4096 of its split: " in str(info.value)
+    with pytest.raises(DataError, match=problem) as info:  # the reader says where: here a Parquet row
+        tokens([((0, 3, 4096, 80), messages)], BadRecords(), "sft/part-0.parquet", lambda pos: f"row {pos} of group 2")
+    assert "bad conversation in 'sft/part-0.parquet' at row 4096 of group 2: " in str(info.value)
 
 
 def test_bad_conversations_are_skipped_and_counted(tokenizer_path):

@@ -200,7 +200,7 @@ def test_corrupt_column_data_names_the_row_group():
 
 
 def test_one_format_per_source():
-    with pytest.raises(ConfigError, match="holds both lines shards .* and parquet shards"):
+    with pytest.raises(ConfigError, match="holds both JSON-lines shards .* and Parquet shards"):
         _plan({"a.jsonl": b'{"text": "a"}\n', "b.parquet": _parquet(pa.table({"text": ["b"]}))})
 
 

@@ -58,7 +58,7 @@ import itertools
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import datetime, timezone
@@ -229,7 +229,8 @@ def check_messages(messages: Any) -> None:
             raise DataError(f"message {i} has no role (keys: {', '.join(map(str, m)) or 'none'}){sharegpt}")
         if m["role"] not in ROLES:
             alias = _ROLE_ALIASES.get(m["role"]) if isinstance(m["role"], str) else None
-            hint = f" (for {alias!r}? rename roles with a map step)" if alias else ""
+            hint = (f" ({m['role']!r} looks like {alias!r}: rename the roles with a map step, "
+                    "[[sources.transforms]])" if alias else "")
             raise DataError(f"message {i} has role {m['role']!r}; a role is one of {', '.join(ROLES)}{hint}")
         if isinstance(m.get("content"), list):
             _check_parts(i, m["role"], m["content"])
@@ -354,9 +355,11 @@ class ChatTokens:
                                  src.chat_template_kwargs)
         return cls(template, tokenizer, src.loss_on)
 
-    def __call__(self, docs: list[tuple[Any, Any]], bad: Any, key: str) -> list[tuple[Any, ChatDoc]]:
+    def __call__(self, docs: list[tuple[Any, Any]], bad: Any, key: str,
+                 where: Callable[[int], str] | None = None) -> list[tuple[Any, ChatDoc]]:
         """`(ref, ChatDoc)` for each `(ref, conversation)` of `docs` (read from shard `key`); a bad
-        conversation is raised, or skipped and counted, as `bad` says."""
+        conversation is raised, or skipped and counted, as `bad` says, and named at `where(offset)`
+        (the reader's words for a record's place: a byte of the file, a row of a row group)."""
         rendered = []
         for ref, record in docs:
             messages, tools, documents = record if isinstance(record, Conversation) else (record, None, None)
@@ -365,8 +368,8 @@ class ChatTokens:
                 template = self.template.tool_use if tools is not None and self.template.tool_use else self.template
                 rendered.append((ref, *template.spans(messages, self.loss_on, tools, documents)))
             except DataError as exc:
-                err = DataError(f"bad conversation in {key!r} (the record at byte {ref[2]} of its split): {exc}",
-                                key=key, offset=ref[2])
+                at = where(ref[2]) if where is not None else f"byte {ref[2]} of its split"
+                err = DataError(f"bad conversation in {key!r} at {at}: {exc}", key=key, offset=ref[2])
                 err.__cause__ = exc
                 bad(err)
         encodings = self.tokenizer.encodings([text for _, text, _ in rendered]) if rendered else []

@@ -3,6 +3,7 @@ and errors that name what to do (issue 14)."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 import torch.nn.functional as F
@@ -96,3 +97,15 @@ def test_plain_and_relative_paths_in_toml_are_relative_to_the_config(config, dat
     assert loaded.tokenizer == str(tmp_path / "cfg" / "data" / "tokenizer.json")
     assert loaded.sources[0].uri == f"file://{root.resolve()}/a/"
     assert _first(loaded)["input_ids"].equal(_first(config)["input_ids"])
+
+
+def test_plain_source_paths_in_a_python_config_are_from_the_working_directory(config, dataset, monkeypatch):
+    # the reference says a uri may be a plain path; from Python it was refused at the first batch
+    # ("unsupported URI scheme"), after the Loader had been made
+    root, _ = dataset
+    monkeypatch.chdir(root)
+    plain = [msgspec.structs.replace(config.sources[0], uri=str(root / "a")),
+             msgspec.structs.replace(config.sources[1], uri="b/")]
+    loader = Loader(config.replace(sources=plain))
+    assert [s.uri for s in loader.config.sources] == [f"file://{root.resolve()}/a/", f"file://{root.resolve()}/b/"]
+    assert _first(config.replace(sources=plain))["input_ids"].equal(_first(config)["input_ids"])

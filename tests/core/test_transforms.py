@@ -130,7 +130,7 @@ def test_chat_payload_is_the_raw_messages_value(config, dataset):
     missing = cfg.replace(sources=[msgspec.structs.replace(chat, transforms=[])], on_bad_record="skip")
     got, counts = records_of(missing, 0)
     assert got == [] and counts.skipped == {0: len(docs["a"])}
-    with pytest.raises(DataError, match="has no field 'messages'"):
+    with pytest.raises(DataError, match="has no field 'messages'; the record's fields are 'id', 'text' \\(set on_bad"):
         records_of(missing.replace(on_bad_record="error"), 0)
 
 

@@ -175,7 +175,7 @@ class Lanes:
                 records = await self.run_cpu(parser.parse, reader, pos, block)
                 docs = [((source, 0, off, n), payload) for off, n, payload in records]
                 # tokenized too: images and conversations can be bad (and skipped) only there
-                if docs and await self.run_tokenize(source, docs, reader.key, parser.bad):
+                if docs and await self.run_tokenize(source, docs, reader.key, parser.bad, reader.where):
                     self._has_documents[source] = True
                     return
         filtered = sum(parser.bad.filtered_by_epoch.values())
@@ -201,24 +201,27 @@ class Lanes:
             out.update(p.bad.by_epoch)
         return dict(sorted(out.items()))
 
-    async def run_tokenize(self, source: int, docs: list[Doc], key: str, bad: Any = None) -> list[Doc]:
+    async def run_tokenize(self, source: int, docs: list[Doc], key: str, bad: Any = None,
+                           where: Callable[[int], str] | None = None) -> list[Doc]:
         """`tokenize` on a CPU thread: an image source's on the decode threads."""
         cpu = self.decode_cpu if self.images[source] else self.run_cpu
-        return await cpu(self.tokenize, source, docs, key, bad)
+        return await cpu(self.tokenize, source, docs, key, bad, where)
 
     def decode(self, source: int, position: int, reader: Any, pos: int, block: bytes) -> list[Doc]:
         records = self.parsers[source].parse(reader, pos, block)
         return [((source, position, off, n), text) for off, n, text in records]
 
-    def tokenize(self, source: int, docs: list[Doc], key: str, bad: Any = None) -> list[Doc]:
+    def tokenize(self, source: int, docs: list[Doc], key: str, bad: Any = None,
+                 where: Callable[[int], str] | None = None) -> list[Doc]:
         """Tokenize documents of `source` read from shard `key` (images: decode, resize and tokenize;
         conversations: render with the chat template and mark the trained tokens; a bad image or
-        conversation is raised, or skipped and counted by `bad`, the reader's policy)."""
+        conversation is raised, or skipped and counted by `bad`, the reader's policy, and named at
+        `where(offset)`, the reader's words for a document's place in the shard)."""
         if self.images[source]:
             assert self.vision is not None
-            return self.vision(docs, bad or self.parsers[source].bad, key)
+            return self.vision(docs, bad or self.parsers[source].bad, key, where)
         if (chat := self.chats[source]) is not None:  # conversations: rendered, tokenized, trained tokens marked
-            return chat(docs, bad or self.parsers[source].bad, key)
+            return chat(docs, bad or self.parsers[source].bad, key, where)
         return [(ref, ids) for (ref, _), ids in zip(docs, self.tokenizer([t for _, t in docs]))]
 
 
@@ -398,7 +401,7 @@ class TextLane:
             size = await send.room(min(batch, len(pending)))
             docs = pending[:size]
             del pending[:size]
-            tokens = await shared.run_tokenize(source, docs, reader.key, reader.bad)
+            tokens = await shared.run_tokenize(source, docs, reader.key, reader.bad, reader.where)
             found = found or bool(tokens)  # a bad image or conversation skipped is no document
             if first is not None and (not tokens or tuple(tokens[0][0][1:3]) != first):
                 refuse("piece", piece, "no document starts at the cursor to take pieces from")

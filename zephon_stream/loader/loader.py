@@ -155,6 +155,15 @@ class Frontier:
             self.lanes[lane] = msgspec.structs.replace(self.lanes[lane], done=True)
 
 
+def _same_size_change(uri: str) -> str:
+    """Why shards of the same count and size can differ from a checkpoint's, for a source at `uri`."""
+    if uri.startswith("file:") or "://" not in uri:  # LocalStore: a file's ETag is its mtime and size
+        return (" (a shard was replaced or rewritten: another key, size or modification time. A local file's "
+                "ETag is its modification time and size, so a copy that did not keep the times, such as "
+                "`cp -r` without -p, reads as rewritten: copy the files again with `cp -rp` or `rsync -a`)")
+    return " (a shard was replaced or rewritten: another key, size or ETag)"
+
+
 class Loader:
     """A deterministic, resumable stream of packed token batches for one data-parallel rank.
 
@@ -194,6 +203,8 @@ class Loader:
         `transforms` ({source name: [Map(fn), Filter(fn)]}) appends steps to those sources'
         `transforms`, as their import paths (`zephon_stream.operators.transforms`)."""
         config = with_transforms(config, transforms)
+        if any("://" not in s.uri for s in config.sources):  # plain paths, from Python: from the working directory
+            config = config.replace(sources=config.with_paths_from(Path.cwd()).sources)
         if dp_size is None:
             dp_rank, dp_size = _dist_rank_size(dp_group, device_mesh, mesh_dim) if dp_rank is None else (dp_rank, 1)
         self.config = config.replace(backend=backend) if backend else config
@@ -404,9 +415,10 @@ class Loader:
         """Which sources' shards changed since the checkpoint, as far as it says."""
         assert self._plan is not None
         was, now = self._data_sources, self._plan.by_source
+        uris = {s.name: s.uri for s in self.config.sources}
         changed = [f"source {name!r} had {was[name].describe()}, now {now[name].describe()}"
                    + ("" if (was[name].shards, was[name].nbytes) != (now[name].shards, now[name].nbytes)
-                      else " (a shard was replaced or rewritten: another key, size or ETag)")
+                      else _same_size_change(uris.get(name, "")))
                    for name in now if name in was and was[name].digest != now[name].digest]
         return "; ".join(changed) if changed else "shards were added, removed or rewritten"
 

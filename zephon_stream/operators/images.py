@@ -183,9 +183,11 @@ class VisionTokens:
                     (("vision_end_token", vision.vision_end_token),) if t is not None]
         self.bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
 
-    def __call__(self, docs: list[tuple[Any, ImageRecord]], bad: BadRecords, key: str) -> list[tuple[Any, ImageDoc]]:
+    def __call__(self, docs: list[tuple[Any, ImageRecord]], bad: BadRecords, key: str,
+                 where: Callable[[int], str] | None = None) -> list[tuple[Any, ImageDoc]]:
         """Decode the images of `docs` (read from shard `key`), skipping or raising on a bad one
-        as `bad` says; tokenize the captions."""
+        as `bad` says, named at `where(offset)` (the reader's words: the sample's byte in the
+        shard); tokenize the captions."""
         from zephon_stream.vision.image import BadImage, load_image, patch_frame
 
         images = []
@@ -198,8 +200,9 @@ class VisionTokens:
                                    f"seq_len = {self.seq_len} holds")
                 images.append((ref, rec, patch_frame(image, self.spec), (gh, gw)))  # gathered while in the cache
             except BadImage as exc:
-                bad(DataError(f"bad image {rec.member!r} in {key!r} (sample at byte {ref[2]} of its split): {exc}",
-                              key=key, offset=ref[2]))
+                at = where(ref[2]) if where is not None else f"byte {ref[2]} of its split"
+                bad(DataError(f"bad image {rec.member!r} in {key!r} (the sample at {at}): {exc}", key=key,
+                              offset=ref[2]))
         captions = self.tokenizer([rec.text for _, rec, _, _ in images]) if images else []
         out = []
         for (ref, _, frame, (gh, gw)), caption in zip(images, captions):

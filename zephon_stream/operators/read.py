@@ -165,10 +165,15 @@ def warn_coarse(sp: SourcePlan, lanes: int, max_epochs: int = 0) -> None:
                  else "samples")
         cost = (f"{lanes - len(sp.splits)} of its lanes have no split in an epoch and give padding while the others "
                 "read" if max_epochs else "lanes read its epochs at the same time and nearby batches repeat documents")
-        fix = ("with smaller frames: `zephon shard --frame-size` (256KiB by default), e.g. 64KiB"
-               if sp.format == "lines" else "in smaller pieces with `zephon shard`")
-        log.warning("source %r has %d splits for %d lanes: its %s cannot be cut finer, so %s; rewrite it %s",
-                    sp.name, len(sp.splits), lanes, piece, cost, fix)
+        stored = sum(s.frames[-1] - s.frames[0] if s.frames else s.size for s in sp.shards)
+        per_lane = max(1, stored // lanes >> 10)  # KiB: a frame that size or smaller gives every lane a split
+        fix = ("with smaller frames: `zephon shard --frame-size` (256KiB by default), e.g. "
+               f"{min(64, 1 << (per_lane.bit_length() - 1))}KiB" if sp.format == "lines"
+               else "in smaller pieces with `zephon shard`")
+        if stored < lanes << 10:
+            fix += f" (its {stored:,} bytes are too few to give each of {lanes} lanes a split)"
+        log.warning("source %r has %d split%s for %d lanes: its %s cannot be cut finer, so %s; rewrite it %s",
+                    sp.name, len(sp.splits), "" if len(sp.splits) == 1 else "s", lanes, piece, cost, fix)
 
 
 def is_hidden(key: str, prefix: str) -> bool:
@@ -198,6 +203,9 @@ def visible(objects: list[ObjectInfo], prefix: str, owner: str, uri: str,
     return objects
 
 
+_KIND_NAMES = {"lines": "JSON-lines", "parquet": "Parquet", "tar": "tar"}  # format families, as messages name them
+
+
 def _list_shards(objects: list[ObjectInfo], name: str, uri: str, images: bool) -> tuple[str, list[ObjectInfo]]:
     """The source's format family and its shards: one family per source, so one reader and parser."""
     kinds = ("tar", "parquet") if images else ("lines", "parquet")
@@ -214,8 +222,9 @@ def _list_shards(objects: list[ObjectInfo], name: str, uri: str, images: bool) -
                    if not images and set(there) & _CONVERTIBLE else "")
         raise ConfigError(f"source {name!r}: no {what} objects under {uri}{held}{convert}")
     if len(present) > 1:
-        raise ConfigError(f"source {name!r}: {uri} holds both {present[0]} shards ({found[present[0]][0].key!r}) "
-                          f"and {present[1]} shards ({found[present[1]][0].key!r}): a source reads one format; "
+        raise ConfigError(f"source {name!r}: {uri} holds both {_KIND_NAMES[present[0]]} shards "
+                          f"({found[present[0]][0].key!r}) and {_KIND_NAMES[present[1]]} shards "
+                          f"({found[present[1]][0].key!r}): a source reads one format; "
                           "put each under its own source (or convert them with `zephon shard`)")
     kind = present[0]
     _warn_unread([o for o in objects if o not in found[kind]], name, uri, kind)
@@ -230,7 +239,7 @@ def _warn_unread(objects: list[ObjectInfo], name: str, uri: str, kind: str) -> N
         n = sum(unread.values())
         log.warning("source %r: %d object%s under %s %s not read, not being %s shards (%s)", name, n,
                     "" if n == 1 else "s", uri, "is" if n == 1 else "are",
-                    {"lines": "JSON-lines", "parquet": "Parquet", "tar": "tar"}[kind], _listed(unread))
+                    _KIND_NAMES[kind], _listed(unread))
 
 
 # what `zephon shard` reads and the loader does not, as `_suffix` names them

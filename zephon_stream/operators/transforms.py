@@ -301,8 +301,12 @@ class Records:
             what = "has no field" if value is None else f"has {type(value).__name__} {_shown(value)} in field"
             hint = "" if reader.bad.skipping else ' (set on_bad_record = "skip" to skip such records)'
             after = " after its transforms" if self.steps else ""
+            fields = ""
+            if value is None and isinstance(record, dict):  # the setting names another field: say which there are
+                shown = ", ".join(repr(str(k)) for k in list(record)[:8]) + (", ..." if len(record) > 8 else "")
+                fields = f"; the record's fields are {shown or 'none'}"
             reader.bad(DataError(f"bad record in {reader.key!r} at {reader.where(pos)}: the record{after} {what} "
-                                 f"{self.field!r}{' (a string)' if not self.chat else ''}{hint}",
+                                 f"{self.field!r}{' (a string)' if not self.chat else ''}{fields}{hint}",
                                  key=reader.key, offset=pos))
             return None
         return self.conversation(record, value)
