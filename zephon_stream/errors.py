@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import difflib
 import re
+import typing
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
@@ -152,10 +153,12 @@ def closest_key(message: str, tables: Mapping[str, type]) -> str:
     """'; did you mean `x`?' for msgspec's unknown-field error in `message`, from the keys of the
     table it names: `tables` maps a table's name in the error's path ("" for the top level,
     "sources" for `$.sources[0]`) to its Struct. A top-level key found inside a table (written
-    below a TOML table header) is said to be one. Empty when nothing is close."""
+    below a TOML table header) is said to be one. Empty when nothing is close. For a value not
+    among a setting's choices, the choices (and the closest); for a `[table]` where `[[table]]`
+    (an array of tables) belongs, that."""
     m = _UNKNOWN.search(message)
     if m is None:
-        return ""
+        return _value_hint(message, tables)
     def keys(name: str) -> list[str]:
         table = tables.get(name)
         return [f.encode_name for f in msgspec.structs.fields(table)] if table is not None else []
@@ -169,3 +172,28 @@ def closest_key(message: str, tables: Mapping[str, type]) -> str:
         said = f"`{key}` is" if top[0] == key else f"did you mean `{top[0]}`? It is"
         return f"; {said} a top-level key: put it above the first [table]"
     return ""
+
+
+_ENUM = re.compile(r"Invalid enum value '([^']*)' - at `\$([^`]*)`")
+_NOT_ARRAY = re.compile(r"Expected `array`, got `object` - at `\$\.?([^`]*)`")
+
+
+def _value_hint(message: str, tables: Mapping[str, type]) -> str:
+    if m := _NOT_ARRAY.search(message):
+        table = re.sub(r"\[\d+\]", "", m.group(1))
+        return f"; write [[{table}]] (an array of tables, one per entry), not [{table}]" if table else ""
+    m = _ENUM.search(message)
+    if m is None:
+        return ""
+    path = re.sub(r"\[\d+\]", "", m.group(2)).lstrip(".").split(".")
+    table = tables.get(path[-2] if len(path) > 1 else "")
+    field = next((f for f in msgspec.structs.fields(table) if f.encode_name == path[-1]), None) if table else None
+    choices = [str(v) for v in typing.get_args(field.type) if isinstance(v, str)] if field is not None else []
+    if not choices:  # Optional[Literal[...]]: the Literal inside
+        choices = [str(v) for arg in typing.get_args(field.type) for v in typing.get_args(arg)
+                   if isinstance(v, str)] if field is not None else []
+    if not choices:
+        return ""
+    close = difflib.get_close_matches(m.group(1), choices, n=1, cutoff=0.6)
+    return (f"; {path[-1]} is one of " + ", ".join(f'"{c}"' for c in choices)
+            + (f' (did you mean "{close[0]}"?)' if close else ""))

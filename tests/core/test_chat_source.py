@@ -9,6 +9,7 @@ Exactly once, checkpoint resume and the processes backend are checked on the sam
 from __future__ import annotations
 
 import hashlib
+import itertools
 import random
 import re
 from collections import Counter
@@ -19,6 +20,7 @@ import anyio
 import msgspec
 import numpy as np
 import pytest
+import torch
 from tokenizers import Tokenizer
 
 from tests._chat_data import CHATML, faq_conversations, train_tokenizer, word_conversations
@@ -254,7 +256,7 @@ _BAD = [[], [{"role": "user", "content": "x"}, {"role": "robot", "content": "y"}
 
 def _with_bad(tmp_path: Path, chat_data) -> Path:
     good = chat_data[1][:40]
-    rows = good[:10] + _BAD + good[10:]
+    rows = good[:30] + _BAD + good[30:]  # the bad ones in a later split than the first (split_bytes 4096)
     (tmp_path / "sft").mkdir()
     (tmp_path / "sft" / "part-0.jsonl").write_bytes(b"".join(msgspec.json.encode({"messages": c}) + b"\n"
                                                              for c in rows))
@@ -269,9 +271,13 @@ def _source(uri: Path, root: Path, **more: Any) -> list[SourceConfig]:
 def test_bad_conversations_are_errors_naming_the_shard(tmp_path, chat_data):
     cfg = _config(chat_data[0], lanes=1, global_batch_size=2, sources=_source(_with_bad(tmp_path, chat_data),
                                                                               chat_data[0]))
-    with pytest.raises(DataError, match=r"bad conversation in '.*part-0.jsonl' .*: the conversation is empty"):
+    with pytest.raises(DataError, match=r"bad conversation in '.*part-0.jsonl' .*: the conversation is empty") as info:
         for _ in Loader(cfg.replace(max_epochs=1), backend="threads"):
             pass
+    # named at its byte in the file, as a bad text record is (it was its byte in its split: 4096 less)
+    lines = (tmp_path / "sft" / "part-0.jsonl").read_bytes().split(b"\n")
+    at = sum(len(line) + 1 for line in lines[:30])
+    assert at > 4096 and f"part-0.jsonl' at byte {at}: the conversation is empty" in str(info.value), str(info.value)
 
 
 @pytest.mark.parametrize("backend", ["threads", "processes"])
@@ -342,6 +348,31 @@ def test_inspect_marks_the_text_trained_on(chat_config, tmp_path, capsys, labels
                 assert before.rsplit("<|im_start|>", 1)[1].replace("⟦-⟧", "") == "assistant\n", before[-80:]
                 checked += 1
     assert checked >= len(runs) // 2
+
+
+def test_inspect_marks_a_sample_s_first_token_as_its_lane_s_previous_sample_trains_it(chat_config, tmp_path, capsys):
+    """Under shifted labels a sample's first token is the target of the last label of its lane's
+    previous sample: inspect showed it untrained always, outside the ⟦+⟧ it belongs in."""
+    from zephon_stream.cli.main import main
+
+    batches = list(itertools.islice(Loader(chat_config, backend="inline"), 3))
+    last: dict[int, torch.Tensor] = {}
+    opens_trained = []  # the step-2 samples whose first token the previous sample's last label targets
+    for batch in batches:
+        for row, lane in enumerate(batch["lanes"].tolist()):
+            if lane in last and last[lane] != IGNORE:
+                assert last[lane] == batch["input_ids"][row, 0]  # the label is that very token
+                if batch["step"] == 2:
+                    opens_trained.append(row)
+            last[lane] = batch["labels"][row, -1]
+    assert opens_trained
+    path = tmp_path / "c.toml"
+    path.write_text(chat_config.to_toml())
+    assert main(["inspect", str(path), "--step", "2"]) == 0
+    samples = capsys.readouterr().out.split("\n## slot ")[1:]
+    assert all(samples[row].split("\n", 1)[1].startswith("⟦sft⟧⟦+⟧") for row in opens_trained)
+    untrained = [row for row in range(len(samples)) if row not in opens_trained]
+    assert not any(samples[row].split("\n", 1)[1].startswith("⟦sft⟧⟦+⟧") for row in untrained)
 
 
 def test_a_dotted_messages_field_reads_nested_conversations(tmp_path, chat_data):

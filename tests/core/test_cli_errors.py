@@ -6,6 +6,7 @@ import re
 import shutil
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from zephon_stream import ConfigError, Loader
@@ -67,7 +68,7 @@ def test_a_file_that_is_not_a_state(capsys, toml, tmp_path) -> None:
     bad = tmp_path / "bad.state"
     bad.write_bytes(b"\x93\x01\x02")
     err = _one_line_error(capsys, ["stream", str(toml()), "--steps", "1", "--resume", str(bad)])
-    assert "not a zephon-stream state file" in err, err
+    assert f"--resume {str(bad)!r}: not a zephon-stream state file" in err, err  # of several files, which one
 
 
 def test_a_model_directory_names_its_tokenizer_json(capsys, config, toml, tmp_path) -> None:
@@ -113,6 +114,12 @@ BAD_SETTINGS = [
     ({"stall_warning_s": "nan"}, "stall_warning_s = nan"),
     ({"shufle_window": "8"}, "unknown field `shufle_window`; did you mean `shuffle_window`?"),
     ({"xyzzy": "8"}, "unknown field `xyzzy`\n"),  # nothing close: no guess
+    # a value not among the choices: the choices, and the closest (msgspec names the value only)
+    ({"packing": '"bestfit"'}, 'at `$.packing`; packing is one of "concat", "best_fit", "none" (did you mean '
+                               '"best_fit"?)\n'),
+    ({"loss_on": '"assistants"'}, 'loss_on is one of "assistant", "last_assistant", "all" (did you mean '
+                                  '"assistant"?)\n'),
+    ({"backend": '"gpu"'}, 'backend is one of "inline", "threads", "processes", "ray"\n'),
 ]
 
 
@@ -134,6 +141,15 @@ def test_a_top_level_key_below_a_table_says_so(capsys, toml) -> None:
                         "put it above the first [table]\n"), err
 
 
+def test_a_table_where_an_array_of_tables_belongs_says_so(capsys, toml) -> None:
+    path = toml()
+    text = path.read_text()
+    path.write_text(text[:text.index("[[sources]]")] + text[text.index("[[sources]]"):].split("\n\n")[0]
+                    .replace("[[sources]]", "[sources]"))  # one source, written as a table
+    err = _one_line_error(capsys, ["config", str(path)])
+    assert err.endswith("at `$.sources`; write [[sources]] (an array of tables, one per entry), not [sources]\n"), err
+
+
 @pytest.mark.parametrize("table, typo, key", [
     ("[[sources]]", "txt_field", "text_field"),
     ("[vision]", "min_pixel", "min_pixels"),
@@ -153,6 +169,23 @@ def test_source_settings_are_checked_when_built_in_python() -> None:
         SourceConfig(name="s", uri="s3://b/", endpoint_url="not a url")
     with pytest.raises(ConfigError, match=r"sources\[s\]\.read_timeout = 0"):
         SourceConfig(name="s", uri="s3://b/", read_timeout=0)
+
+
+def test_settings_of_the_wrong_type_in_python_are_config_errors(config) -> None:
+    # msgspec checks types when it decodes a TOML file, not when a Struct is made in Python: a string
+    # seq_len was a TypeError from the first comparison
+    with pytest.raises(ConfigError, match=r"config seq_len = '64': must be a whole number, not str"):
+        config.replace(seq_len="64")
+    with pytest.raises(ConfigError, match=r"config shuffle_window = True: must be a whole number, not bool"):
+        config.replace(shuffle_window=True)
+    with pytest.raises(ConfigError, match=r"config sources\[s\]\.weight = '2': must be a number, not str"):
+        SourceConfig(name="s", uri="s3://b/", weight="2")
+    import numpy as np
+
+    same = config.replace(seed=np.int64(config.seed), tokenizer=Path(config.tokenizer),
+                          sources=[msgspec.structs.replace(s, weight=np.float64(s.weight)) for s in config.sources])
+    assert same == config and type(same.seed) is int and type(same.tokenizer) is str  # numpy's and a Path: taken
+    assert Loader(same).order_digest == Loader(config).order_digest
 
 
 def test_running_out_of_memory_is_one_line(capsys, toml, monkeypatch) -> None:

@@ -96,6 +96,18 @@ def test_without_steps_there_is_no_total_or_eta() -> None:
     assert file.getvalue().startswith("step 3  elapsed 00:03  1.00k tok/s")
 
 
+def test_the_last_line_after_the_data_ended_says_so_not_waiting_on_data(config, tmp_path, capsys) -> None:
+    # the buffers are empty once the lanes end: the last line said "prefetch 0% (waiting on data)"
+    from zephon_stream.cli.main import main
+
+    path = tmp_path / "c.toml"
+    path.write_text(config.replace(max_epochs=1).to_toml())
+    assert main(["stream", str(path)]) == 0
+    assert capsys.readouterr().err.splitlines()[-1].endswith("  data ended  skipped 0")
+    assert main(["stream", str(path), "--steps", "2"]) == 0  # stopped at the step asked for: the buffers' state
+    assert "  prefetch " in capsys.readouterr().err.splitlines()[-1]
+
+
 def test_eta_of_a_resumed_run_counts_the_steps_to_go_at_the_rate_after_start_up() -> None:
     clock, stats, file = Clock(), Stats(), io.StringIO()
     progress = StreamProgress(stats, total=520, start=500, file=file, tty=False, every=1e9, clock=clock)

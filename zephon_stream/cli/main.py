@@ -262,7 +262,7 @@ def _stream(args: argparse.Namespace) -> int:
         print(where, file=sys.stderr)
         raise
     if progress:
-        progress.close()
+        progress.close(data_ended=args.steps is None or loader.step < args.steps)
     if at_the_end:
         _save_state(loader, args.save_state)
     elif args.save_at is not None and not saved:
@@ -294,6 +294,7 @@ def _maybe_save(loader: Any, args: argparse.Namespace) -> bool:
 
 def _loader(args: argparse.Namespace, dp_rank: int, dp_size: int) -> Any:
     """The config's loader for this rank, with the `--resume` files loaded."""
+    from zephon_stream.errors import CheckpointError
     from zephon_stream.loader.config import Config
     from zephon_stream.loader.loader import Loader
     from zephon_stream.loader.state import state_from_bytes
@@ -303,7 +304,11 @@ def _loader(args: argparse.Namespace, dp_rank: int, dp_size: int) -> Any:
         states = []
         for f in args.resume:
             with _user_path("--resume", f):
-                states.append(state_from_bytes(f.read_bytes()))
+                data = f.read_bytes()
+            try:
+                states.append(state_from_bytes(data))
+            except CheckpointError as exc:  # of several files, the one at fault
+                raise CheckpointError(f"--resume {str(f)!r}: {exc}") from exc
         loader.load_state_dict(states)
     for step, weights in args.set_weights:
         loader.set_weights(weights, at_step=step)
@@ -332,14 +337,31 @@ def _inspect(args: argparse.Namespace) -> int:
     if loader.step > args.step:
         raise ZephonError(f"--step {args.step} is before the resumed step {loader.step}: resume from a checkpoint "
                           f"saved at or before step {args.step}, or leave out --resume")
+    carry: dict[int, bool] = {}  # per lane: whether its latest sample's last label is a target (see `_first_trained`)
     for batch in _batches(loader, args.step + 1):
+        first = _first_trained(batch, carry)
         if batch["step"] == args.step:
-            _print_batch(loader, batch)
+            _print_batch(loader, batch, first)
             return 0
     raise ZephonError(f"the data ended at global step {loader.step}, before --step {args.step}")
 
 
-def _print_batch(loader: Any, batch: dict[str, Any]) -> None:
+def _first_trained(batch: dict[str, Any], carry: dict[int, bool]) -> list[bool]:
+    """Whether each sample's first token is trained under shifted labels, which only the label at
+    the last position of its lane's previous sample says (a lane's samples continue one another:
+    that label is this token, or IGNORE); `carry` holds it per lane from batch to batch, and a
+    lane not seen yet (the first batch, or the first after a resume) starts untrained."""
+    from zephon_stream.operators.types import IGNORE
+
+    out = []
+    for lane, last in zip(batch["lanes"].tolist(), (batch["labels"][:, -1] != IGNORE).tolist()):
+        out.append(carry.get(lane, False))
+        carry[lane] = last
+    return out
+
+
+def _print_batch(loader: Any, batch: dict[str, Any], first: list[bool]) -> None:
+    """`first`: whether each sample's first token is trained (`_first_trained`), for shifted labels."""
     import torch
 
     from zephon_stream.operators.images import mark_images
@@ -353,7 +375,7 @@ def _print_batch(loader: Any, batch: dict[str, Any]) -> None:
     flat = batch["input_ids"].reshape(-1).tolist()
     targets = batch["labels"] != IGNORE  # token p is trained when a label targets it: shifted, the one at p - 1
     if loader.config.labels != "unshifted":
-        targets = torch.cat([torch.zeros_like(targets[:, :1]), targets[:, :-1]], dim=1)
+        targets = torch.cat([torch.tensor(first, dtype=torch.bool).view(-1, 1), targets[:, :-1]], dim=1)
     trained = targets.reshape(-1).tolist()
     print(f"# global batch {batch['step']}: {len(batch['slots'])} samples of {seq_len} tokens; "
           "each document piece opens with ⟦its source⟧, padding is not shown"

@@ -95,6 +95,7 @@ class StreamProgress:
         self.bar: Any = None  # the tqdm bar, once drawn
         self.last: Any = None  # the statistics at the last batch
         self.closed = False
+        self.ended = False  # the data ended (max_epochs): the last line waits on no prefetch
 
     def track(self, batches: Iterable[T]) -> Iterator[T]:
         """Yield `batches`, showing the wait for the first one, then updating after each."""
@@ -135,11 +136,13 @@ class StreamProgress:
             self.last_line = now
             self._write(self.line(st, now))
 
-    def close(self) -> None:
-        """The final line (or the bar's final state). Safe to call twice."""
+    def close(self, data_ended: bool = False) -> None:
+        """The final line (or the bar's final state), after the last batch of the data when
+        `data_ended` (it then says so, where the buffers' state would say it waits on data).
+        Safe to call twice."""
         if self.closed:
             return
-        self.closed = True
+        self.closed, self.ended = True, data_ended
         st = self.last if self.last is not None else self.statistics()  # as of the last batch: the stream may be shut
         if self.bar is not None:
             self._draw(st)
@@ -172,7 +175,7 @@ class StreamProgress:
         return f"{_amount(rate)} tok/s ({span})" if rate is not None else f"- tok/s ({span})"
 
     def _tail(self, st: Any) -> str:
-        return (f"{prefetch_text(st.buffered_batches, st.buffer_capacity)}  "
+        return (f"{'data ended' if self.ended else prefetch_text(st.buffered_batches, st.buffer_capacity)}  "
                 f"skipped {st.skipped_records + st.skipped_shards}"
                 + (f"  restarts {st.worker_restarts}" if st.worker_restarts else ""))  # lane workers that died
 

@@ -9,8 +9,13 @@ the same sequence is produced.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
+import numbers
+import os
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
@@ -150,6 +155,7 @@ class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         where = f"sources[{self.name}]"
+        _check_types(self, f"{where}.", paths=("uri", "chat_template"))
         if self.messages_field is not None:
             _check(self.image_field is None, f"{where}.messages_field", self.messages_field,
                    "a source is a chat source or an image+text source, not both: unset image_field")
@@ -265,6 +271,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     piece_tokens: int = 0
 
     def __post_init__(self) -> None:
+        _check_types(self, paths=("tokenizer",))
         _check(0 <= self.seed < 1 << 64, "seed", self.seed, "must be in [0, 2**64): seeds are 64-bit")
         _check(1 <= self.lanes <= MAX_LANES, "lanes", self.lanes, f"must be in [1, {MAX_LANES}]")
         _check(2 <= self.seq_len <= MAX_SEQ_LEN, "seq_len", self.seq_len, f"must be in [2, {MAX_SEQ_LEN}]")
@@ -518,3 +525,39 @@ def _is_http_url(url: str) -> bool:
 def _check(ok: bool, name: str, value: object, why: str) -> None:
     if not ok:
         raise ConfigError(f"config {name} = {value!r}: {why}")
+
+
+_KINDS = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}
+_KIND_WORDS = {int: "a whole number", float: "a number", str: "a string", bool: "true or false"}
+
+
+@functools.cache
+def _scalar_fields(cls: type) -> list[tuple[str, type, bool]]:
+    """(name, kind, may be None) of `cls`'s fields whose type is int, float, str or bool, or one of
+    them or None: what a Struct made in Python (msgspec checks types only when decoding) must hold."""
+    out = []
+    for f in msgspec.structs.fields(cls):
+        args = typing.get_args(f.type) if isinstance(f.type, types.UnionType) else (f.type,)
+        kinds = [a for a in args if a is not type(None)]
+        if len(kinds) == 1 and kinds[0] in _KINDS:
+            out.append((f.name, kinds[0], len(kinds) < len(args)))
+    return out
+
+
+def _check_types(struct: msgspec.Struct, where: str = "", paths: tuple[str, ...] = ()) -> None:
+    """A ConfigError for a setting of the wrong type (`seq_len="64"` in Python), before a check
+    compares it and fails with a TypeError. The settings named in `paths` may be given as a
+    `pathlib.Path`, which becomes its string, and numpy's numbers become Python's."""
+    for name, kind, optional in _scalar_fields(type(struct)):
+        value = getattr(struct, name)
+        if name in paths and isinstance(value, os.PathLike):
+            value = os.fspath(value)
+            setattr(struct, name, value)
+        elif kind in (int, float) and isinstance(value, numbers.Integral if kind is int else numbers.Real) \
+                and not isinstance(value, bool) and type(value) not in _KINDS[kind]:  # numpy's int64, float64
+            value = kind(value)
+            setattr(struct, name, value)
+        if (value is None and optional) or (isinstance(value, _KINDS[kind])
+                                            and (kind is bool or not isinstance(value, bool))):
+            continue
+        _check(False, f"{where}{name}", value, f"must be {_KIND_WORDS[kind]}, not {type(value).__name__}")
