@@ -155,7 +155,7 @@ def test_bad_documents_are_bad_records(rag_data, tmp_path, bad, problem):
     (tmp_path / "d" / "part-0.jsonl").write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in rows))
     source = msgspec.structs.replace(_config(root).sources[0], uri=f"file://{tmp_path}/d/")
     cfg = _config(root, lanes=1, global_batch_size=2, sources=[source])
-    with pytest.raises(DataError, match=r"bad conversation in '.*part-0.jsonl' \(the record at byte \d+ .*\): "
+    with pytest.raises(DataError, match=r"bad conversation in '.*part-0.jsonl' at byte \d+: "
                                         + problem):
         _epoch(cfg)
     loader = Loader(cfg.replace(on_bad_record="skip", max_epochs=1), backend="threads")

@@ -162,7 +162,7 @@ def test_bad_tools_and_tool_calls_are_bad_records(tool_data, tmp_path, bad, prob
     (tmp_path / "d" / "part-0.jsonl").write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in rows))
     cfg = _config(root, lanes=1, global_batch_size=2,
                   sources=[msgspec.structs.replace(_config(root).sources[0], uri=f"file://{tmp_path}/d/")])
-    with pytest.raises(DataError, match=r"bad conversation in '.*part-0.jsonl' \(the record at byte \d+ .*\): "
+    with pytest.raises(DataError, match=r"bad conversation in '.*part-0.jsonl' at byte \d+: "
                                         + problem):
         _epoch(cfg)
     loader = Loader(cfg.replace(on_bad_record="skip", max_epochs=1), backend="threads")

@@ -83,8 +83,9 @@ MEANINGS: dict[tuple[str, str], str] = {
     ("", "truncate"): '`packing = "none"`: cut a longer document at seq_len (counted in statistics) instead of '
                       "splitting it. ",
     ("sources", "name"): "The source's name, unique: in schedules, statistics and digests.",
-    ("sources", "uri"): "`file:///abs/dir/`, `s3://bucket/prefix/`, or a plain path relative to the config "
-                        "file: every shard under it, sorted by key. ",
+    ("sources", "uri"): "`file:///abs/dir/`, `s3://bucket/prefix/`, or a plain path (relative to the config "
+                        "file; in a `Config` made in Python, to the working directory): every shard under it, "
+                        "sorted by key. ",
     ("sources", "weight"): "The source's share of the mix; weights are relative (0.7 and 0.3 = 7 and 3); 0 "
                            "pauses the source until every weighted one has ended. ",
     ("sources", "text_field"): "The JSON key or Parquet column that holds the text, else a dotted path into "
