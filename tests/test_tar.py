@@ -258,15 +258,22 @@ def test_a_signed_checksum_of_an_old_writer_is_accepted() -> None:
     assert idx.bad_tail is None and _pairs(_parse(bytes(data), idx)) == [("é", {"txt": b"x"})]
 
 
-def test_a_member_over_max_member_stops_the_index_and_fails_the_parse() -> None:
+def test_a_member_over_max_member_is_named_by_the_index_which_goes_on_after_it() -> None:
+    # the index stopped at the member, and a skipping loader lost every sample after it as one skip
     samples = _samples(4, sizes=(500, 10))
-    samples.insert(2, ("d/big", {"png": _data("big", 5000)}))
+    samples.insert(2, ("d/big", {"png": _data("big", 5000), "txt": _data("big.txt", 10)}))
     data = _tar(_members(samples))
     big = _offsets(data)["d/big.png"][0]
-    idx, _ = _index(data, max_member=4096)
-    assert idx.bad_offset == big and "'d/big.png'" in idx.bad_tail and "5000 bytes" in idx.bad_tail
-    assert _pairs(_parse(data, idx)) == samples[:2]  # the big member opens a sample: sample 1 is complete
-    with pytest.raises(DataError, match="max_member=4096") as err:
+    idx, store = _index(data, max_member=4096, read=512)
+    assert idx.bad_tail is None and len(idx.starts) == 6 and idx.starts[2] == big
+    assert list(idx.oversized) == [big]
+    assert idx.oversized[big] == ("member 'd/big.png' at byte %d of 's.tar' holds 5,000 bytes, more than "
+                                  "max_record_bytes = 4,096: raise max_record_bytes or split the member" % big)
+    assert store.statistics().bytes_read < len(data) - 4096  # its content was skipped, not read
+    before = parse_samples(data[:big], 0, "s.tar", 4096)
+    after = parse_samples(data[idx.starts[3]:idx.starts[-1]], idx.starts[3], "s.tar", 4096)
+    assert _pairs(before + after) == samples[:2] + samples[3:]
+    with pytest.raises(DataError, match="max_record_bytes = 4,096") as err:
         parse_samples(data, 0, "s.tar", 4096)
     assert err.value.offset == big
 

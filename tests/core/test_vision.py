@@ -326,10 +326,14 @@ def test_member_over_max_record_bytes(vision_config, tmp_path):
     Image.fromarray(big).save(out, "PNG")
     root = _shard_with(tmp_path, {"png": out.getvalue(), "txt": b"large"})
     limit = len(out.getvalue()) - 1
-    with pytest.raises(DataError, match=r"bad-00000.tar"):
+    with pytest.raises(DataError, match=rf"tar shard 'bad-00000.tar': member '000004.png' at byte \d+ of "
+                                        rf"'bad-00000.tar' holds [\d,]+ bytes, more than max_record_bytes = "
+                                        rf"{limit:,}: raise max_record_bytes"):
         _run(_one_source(vision_config, root, max_record_bytes=limit))
     images, skipped = _run(_one_source(vision_config, root, max_record_bytes=limit, on_bad_record="skip"))
-    assert skipped == 1 and images == 4  # the samples before the oversized member: the index stops there
+    assert skipped == 1 and images == 7  # that sample alone (the index stopped there: the 3 after it were lost)
+    two = _one_source(vision_config, root, max_record_bytes=limit, on_bad_record="skip").replace(max_epochs=2)
+    assert _run(two) == (14, 2)  # once an epoch
 
 
 def test_image_larger_than_the_decode_limit_is_refused_before_decoding(vision_config, tmp_path):

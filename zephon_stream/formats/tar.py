@@ -68,13 +68,16 @@ class TarIndex(msgspec.Struct, frozen=True, array_like=True):
     members between samples). Empty when the shard holds no complete sample.
 
     `bad_tail` says why the walk stopped before the end of the archive (a truncated or corrupt
-    header, a member over the limit, ...), and `bad_offset` where; the samples before stay.
+    header, ...), and `bad_offset` where; the samples before stay. A sample with a member over
+    the limit is a sample of `starts` all the same (its header says how far to skip), named in
+    `oversized` (its start: why), and read as one bad record, its content unread.
     """
 
     starts: list[int]
     bad_tail: str | None = None
     bad_offset: int = -1
     ignored: int = 0  # members that belong to no sample (directories, links, names without an extension)
+    oversized: dict[int, str] = {}
 
 
 # ---- walking headers -----------------------------------------------------------------------------
@@ -86,6 +89,7 @@ class _Member(NamedTuple):
     end: int  # after its padded data
     name: str
     kind: int  # the typeflag of its own header
+    too_big: str = ""  # why, when its content is over the limit (an index walk skips it; a parse refuses it)
 
 
 class _Bad(Exception):
@@ -165,15 +169,16 @@ class _Walker:
                        "do not use: write the shard without --sparse", pos, name)
         if kind in _NO_DATA_TYPES:
             size = 0
+        too_big = ""
         if size > self.max_member:
-            raise _Bad(f"member {name!r} at byte {pos} of {self.key!r} holds {size} bytes, more than max_member="
-                       f"{self.max_member}: raise max_record_bytes or split the member", pos, name)
+            too_big = (f"member {name!r} at byte {pos} of {self.key!r} holds {size:,} bytes, more than "
+                       f"max_record_bytes = {self.max_member:,}: raise max_record_bytes or split the member")
         data = at + _BLOCK
         end = data + _padded(size)
         if end > self.limit:
             raise _Bad(f"member {name!r} at byte {pos} of {self.key!r} needs bytes up to {end}, {self._short()}", pos,
                        name)
-        return _Member(pos, data, size, end, name, kind)
+        return _Member(pos, data, size, end, name, kind, too_big)
 
     def _check_sum(self, header: bytes, at: int) -> None:
         stored = self._number(header, 148, 156, at, "checksum")
@@ -335,6 +340,7 @@ class _IndexWalk:
         self.starts: list[int] = []
         self.end = 0  # of the last complete sample
         self.bad: _Bad | None = None
+        self.oversized: dict[int, str] = {}  # sample start: why (a member over the limit, its content skipped)
         self.want: tuple[int, int] | None = (0, min(size, read))
 
     def feed(self, start: int, data: bytes) -> None:
@@ -368,10 +374,13 @@ class _IndexWalk:
                 self._stop(None)
                 return
             try:
-                self._took(self.samples.add(m)[0])
+                closed, ext = self.samples.add(m)
             except _Bad as bad:
                 self._stop(bad)
                 return
+            self._took(closed)
+            if m.too_big and ext is not None:  # a member of the open sample (one of no sample is skipped anyway)
+                self.oversized.setdefault(self.samples.start, m.too_big)
             self.pos = m.end
 
     def _took(self, closed: _Span | None) -> None:
@@ -386,9 +395,11 @@ class _IndexWalk:
 
     def result(self) -> TarIndex:
         starts = [*self.starts, self.end] if self.starts else []
+        kept = set(starts[:-1])
+        oversized = {start: why for start, why in self.oversized.items() if start in kept}  # of complete samples
         if self.bad is None:
-            return TarIndex(starts, ignored=self.samples.ignored)
-        return TarIndex(starts, str(self.bad), self.bad.offset, self.samples.ignored)
+            return TarIndex(starts, ignored=self.samples.ignored, oversized=oversized)
+        return TarIndex(starts, str(self.bad), self.bad.offset, self.samples.ignored, oversized)
 
 
 async def tar_index(store: Store, key: str, size: int, max_member: int, *, read: int = INDEX_READ) -> TarIndex:
@@ -400,7 +411,8 @@ async def tar_index(store: Store, key: str, size: int, max_member: int, *, read:
     The walk stops at the end of the archive (two zero blocks, or the end of the object), or at
     the first malformed header or member: the samples before it stay, and `bad_tail` says what
     is wrong and where. A sample is kept only when the walk saw all of it (a member that fails
-    may belong to it).
+    may belong to it). A member over `max_member` is skipped unread, and its sample is named in
+    `oversized`: the walk goes on after it.
     """
     walk = _IndexWalk(key, size, max_member, read)
     while walk.want is not None:
@@ -431,6 +443,8 @@ def parse_samples(block: bytes, base: int, key: str, max_member: int) -> list[Ta
     try:
         while (m := walker.member(pos)) is not None:
             closed, ext = samples.add(m)
+            if m.too_big and ext is not None:  # the index names its sample, which readers do not read
+                raise _Bad(m.too_big, m.start, m.name)
             if closed is not None:
                 out.append(TarSample(closed.start, closed.end - closed.start, closed.key, members))
                 members = {}

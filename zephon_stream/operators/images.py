@@ -60,18 +60,24 @@ class TarSplitReader:
     def where(self, pos: int) -> str:
         return f"byte {self.base + pos}"
 
-    def _ranges(self, first: int) -> list[tuple[int, int]]:
+    def _ranges(self, first: int) -> list[tuple[int, int, str]]:
         """Reads covering samples [first, split.end): consecutive samples together, up to _READ_PART,
-        or a `read_ahead`-th of the split when there is a window, so that its requests overlap."""
-        starts = self.shard.frames
+        or a `read_ahead`-th of the split when there is a window, so that its requests overlap;
+        a sample with a member over max_record_bytes is `(start, end, why)`, not read."""
+        starts, oversized = self.shard.frames, self.shard.oversized
         part = _READ_PART
         if self.spawn is not None and self.read_ahead > 1:
             part = min(_READ_PART, -(-(starts[self.split.end] - starts[first]) // self.read_ahead))
         out, lo = [], starts[first]
-        for i in range(first + 1, self.split.end + 1):
-            if starts[i] - lo >= part or i == self.split.end:
-                out.append((lo, starts[i]))
-                lo = starts[i]
+        for i in range(first, self.split.end):
+            if starts[i] in oversized:
+                if lo < starts[i]:
+                    out.append((lo, starts[i], ""))
+                out.append((starts[i], starts[i + 1], oversized[starts[i]]))
+                lo = starts[i + 1]
+            elif starts[i + 1] - lo >= part or i + 1 == self.split.end:
+                out.append((lo, starts[i + 1], ""))
+                lo = starts[i + 1]
         return out
 
     async def blocks(self, offset: int = 0) -> AsyncIterator[tuple[int, bytes]]:
@@ -82,19 +88,19 @@ class TarSplitReader:
             raise IncompatibleState(f"offset {offset} of {self.key!r} ({self.where(offset)}) is not a sample start "
                                     f"of split {self.split}")
         ranges = self._ranges(first) if first < self.split.end else []  # a cursor at the end: nothing left
-        parts = read_ranges(functools.partial(self.store.read, self.key), ranges, self.read_ahead, self.spawn)
-        async for (lo, hi), data in _zip_async(ranges, parts):
+        reads = [(lo, hi) for lo, hi, why in ranges if not why]
+        parts = read_ranges(functools.partial(self.store.read, self.key), reads, self.read_ahead, self.spawn)
+        for lo, hi, why in ranges:
+            if why:  # a sample too large to read: one bad record, where it lies
+                self.bad(DataError(f"tar shard {self.key!r}: {why}", key=self.key, offset=lo))
+                continue
+            data = await parts.__anext__()
             if len(data) != hi - lo:
                 raise DataError(f"tar shard {self.key!r} changed or was cut while reading: bytes [{lo}, {hi}) "
                                 f"gave {len(data)} bytes", key=self.key, offset=lo)
             yield lo - self.base, data
         if self.split.end == len(starts) - 1 and self.shard.bad_tail:  # the split that owns the shard's tail
             self.bad(DataError(f"tar shard {self.key!r}: {self.shard.bad_tail}", key=self.key, offset=starts[-1]))
-
-
-async def _zip_async(items: list[Any], parts: AsyncIterator[bytes]) -> AsyncIterator[tuple[Any, bytes]]:
-    for item in items:
-        yield item, await parts.__anext__()
 
 
 class ImageRecord(msgspec.Struct, frozen=True, array_like=True):

@@ -85,6 +85,7 @@ class ShardPlan(msgspec.Struct, frozen=True, array_like=True):
     bad_tail: str = ""  # tar: why the archive ends before its size (truncated, corrupt), read as one bad record
     rows: list[int] = []  # parquet: the first row of every row group, then the number of rows
     content: list[int] = []  # zstd with a seek table: running total of the frames' decompressed sizes (planning)
+    oversized: dict[int, str] = {}  # tar: samples with a member over max_record_bytes (start: why), one bad record each
 
 
 class Split(msgspec.Struct, frozen=True, array_like=True):
@@ -299,7 +300,8 @@ async def _plan_tar(store: Store, obj: ObjectInfo, max_record: int, on_bad: str)
         raise DataError(f"tar shard {obj.key!r}: {index.bad_tail}" + (
             "" if on_bad == "skip" else ' (set on_bad_record = "skip" to keep the samples before it)'),
             key=obj.key, offset=index.bad_offset)
-    return ShardPlan(obj.key, obj.size, obj.etag, list(index.starts), index.bad_tail or "")
+    return ShardPlan(obj.key, obj.size, obj.etag, list(index.starts), index.bad_tail or "",
+                     oversized=dict(index.oversized))
 
 
 async def plan_parquet(store: Store, obj: ObjectInfo, columns: list[tuple[str, str]]) -> ShardPlan:
