@@ -421,3 +421,20 @@ def test_inspect_marks_each_image_with_its_size_and_grid(vision_config, tmp_path
     for t, h, w in batch["image_grid_thw"].tolist():
         assert f"px, grid {t}x{h}x{w}, {t * h * w // 4} tokens⟧" in out
     assert out.count("⟦image ") == len(batch["image_grid_thw"]) and "<|image_pad|>" not in out
+
+
+@pytest.mark.parametrize("backend", ["threads", "processes"])
+def test_pillow_s_load_truncated_images_is_refused_not_obeyed(vision_config, tmp_path, monkeypatch, backend):
+    # with the flag (set in the trainer's main(), as LLaVA-style code does) a truncated image was
+    # decoded into made-up pixels on threads, and a bad record on processes (workers without it)
+    from PIL import ImageFile
+
+    from zephon_stream.vision.image import load_image
+
+    root = _shard_with(tmp_path, BAD_SAMPLES["truncated image"][0])
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    with pytest.raises(ConfigError, match=r"PIL\.ImageFile\.LOAD_TRUNCATED_IMAGES is True in this process: .* set it "
+                                          r"back to False"):
+        next(iter(Loader(_one_source(vision_config, root, on_bad_record="skip"), backend=backend)))
+    with pytest.raises(ConfigError, match="LOAD_TRUNCATED_IMAGES"):
+        load_image(make_image(random.Random(1)), vision_config.vision.image_spec())

@@ -451,6 +451,10 @@ class Loader:
                               "`iter(loader)` not exhausted or closed, or an `open()` block): each stream continues "
                               "from the last batch handed out, so only one may be open; leave the other first "
                               "(break, or close the iterator: `it.close()`), or stream from another Loader")
+        if self.config.vision is not None:  # here too: the processes backend decodes in workers that may not have it
+            from zephon_stream.vision.image import check_pillow_settings
+
+            check_pillow_settings()
         self._opened += 1
         if self.config.backend == "processes":
             start_fork_server()

@@ -84,6 +84,7 @@ __all__ = [
     "MAX_ASPECT_RATIO",
     "BadImage",
     "ImageSpec",
+    "check_pillow_settings",
     "grid",
     "image_size",
     "image_tokens",
@@ -166,12 +167,31 @@ def image_size(data: bytes, spec: ImageSpec) -> tuple[int, int]:
         return im.size[1], im.size[0]
 
 
+def check_pillow_settings() -> None:
+    """Refuse Pillow's `ImageFile.LOAD_TRUNCATED_IMAGES = True` (a process-wide setting that
+    LLaVA-style training code often sets): Pillow then decodes a truncated or corrupt image into
+    made-up pixels (and skips checksums in PNG headers), where this module makes it a bad image.
+    Which images are bad would then depend on a global outside the config, and differ between
+    the threads backend (decoding in the trainer's process) and processes (in workers that
+    may not have it set)."""
+    from PIL import ImageFile
+
+    if ImageFile.LOAD_TRUNCATED_IMAGES:
+        raise ConfigError(
+            "PIL.ImageFile.LOAD_TRUNCATED_IMAGES is True in this process: Pillow would decode a truncated or "
+            "corrupt image into made-up pixels, where the loader makes it a bad record (a DataError, or a "
+            "counted skip with on_bad_record = \"skip\"), and the batches would depend on a setting outside the "
+            "config; set it back to False before streaming images (`from PIL import ImageFile; "
+            "ImageFile.LOAD_TRUNCATED_IMAGES = False`)")
+
+
 def _open(data: bytes, spec: ImageSpec) -> PILImage.Image:
     """Parse the header with the plugin of the first format in `FORMATS` that accepts the bytes.
 
     This is `PIL.Image.open` without its process-wide bomb check: `_check_size` decides instead.
     """
     image = _pil()
+    check_pillow_settings()
     _raise_pillow_limit(spec.max_decoded_pixels)
     if not isinstance(data, (bytes, bytearray)):
         raise TypeError(f"image data must be bytes, got {type(data).__name__}")
