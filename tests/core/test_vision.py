@@ -438,3 +438,25 @@ def test_pillow_s_load_truncated_images_is_refused_not_obeyed(vision_config, tmp
         next(iter(Loader(_one_source(vision_config, root, on_bad_record="skip"), backend=backend)))
     with pytest.raises(ConfigError, match="LOAD_TRUNCATED_IMAGES"):
         load_image(make_image(random.Random(1)), vision_config.vision.image_spec())
+
+
+def test_text_that_holds_a_vision_token_s_text_is_a_bad_record(vision_config, tmp_path):
+    # "<|image_pad|>" in a caption or a text document became the image token's id: a placeholder
+    # without an image, which a Qwen2-VL model counts against the image's features
+    root = _shard_with(tmp_path, {"png": make_image(random.Random(4)), "txt": b"look <|image_pad|> here"})
+    with pytest.raises(DataError, match=r"bad caption in 'bad-00000.tar' at byte \d+: its text holds "
+                                        r"'<\|image_pad\|>', which only an image span may"):
+        _run(_one_source(vision_config, root))
+    assert _run(_one_source(vision_config, root, on_bad_record="skip")) == (7, 1)
+    (tmp_path / "text").mkdir()
+    lines = [{"text": "plain words"}, {"text": "a <|vision_start|> b <|image_pad|> c"}, {"text": "more plain words"}]
+    (tmp_path / "text" / "t.jsonl").write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in lines))
+    text = SourceConfig(name="t", uri=f"file://{tmp_path}/text/")
+    cfg = vision_config.replace(sources=[text], lanes=1, global_batch_size=1, max_epochs=1)
+    with pytest.raises(DataError, match=r"bad document in 't.jsonl' at byte 23: its text holds '<\|image_pad\|>', "
+                                        r"'<\|vision_start\|>'"):
+        list(Loader(cfg, backend="threads"))
+    loader = Loader(cfg.replace(on_bad_record="skip"), backend="threads")
+    ids = np.concatenate([b["input_ids"].flatten().numpy() for b in loader])
+    vision_ids = [loader.tokenizer.token_id(t, t) for t in ("<|image_pad|>", "<|vision_start|>")]
+    assert loader.statistics().skipped_records == 1 and not np.isin(ids, vision_ids).any()

@@ -111,7 +111,7 @@ class Lanes:
         self.decode_cpu = decode_cpu or run_cpu  # image sources' decode calls (`vision.decode_threads`)
         self.images = [s.image_field is not None for s in config.sources]
         self.parsers = [self._parser(s) for s in range(len(plan.sources))]
-        self.vision = VisionTokens(config.vision, tokenizer, config.seq_len) if any(self.images) else None
+        self.vision = VisionTokens(config.vision, tokenizer, config.seq_len) if config.vision is not None else None
         self.chats = [ChatTokens.for_source(config, s, tokenizer) if src.messages_field is not None else None
                       for s, src in enumerate(config.sources)]
         self._perm = lru_cache(maxsize=8)(self._permutation)
@@ -221,8 +221,12 @@ class Lanes:
             assert self.vision is not None
             return self.vision(docs, bad or self.parsers[source].bad, key, where)
         if (chat := self.chats[source]) is not None:  # conversations: rendered, tokenized, trained tokens marked
-            return chat(docs, bad or self.parsers[source].bad, key, where)
-        return [(ref, ids) for (ref, _), ids in zip(docs, self.tokenizer([t for _, t in docs]))]
+            out = chat(docs, bad or self.parsers[source].bad, key, where)
+        else:
+            out = [(ref, ids) for (ref, _), ids in zip(docs, self.tokenizer([t for _, t in docs]))]
+        if self.vision is not None:  # beside images: a text that holds the image token's text is a bad record
+            out = self.vision.clean(out, bad or self.parsers[source].bad, key, where)
+        return out
 
 
 def _packer(cfg: Config, pad: int, upstream: Operator[Doc]) -> Operator[Sample]:

@@ -188,6 +188,38 @@ class VisionTokens:
         self.end = [tokenizer.token_id(t, f"vision.{f}") for f, t in
                     (("vision_end_token", vision.vision_end_token),) if t is not None]
         self.bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+        # the ids that only an image span may hold: a caption or text whose words encode to one (its text
+        # holds "<|image_pad|>") would give the model a placeholder without an image
+        self.reserved = {self.image_id: vision.image_token}
+        for tid, token in zip(self.start + self.end, [t for t in (vision.vision_start_token, vision.vision_end_token)
+                                                       if t is not None]):
+            self.reserved[tid] = token
+        self._reserved = np.array(sorted(self.reserved), dtype=np.uint32)
+
+    def clean(self, docs: list[tuple[Any, Any]], bad: BadRecords, key: str, where: Callable[[int], str] | None,
+              what: str = "document") -> list[tuple[Any, Any]]:
+        """`docs` (`(ref, ids)`, ids an array or a doc that holds `ids`) without those whose ids hold a
+        vision token, each a bad record: the text has that token's text in it."""
+        dropped = self.holding_vision_tokens(docs, bad, key, where, what)
+        return docs if not dropped else [d for i, d in enumerate(docs) if i not in dropped]
+
+    def holding_vision_tokens(self, docs: list[tuple[Any, Any]], bad: BadRecords, key: str,
+                              where: Callable[[int], str] | None, what: str) -> set[int]:
+        """The positions in `docs` of those whose ids hold a vision token, each passed to `bad`."""
+        if not docs or not np.isin(np.concatenate([getattr(d, "ids", d) for _, d in docs]), self._reserved).any():
+            return set()  # one look at them all: the common case
+        out = set()
+        for i, (ref, doc) in enumerate(docs):
+            found = np.isin(self._reserved, getattr(doc, "ids", doc))
+            if not found.any():
+                continue
+            at = where(ref[2]) if where is not None else f"byte {ref[2]} of its split"
+            tokens = ", ".join(repr(self.reserved[int(t)]) for t in self._reserved[found])
+            bad(DataError(f"bad {what} in {key!r} at {at}: its text holds {tokens}, which only an image span may: "
+                          "the model would take it for part of an image; remove it from the data", key=key,
+                          offset=ref[2]))
+            out.add(i)
+        return out
 
     def __call__(self, docs: list[tuple[Any, ImageRecord]], bad: BadRecords, key: str,
                  where: Callable[[int], str] | None = None) -> list[tuple[Any, ImageDoc]]:
@@ -210,8 +242,12 @@ class VisionTokens:
                 bad(DataError(f"bad image {rec.member!r} in {key!r} (the sample at {at}): {exc}", key=key,
                               offset=ref[2]))
         captions = self.tokenizer([rec.text for _, rec, _, _ in images]) if images else []
+        dropped = self.holding_vision_tokens([(ref, c) for (ref, *_), c in zip(images, captions)], bad, key, where,
+                                             "caption")
         out = []
-        for (ref, _, frame, (gh, gw)), caption in zip(images, captions):
+        for i, ((ref, _, frame, (gh, gw)), caption) in enumerate(zip(images, captions)):
+            if i in dropped:
+                continue
             k = gh * gw // self.spec.merge_size ** 2
             head = np.array(self.bos + self.start + [self.image_id] * k + self.end, dtype=np.uint32)
             first = len(self.bos) + len(self.start)  # the BOS (if any) opens the document, before the image
