@@ -222,7 +222,8 @@ def test_bad_image_rows():
     table = pa.table({"image": pa.array([{"bytes": b"png", "path": "a"}, {"bytes": None, "path": "b"}, None,
                                          {"bytes": b"png", "path": "c"}, {"bytes": b"png", "path": "d"}], hf),
                       "caption": ["ok", "no bytes", "null image", " ", "ok too"]})
-    with pytest.raises(DataError, match="column 'image', row 1 of row group 0: the image is null"):
+    with pytest.raises(DataError, match="column 'image', row 1 of row group 0: the image's bytes are null and it "
+                                        "names only a path, 'b': images are read from their bytes, not from paths"):
         _read({"a.parquet": _parquet(table)}, text_field="caption", image_field="image")
     records, parser = _read({"a.parquet": _parquet(table)}, text_field="caption", image_field="image", on_bad="skip")
     assert [r.text for _, _, r in records] == ["ok", "ok too"] and parser.skipped == 3

@@ -460,3 +460,36 @@ def test_text_that_holds_a_vision_token_s_text_is_a_bad_record(vision_config, tm
     ids = np.concatenate([b["input_ids"].flatten().numpy() for b in loader])
     vision_ids = [loader.tokenizer.token_id(t, t) for t in ("<|image_pad|>", "<|vision_start|>")]
     assert loader.statistics().skipped_records == 1 and not np.isin(ids, vision_ids).any()
+
+
+def test_image_source_mistakes_say_what_to_change(vision_config, dataset, tmp_path):
+    text_root, _ = dataset
+    on_text = msgspec.structs.replace(vision_config.sources[0], uri=f"file://{text_root}/a/")
+    with pytest.raises(ConfigError, match=r"no \*\.tar or \*\.parquet objects under .* \(it holds \*\.jsonl: 3\); "
+                                          r"image_field makes it an image\+text source: remove image_field to read it "
+                                          r"as text"):
+        next(iter(Loader(vision_config.replace(sources=[on_text]), backend="inline")))
+    # members of two samples interleaved: each sample then lacks a member, which the tar holds
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in [("a.png", make_image(random.Random(1))), ("b.png", make_image(random.Random(2))),
+                           ("a.txt", b"first"), ("b.txt", b"second")]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "m.tar").write_bytes(buf.getvalue())
+    with pytest.raises(DataError, match=r"sample '[ab]' .* has no caption member 'txt' \(it has png; a sample's "
+                                        r"members follow one another in the tar"):
+        _run(_one_source(vision_config, tmp_path / "mixed"))
+
+
+def test_vision_tokens_of_their_own_and_a_json_caption_field_with_a_name(vision_config):
+    # each was accepted: a start token equal to the image token gave one more placeholder than the image has
+    with pytest.raises(ConfigError, match=r"vision.vision_start_token = '<\|image_pad\|>': is the image_token"):
+        msgspec.structs.replace(vision_config.vision, vision_start_token="<|image_pad|>")
+    with pytest.raises(ConfigError, match=r"vision.vision_end_token = '<\|vision_start\|>': is the vision_start_token"):
+        msgspec.structs.replace(vision_config.vision, vision_start_token="<|vision_start|>",
+                                vision_end_token="<|vision_start|>")
+    with pytest.raises(ConfigError, match=r"text_field = 'json:': names the caption member"):
+        msgspec.structs.replace(vision_config.sources[0], text_field="json:")

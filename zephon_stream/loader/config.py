@@ -76,6 +76,11 @@ class VisionConfig(ImageSpec, frozen=True, forbid_unknown_fields=True):
         _check(self.decode_ahead >= 1, "vision.decode_ahead", self.decode_ahead, "must be >= 1")
         _check(self.decode_threads >= 1, "vision.decode_threads", self.decode_threads, "must be >= 1")
         _check(bool(self.image_token), "vision.image_token", self.image_token, "must name a token")
+        for name in ("vision_start_token", "vision_end_token"):
+            _check(getattr(self, name) != self.image_token, f"vision.{name}", getattr(self, name),
+                   "is the image_token: the image span's start and end need tokens of their own (or unset them)")
+        _check(self.vision_start_token is None or self.vision_start_token != self.vision_end_token,
+               "vision.vision_end_token", self.vision_end_token, "is the vision_start_token: give each its own token")
 
     def max_image_tokens(self) -> int:
         """The most tokens one image takes in a sample: placeholders plus start and end."""
@@ -178,6 +183,9 @@ class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
         if self.image_field is not None:
             _check(bool(self.image_extensions), f"{where}.image_field", self.image_field,
                    'must list member extensions, e.g. "png" or "jpg;jpeg;png;webp"')
+            ext, colon, key = self.text_field.partition(":")
+            _check(bool(ext) and (not colon or bool(key)), f"{where}.text_field", self.text_field,
+                   'names the caption member ("txt") or a field of a JSON member ("json:caption")')
         if self.profile is not None:
             _check(bool(self.profile.strip()), f"{where}.profile", self.profile, "must name a profile")
         if self.endpoint_url is not None:

@@ -111,6 +111,9 @@ class ImageRecord(msgspec.Struct, frozen=True, array_like=True):
     member: str  # the image member's name, for error messages
 
 
+_TOGETHER = "; a sample's members follow one another in the tar, as WebDataset writes them"
+
+
 class ImageParser:
     """Decodes blocks of tar samples into `(offset, length, ImageRecord)` records.
 
@@ -149,10 +152,11 @@ class ImageParser:
         image_ext = next((e for e in self.image_exts if e in sample.members), None)
         if image_ext is None:
             raise DataError(f"{where} has no image member (looked for {', '.join(self.image_exts)}; it has "
-                            f"{', '.join(sorted(sample.members)) or 'none'})", key=reader.key, offset=sample.offset)
+                            f"{', '.join(sorted(sample.members)) or 'none'}{_TOGETHER})", key=reader.key,
+                            offset=sample.offset)
         if self.text_ext not in sample.members:
             raise DataError(f"{where} has no caption member {self.text_ext!r} (it has "
-                            f"{', '.join(sorted(sample.members))})", key=reader.key, offset=sample.offset)
+                            f"{', '.join(sorted(sample.members))}{_TOGETHER})", key=reader.key, offset=sample.offset)
         raw = sample.members[self.text_ext]
         try:
             text = (field(msgspec.json.decode(raw, type=dict[str, Any]), self.json_field) if self.json_field

@@ -243,7 +243,9 @@ class ParquetParser:
             raise self._error(reader, pos, self.text_field, "the caption is empty")
         assert self.image_field is not None
         if image is None:
-            raise self._error(reader, pos, self.image_field, "the image is null")
+            raise self._error(reader, pos, self.image_field, "the image is null" if not name else
+                              f"the image's bytes are null and it names only a path, {name!r}: images are read "
+                              "from their bytes, not from paths; write the files with the images' bytes in them")
         if len(image) > self.max_record:
             raise self._error(reader, pos, self.image_field, f"the image takes {len(image)} bytes, more than "
                                                               f"max_record_bytes = {self.max_record}")

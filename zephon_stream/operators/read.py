@@ -164,8 +164,10 @@ def warn_coarse(sp: SourcePlan, lanes: int, max_epochs: int = 0) -> None:
     if 0 < len(sp.splits) < lanes:
         piece = ("zstd frames or gzip members" if sp.format == "lines" else "row groups" if sp.format == "parquet"
                  else "samples")
-        cost = (f"{lanes - len(sp.splits)} of its lanes have no split in an epoch and give padding while the others "
-                "read" if max_epochs else "lanes read its epochs at the same time and nearby batches repeat documents")
+        idle = lanes - len(sp.splits)
+        cost = (f"{idle} of its lanes {'has' if idle == 1 else 'have'} no split in an epoch and give"
+                f"{'s' if idle == 1 else ''} padding while the others read" if max_epochs
+                else "lanes read its epochs at the same time and nearby batches repeat documents")
         stored = sum(s.frames[-1] - s.frames[0] if s.frames else s.size for s in sp.shards)
         per_lane = max(1, stored // lanes >> 10)  # KiB: a frame that size or smaller gives every lane a split
         fix = ("with smaller frames: `zephon shard --frame-size` (256KiB by default), e.g. "
@@ -221,6 +223,8 @@ def _list_shards(objects: list[ObjectInfo], name: str, uri: str, images: bool) -
         convert = ("; `zephon shard` converts .arrow (Hugging Face save_to_disk), .json (JSON lines or an array of "
                    "records), .csv, .tsv (gzipped too), .txt and .md files"
                    if not images and set(there) & _CONVERTIBLE else "")
+        if images and any(o.key.endswith(FORMATS["lines"]) for o in objects):
+            convert = "; image_field makes it an image+text source: remove image_field to read it as text"
         raise ConfigError(f"source {name!r}: no {what} objects under {uri}{held}{convert}")
     if len(present) > 1:
         raise ConfigError(f"source {name!r}: {uri} holds both {_KIND_NAMES[present[0]]} shards "
