@@ -36,7 +36,7 @@ class TinyVLM(nn.Module):
         self.merger = nn.Sequential(nn.LayerNorm(d * self.merge2), nn.Linear(d * self.merge2, d))
         self.embed, self.pos = nn.Embedding(vocab, d), nn.Embedding(max_len, d)
         layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
-        self.decoder = nn.TransformerEncoder(layer, layers)
+        self.decoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)  # norm_first: no nested path
         self.head = nn.Linear(d, vocab)
 
     def forward(self, batch: dict) -> torch.Tensor:
