@@ -15,6 +15,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+import torch
 
 from zephon_stream import CheckpointError, ConfigError, Loader, ZephonError
 from zephon_stream.loader.config import Config, SourceConfig
@@ -170,6 +171,27 @@ def test_the_state_of_a_recent_step_for_a_trainer_that_fetches_ahead(config) -> 
     resumed = Loader(config, backend="inline")
     resumed.load_state_dict(loader.state_dict(step=17))
     assert next(iter(resumed))["step"] == 17
+
+
+def test_the_state_a_stream_started_from_is_kept_too(config) -> None:
+    # a trainer that fetched its first batch ahead and saves before training on it asks for step 0:
+    # it was refused ("remembers steps 1..1 only")
+    loader = Loader(config, backend="inline")
+    start = loader.state_dict()
+    it = iter(loader)
+    first = next(it)
+    at_0 = loader.state_dict(step=0)
+    assert {k: v for k, v in at_0.items() if k != "meta"} == {k: v for k, v in start.items() if k != "meta"}
+    it.close()
+    again = Loader(config, backend="inline")
+    again.load_state_dict(at_0)  # its meta now names the data too
+    assert torch.equal(next(iter(again))["input_ids"], first["input_ids"])
+    resumed = Loader(config, backend="inline")
+    resumed.load_state_dict(loader.state_dict(step=1))
+    it = iter(resumed)
+    next(it)  # the resumed stream's first step, 1, is kept as well
+    assert resumed.state_dict(step=1) == loader.state_dict(step=1)
+    it.close()
 
 
 SCRIPT = """

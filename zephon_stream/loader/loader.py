@@ -121,6 +121,8 @@ class Frontier:
 
     def commit(self, samples: list[Sample]) -> None:
         """Consume one global batch: count it and remember the lane states there."""
+        if not self.history:  # the step the stream started from too: a trainer that fetched ahead may save it
+            self.history.append((self.step, dict(self.lanes)))
         lanes = dict(self.lanes)
         for sample in samples:
             self.consume(lanes, sample)
