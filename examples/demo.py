@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -87,9 +88,22 @@ def main() -> int:
     vision = images_and_text(root, demo)
     if vision is None:
         return 1
-    print(f"\nnext: zephon stream {toml} --steps 5 --digests | head -3;  zephon inspect {toml} --step 0 | head -20"
-          + (f";  zephon inspect {vision} --step 2 | head -5" if vision else ""))
+    zephon = _command("zephon")
+    print(f"\nnext: {zephon} stream {toml} --steps 5 --digests | head -3;  {zephon} inspect {toml} --step 0 | head -20"
+          + (f";  {zephon} inspect {vision} --step 2 | head -5" if vision else ""))
     return 0
+
+
+def _command(name: str) -> str:
+    """`name` as it can be pasted into a shell here: bare when the shell finds this environment's, else
+    its path (`.venv/bin/zephon` when the venv is not activated)."""
+    mine = Path(sys.executable).parent / name
+    if shutil.which(name) == str(mine) or not mine.exists():
+        return name
+    try:
+        return str(mine.relative_to(Path.cwd()))
+    except ValueError:
+        return str(mine)
 
 
 def _stream(config: Config, rank: int, size: int, backend: str, state: object, stop: int) -> tuple[list, object]:

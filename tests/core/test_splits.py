@@ -70,8 +70,8 @@ def test_coarse_frames_warn_once_naming_the_source(tmp_path, dataset, caplog):
     warned = [r.getMessage() for r in caplog.records if "splits for 12 lanes" in r.getMessage()]
     assert len(warned) == 1 and warned[0].startswith(
         "source 'small' has 6 splits for 12 lanes: its zstd frames or gzip members cannot be cut "
-        "finer, so lanes read its epochs at the same time and nearby batches repeat documents; "
-        "rewrite it with smaller frames: `zephon shard --frame-size` (256KiB by default), e.g. "), warned
+        "finer, so lanes read the same splits at about the same time: one batch can hold the same samples "
+        "several times; rewrite it with smaller frames: `zephon shard --frame-size` (256KiB by default), e.g. "), warned
     # not 64KiB, which gave this small source one frame a shard: the smallest, and too few bytes for 12 lanes
     assert re.search(r"e\.g\. 1KiB \(its 3,\d\d\d bytes are too few to give each of 12 lanes a split\)$",
                      warned[0]), warned

@@ -120,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data-parallel ranks in all; must divide lanes and global_batch_size (default 1)")
     p.add_argument("--backend", choices=["inline", "threads", "processes", "ray"], default=None, help=_BACKEND_HELP)
     p.add_argument("--digests", action="store_true",
-                   help="print one JSON line per sample this rank receives (step, slot, lane, tokens, sha256) "
-                        "instead of progress")
+                   help="print one JSON line per sample this rank receives (step, slot, lane, tokens, sha256, "
+                        "images, pixels_sha256, source_tokens, trained) instead of progress")
     p.add_argument("--save-state", type=Path, metavar="FILE",
                    help="write this rank's state_dict() to FILE once --save-at global steps are consumed; "
                         "without --save-at, where the stream stops (--steps, the end of the data, or Ctrl-C)")
@@ -132,7 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set_weights(p)
     p.set_defaults(func=_stream)
 
-    p = sub.add_parser("inspect", help="print one global batch decoded back to text")
+    p = sub.add_parser("inspect", help="print one global batch decoded back to text",
+                       description="Print global batch --step of a config decoded back to text: each sample with its "
+                                   "slot and lane, each document piece opened by its source's name, image spans and "
+                                   "chat sources' trained text marked.")
     p.add_argument("config", type=Path, help="the config's TOML file")
     p.add_argument("--step", type=_count, required=True, help="the global step to print (0 is the first batch)")
     p.add_argument("--resume", type=Path, nargs="+", metavar="FILE",
@@ -141,7 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set_weights(p)
     p.set_defaults(func=_inspect)
 
-    p = sub.add_parser("config", help="print a config in full, defaults included")
+    p = sub.add_parser("config", help="print a config in full, defaults included",
+                       description="Print a config in full, defaults included, as TOML that `zephon stream` reads "
+                                   "back (the same batches): the settings a run really used.")
     p.add_argument("config", type=Path, help="the config's TOML file")
     p.set_defaults(func=_config)
 

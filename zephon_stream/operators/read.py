@@ -167,7 +167,8 @@ def warn_coarse(sp: SourcePlan, lanes: int, max_epochs: int = 0) -> None:
         idle = lanes - len(sp.splits)
         cost = (f"{idle} of its lanes {'has' if idle == 1 else 'have'} no split in an epoch and give"
                 f"{'s' if idle == 1 else ''} padding while the others read" if max_epochs
-                else "lanes read its epochs at the same time and nearby batches repeat documents")
+                else "lanes read the same splits at about the same time: one batch can hold the same samples "
+                "several times")
         stored = sum(s.frames[-1] - s.frames[0] if s.frames else s.size for s in sp.shards)
         per_lane = max(1, stored // lanes >> 10)  # KiB: a frame that size or smaller gives every lane a split
         fix = ("with smaller frames: `zephon shard --frame-size` (256KiB by default), e.g. "
