@@ -260,9 +260,12 @@ async def train(args: argparse.Namespace, regions: dict[str, dict], run: Run, wo
     def published(info, at: float) -> None:
         sha = weights_sha(publishing.snapshot) if args.verify_bytes else None
         run.published[info.version] = Published(info.version, at, info.model_digest, info.keyframe, sha)
-        kind = "keyframe" if info.keyframe else "delta"
-        print(f"v{info.version:<3} published at step {run.steps}: {kind}, {info.delta_bytes + info.key_bytes:,} bytes "
-              f"of {info.model_bytes:,}, digest {info.model_digest:016x}", flush=True)
+        # a keyframe version also holds the delta from the version before it, for subscribers that have that one
+        kind = (f"keyframe of {info.key_bytes:,} bytes" + (f" + delta of {info.delta_bytes:,}" if info.delta_bytes
+                                                            else "") if info.keyframe
+                else f"delta of {info.delta_bytes:,} bytes")
+        print(f"v{info.version:<3} committed during step {run.steps}: {kind}, model {info.model_bytes:,} bytes, "
+              f"digest {info.model_digest:016x}", flush=True)
 
     pstore, pkey = open_store(PREFIX, **regions["trainer"])
     pub = Publisher(pkey, store=pstore, keyframe_every=args.keyframe_every, keep_versions=args.keep_versions,
