@@ -505,3 +505,20 @@ def _ends(data: bytes) -> set[int]:
     """The offsets at which a member ends (a cut there reads as a tar without end blocks)."""
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tf:
         return {i.offset_data + (-(-i.size // 512) * 512 if i.isreg() else 0) for i in tf.getmembers()}
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shard=_shards(), limit=st.integers(1, 2500), read=st.sampled_from([512, 1500, 8192, INDEX_READ]))
+def test_fuzz_samples_with_a_member_over_the_limit_are_named_and_the_others_read(
+        shard: tuple[bytes, list[Sample]], limit: int, read: int) -> None:
+    # each sample with a member over the limit is named by the index, unread; every other sample
+    # parses as tarfile reads it (the walk used to stop at the first such member)
+    whole, samples = shard
+    complete = whole + bytes(1024)
+    idx, _ = _index(complete, max_member=limit, read=read)
+    assert idx.bad_tail is None and len(idx.starts) == len(samples) + (1 if samples else 0)
+    over = [i for i, (_, members) in enumerate(samples) if any(len(b) > limit for b in members.values())]
+    assert sorted(idx.oversized) == [idx.starts[i] for i in over]
+    got = [s for i, (a, b) in enumerate(zip(idx.starts, idx.starts[1:])) if i not in over
+           for s in parse_samples(complete[a:b], a, "s.tar", limit)]
+    assert _pairs(got) == [s for i, s in enumerate(samples) if i not in over]
