@@ -127,7 +127,8 @@ def test_refuses_changed_data_or_config(config, dataset, tmp_path):
     other.load_state_dict(state)
     with pytest.raises(IncompatibleState, match=rf"source 'a' had {len(shards)} shards of {was:,} bytes, now "
                                                 rf"{len(shards)} shards of {was:,} bytes \(a shard was replaced"
-                                                r".* modification time.*copy the files again with `cp -rp`"):
+                                                r".*a local file's ETag is its modification time and size.*copy "
+                                                r"the files again with `cp -rp`"):
         next(iter(other))  # a local copy that did not keep the times reads the same: the message says so
     older = LoaderState.from_dict(state)  # a checkpoint from before the sources' part was kept
     older = {**state, "meta": msgspec.msgpack.encode(msgspec.structs.replace(older.header, data_sources={}))}

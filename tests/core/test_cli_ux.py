@@ -177,6 +177,33 @@ def test_ctrl_c_says_where_it_stopped_and_saves_the_state_there(cfg, tmp_path, c
     assert _digests(capsys, ["stream", str(cfg), "--steps", str(step + 2), "--resume", str(saved)]) == whole[step * 24:]
 
 
+def test_an_error_mid_stream_saves_the_state_of_the_last_batch_handed_out(cfg, tmp_path, capsys, monkeypatch) -> None:
+    """--save-state without --save-at, and the stream stops on an error (a store that stayed down):
+    the state there is written, as on Ctrl-C, and the run resumes from it. Nothing was written."""
+    from zephon_stream import ConnectorError
+    from zephon_stream.cli import main as cli
+
+    whole = _digests(capsys, ["stream", str(cfg), "--steps", "6"])
+    real = cli._batches
+
+    def three_then_down(loader, stop):  # the fourth batch's read fails, as the loader raises it
+        batches = real(loader, stop)
+        for _ in range(3):
+            yield next(batches)
+        batches.close()
+        raise ConnectorError("GetObject s3://b/k failed: EndpointConnectionError after retries")
+
+    monkeypatch.setattr(cli, "_batches", three_then_down)
+    saved = tmp_path / "down.state"
+    assert main(["stream", str(cfg), "--steps", "6", "--save-state", str(saved), "--digests"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"zephon: error: GetObject s3://b/k failed: EndpointConnectionError after retries; the stream "
+                   f"stopped at global step 3, and its state is in {str(saved)!r} (--resume it once the cause is "
+                   "fixed)\n")
+    monkeypatch.undo()
+    assert _digests(capsys, ["stream", str(cfg), "--steps", "6", "--resume", str(saved)]) == whole[3 * 24:]
+
+
 def _group(pgid: int, needle: str) -> list[int]:
     """The pids of process group `pgid` whose command line holds `needle`."""
     found = []

@@ -252,11 +252,20 @@ def _stream(args: argparse.Namespace) -> int:
         progress = StreamProgress(loader.statistics, total=args.steps, start=loader.step)
         batches = progress.track(batches)
     at_the_end = args.save_state is not None and args.save_at is None  # save where the stream stops
+    start = loader.step
     try:
         for batch in batches:
             if args.digests:
                 _write_digests(batch, sys.stdout, [s.name for s in loader.config.sources])
             saved = _maybe_save(loader, args) or saved
+    except ZephonError as exc:  # a bad record, a store that stayed down: keep what was streamed, as Ctrl-C does
+        if not at_the_end or loader.step == start:
+            raise
+        if progress:
+            progress.close()
+        _save_state(loader, args.save_state)
+        raise ZephonError(f"{exc}; the stream stopped at global step {loader.step}, and its state is in "
+                          f"{str(args.save_state)!r} (--resume it once the cause is fixed)") from exc
     except KeyboardInterrupt:
         if progress:
             progress.close()

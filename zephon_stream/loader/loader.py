@@ -157,13 +157,11 @@ class Frontier:
             self.lanes[lane] = msgspec.structs.replace(self.lanes[lane], done=True)
 
 
-def _same_size_change(uri: str) -> str:
-    """Why shards of the same count and size can differ from a checkpoint's, for a source at `uri`."""
-    if uri.startswith("file:") or "://" not in uri:  # LocalStore: a file's ETag is its mtime and size
-        return (" (a shard was replaced or rewritten: another key, size or modification time. A local file's "
-                "ETag is its modification time and size, so a copy that did not keep the times, such as "
-                "`cp -r` without -p, reads as rewritten: copy the files again with `cp -rp` or `rsync -a`)")
-    return " (a shard was replaced or rewritten: another key, size or ETag)"
+#: Why local shards of the same count and size can differ from a checkpoint's (LocalStore: a file's ETag is
+#: its modification time and size; S3's is a hash of the content, so the same bytes on another store differ too).
+_SAME_SIZE_LOCAL = ("a local file's ETag is its modification time and size, so a copy that did not keep the "
+                    "times, such as `cp -r` without -p, reads as rewritten (copy the files again with `cp -rp` or "
+                    "`rsync -a`), and so does the same data moved between S3 and a local folder, whose ETags differ")
 
 
 class Loader:
@@ -418,10 +416,13 @@ class Loader:
         assert self._plan is not None
         was, now = self._data_sources, self._plan.by_source
         uris = {s.name: s.uri for s in self.config.sources}
+        names = [name for name in now if name in was and was[name].digest != now[name].digest]
+        same = [name for name in names if (was[name].shards, was[name].nbytes) == (now[name].shards, now[name].nbytes)]
         changed = [f"source {name!r} had {was[name].describe()}, now {now[name].describe()}"
-                   + ("" if (was[name].shards, was[name].nbytes) != (now[name].shards, now[name].nbytes)
-                      else _same_size_change(uris.get(name, "")))
-                   for name in now if name in was and was[name].digest != now[name].digest]
+                   + (" (a shard was replaced or rewritten: another key, size or ETag)" if name in same else "")
+                   for name in names]
+        if any(uris.get(name, "").startswith("file:") or "://" not in uris.get(name, "") for name in same):
+            changed.append(_SAME_SIZE_LOCAL)  # once: it holds for every local source
         return "; ".join(changed) if changed else "shards were added, removed or rewritten"
 
     # ---- planning -----------------------------------------------------------------------------
