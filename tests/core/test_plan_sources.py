@@ -7,7 +7,7 @@ from contextlib import AsyncExitStack
 import anyio
 import pytest
 
-from zephon_stream import ConfigError, SourceConfig
+from zephon_stream import ConfigError, Loader, SourceConfig
 from zephon_stream.loader.plan import open_stores, plan_data
 from zephon_stream.testing.stores import WrappedStore
 
@@ -93,3 +93,16 @@ def test_warnings_come_in_config_order_whichever_source_finishes_first(config, d
         _plan(cfg, [90, 30, 70, 10])
     warned = [r.getMessage().split()[1] for r in caplog.records if "splits for 64 lanes" in r.getMessage()]
     assert warned == ["'b1'", "'b3'"]  # b3 finishes first; a's sources have splits enough
+
+
+def test_a_uri_that_names_one_object_says_so(config) -> None:
+    # an s3:// (or memory://) uri is a prefix: one naming a shard listed nothing under it, and the
+    # message said the folder "holds no object"
+    from zephon_stream.connectors import memory_store
+
+    memory_store("one-object").objects["data/part 0.jsonl"] = b'{"text": "a document"}\n'
+    src = SourceConfig(name="x", uri="memory://one-object/data/part 0.jsonl")
+    with pytest.raises(ConfigError, match=r"source 'x': memory://one-object/data/part 0.jsonl names one object, not a "
+                                          r"folder \(a prefix\) of shards: give the prefix it is under, "
+                                          r"memory://one-object/data/, to read every shard there"):
+        next(iter(Loader(config.replace(sources=[src]), backend="inline")))

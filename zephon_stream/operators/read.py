@@ -49,7 +49,7 @@ from zephon_stream.connectors.base import ObjectInfo, Store
 from zephon_stream.engine import threads
 from zephon_stream.engine.ordered import run_ordered
 from zephon_stream.engine.window import Spawn, read_ranges
-from zephon_stream.errors import ConfigError, DataError, IncompatibleState
+from zephon_stream.errors import ConfigError, DataError, IncompatibleState, ObjectNotFound
 from zephon_stream.formats.gzip import GZIP_SUFFIXES, GzipStream, find_members
 from zephon_stream.formats.jsonl_zst import DECODE_PIECE, ZstdStream, read_seek_entries, walk_frames
 from zephon_stream.formats.parquet import PARQUET_SUFFIXES, chunk_bytes, read_footer, resolve_column
@@ -121,7 +121,12 @@ async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field
     `limiter` bounds the shards planned at once across the sources that share it (each
     source's own bound is PLAN_WORKERS).
     """
-    fmt, objects = _list_shards(visible(await store.list(prefix), prefix, f"source {name!r}", uri), name, uri, images)
+    listed = await store.list(prefix)
+    if not listed and prefix.endswith("/") and await _is_object(store, prefix[:-1]):
+        parent = uri.rstrip("/").rsplit("/", 1)[0] + "/"
+        raise ConfigError(f"source {name!r}: {uri} names one object, not a folder (a prefix) of shards: give the "
+                          f"prefix it is under, {parent}, to read every shard there")
+    fmt, objects = _list_shards(visible(listed, prefix, f"source {name!r}", uri), name, uri, images)
     for obj in objects:
         _check_key(name, obj.key)
     columns = ([(text_field, text_kind)] + ([(image_field or "", "image")] if images else [])
@@ -208,6 +213,15 @@ def visible(objects: list[ObjectInfo], prefix: str, owner: str, uri: str,
 
 
 _KIND_NAMES = {"lines": "JSON-lines", "parquet": "Parquet", "tar": "tar"}  # format families, as messages name them
+
+
+async def _is_object(store: Store, key: str) -> bool:
+    """Whether `key` names an object (a source's uri that names a shard, read as a prefix, lists nothing)."""
+    try:
+        await store.head(key)
+    except ObjectNotFound:
+        return False
+    return True
 
 
 def _list_shards(objects: list[ObjectInfo], name: str, uri: str, images: bool) -> tuple[str, list[ObjectInfo]]:
