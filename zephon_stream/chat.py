@@ -70,7 +70,7 @@ import msgspec
 import numpy as np
 
 from zephon_stream.errors import ConfigError, DataError
-from zephon_stream.operators.types import ChatDoc, Conversation
+from zephon_stream.operators.types import ChatDoc, Conversation, located
 
 __all__ = ["FIXED_NOW", "ROLES", "ChatTemplate", "ChatTokens", "LossOn", "check_documents", "check_messages",
            "check_tools", "load_template", "token_mask"]
@@ -368,7 +368,7 @@ class ChatTokens:
                 template = self.template.tool_use if tools is not None and self.template.tool_use else self.template
                 rendered.append((ref, *template.spans(messages, self.loss_on, tools, documents)))
             except DataError as exc:
-                at = where(ref[2]) if where is not None else f"byte {ref[2]} of its split"
+                at = located(where, ref[2])
                 err = DataError(f"bad conversation in {key!r} at {at}: {exc}", key=key, offset=ref[2])
                 err.__cause__ = exc
                 bad(err)

@@ -35,7 +35,7 @@ from zephon_stream.connectors.base import Store
 from zephon_stream.engine.window import Spawn, read_ranges
 from zephon_stream.errors import DataError, IncompatibleState
 from zephon_stream.operators.read import BadRecords, ShardPlan, Split
-from zephon_stream.operators.types import ImageDoc, field
+from zephon_stream.operators.types import ImageDoc, field, located
 
 __all__ = ["ImageParser", "ImageRecord", "TarSplitReader", "VisionTokens", "mark_images"]
 
@@ -217,7 +217,7 @@ class VisionTokens:
             found = np.isin(self._reserved, getattr(doc, "ids", doc))
             if not found.any():
                 continue
-            at = where(ref[2]) if where is not None else f"byte {ref[2]} of its split"
+            at = located(where, ref[2])
             tokens = ", ".join(repr(self.reserved[int(t)]) for t in self._reserved[found])
             bad(DataError(f"bad {what} in {key!r} at {at}: its text holds {tokens}, which only an image span may: "
                           "the model would take it for part of an image; remove it from the data", key=key,
@@ -242,7 +242,7 @@ class VisionTokens:
                                    f"seq_len = {self.seq_len} holds")
                 images.append((ref, rec, patch_frame(image, self.spec), (gh, gw)))  # gathered while in the cache
             except BadImage as exc:
-                at = where(ref[2]) if where is not None else f"byte {ref[2]} of its split"
+                at = located(where, ref[2])
                 bad(DataError(f"bad image {rec.member!r} in {key!r} (the sample at {at}): {exc}", key=key,
                               offset=ref[2]))
         captions = self.tokenizer([rec.text for _, rec, _, _ in images]) if images else []

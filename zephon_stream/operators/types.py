@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["IGNORE", "ChatDoc", "Conversation", "Doc", "DocRef", "ImageDoc", "Sample", "field", "trained_mask"]
+__all__ = ["IGNORE", "ChatDoc", "Conversation", "Doc", "DocRef", "ImageDoc", "Sample", "field", "located",
+           "trained_mask"]
 
 # (source, split position in the lane, decoded offset, length in bytes), and with `piece_tokens` a fifth
 # element for a piece of a longer document: its first token. Four or five ints (states check the length).
@@ -124,3 +126,9 @@ class Sample:
         """The bytes of its arrays: ids, labels, positions, token types and images."""
         arrays = [self.input_ids, self.labels, self.position_ids, *self.images]
         return sum(a.nbytes for a in arrays) + (0 if self.token_types is None else self.token_types.nbytes)
+
+
+def located(where: Callable[[int], str] | None, pos: int) -> str:
+    """A document's place in words: the reader's `where(pos)` (a byte of the file, a row of a row
+    group), or its offset in its split where no reader says."""
+    return where(pos) if where is not None else f"byte {pos} of its split"
