@@ -176,6 +176,26 @@ def build_gzip_dataset(root: Path, docs: dict[str, list[str]]) -> None:
         (root / "b" / f"b-{i:02d}.json.gz").write_bytes(gzip.compress(b"".join(b), mtime=0))
 
 
+def build_refilled_dataset(root: Path, docs: dict[str, list[str]]) -> None:
+    """Source a of the text dataset with its last file as one gzip member, which cannot be cut into
+    its share of splits: the two JSONL files beside it take the rest of that share (a refilled plan)."""
+    import gzip
+
+    (root / "a").mkdir(parents=True)
+    for i in range(3):
+        data = b"".join(msgspec.json.encode({"id": n, "text": t}) + b"\n"
+                        for n, t in enumerate(docs["a"][i * 200:(i + 1) * 200]))
+        name, data = (f"a-{i}.jsonl.gz", gzip.compress(data, mtime=0)) if i == 2 else (f"a-{i}.jsonl", data)
+        (root / "a" / name).write_bytes(data)
+
+
+@pytest.fixture(scope="session")
+def refilled_dataset(tmp_path_factory: pytest.TempPathFactory, dataset) -> Path:
+    root = tmp_path_factory.mktemp("refilled")
+    build_refilled_dataset(root, dataset[1])
+    return root
+
+
 @pytest.fixture(scope="session")
 def parquet_dataset(tmp_path_factory: pytest.TempPathFactory, dataset) -> Path:
     root = tmp_path_factory.mktemp("parquet")
@@ -210,6 +230,14 @@ def gzip_config(dataset, gzip_dataset) -> Config:
     """`config` on the gzip copy of its data (a: multi-member files, b: single-member)."""
     return _text_config(dataset, [SourceConfig(name="a", uri=f"file://{gzip_dataset}/a/", weight=0.6),
                                   SourceConfig(name="b", uri=f"file://{gzip_dataset}/b/", weight=0.4)])
+
+
+@pytest.fixture()
+def refilled_config(dataset, refilled_dataset) -> Config:
+    """`config` with source a's last file as one gzip member (`build_refilled_dataset`)."""
+    root, _ = dataset
+    return _text_config(dataset, [SourceConfig(name="a", uri=f"file://{refilled_dataset}/a/", weight=0.6),
+                                  SourceConfig(name="b", uri=f"file://{root}/b/", weight=0.4)])
 
 
 def build_vision_parquet(root: Path, n: int = 240, files: int = 3) -> list[bytes]:

@@ -1,6 +1,7 @@
 """The whole determinism matrix (tests/core/test_determinism.py) for Parquet and gzip sources:
 the same tests, collected again here with `config` the Parquet or the gzip copy of the text data,
-or the image+text config with its images in a Parquet HF `Image` column (pixels digested too).
+the image+text config with its images in a Parquet HF `Image` column (pixels digested too), or
+the text data with one file as a single gzip member whose share of splits the others take.
 
 Also: the formats give the same documents as the JSONL originals, Parquet reads fetch only the
 needed column chunks, and gzip files split where they have members."""
@@ -29,7 +30,7 @@ from zephon_stream.operators.sources import make_parser, make_reader
 from zephon_stream.testing.determinism import real, run_world
 
 
-@pytest.fixture(params=["parquet", "gzip", "vision_parquet"])
+@pytest.fixture(params=["parquet", "gzip", "vision_parquet", "refilled"])
 def config(request):
     return request.getfixturevalue(f"{request.param}_config")
 
@@ -80,6 +81,14 @@ def test_splits_follow_row_groups_and_members(parquet_config, gzip_config):
     assert [len(s.frames) - 1 for s in a.shards] == [12, 12, 12]  # a member every 17 of 200 lines
     assert len(a.splits) > 3
     assert [len(s.frames) - 1 for s in b.shards] == [1] * 12 and len(b.splits) == 12  # one member: one split
+    assert not any(sp.refilled for sp in [*parquet.sources, a, b])  # each shard gave its share
+
+
+def test_a_single_member_file_leaves_its_share_of_splits_to_the_others(refilled_config):
+    a, b = _plan(refilled_config)[0].sources
+    assert a.refilled and not b.refilled
+    per_shard = [[s.shard for s in a.splits].count(i) for i in range(3)]
+    assert per_shard[2] == 1 and per_shard[0] + per_shard[1] + 1 == len(a.splits) and len(a.splits) % 12 == 0
 
 
 def test_parquet_reads_only_the_needed_column_chunks(parquet_config):

@@ -3,16 +3,22 @@ lanes read the same epoch's documents together, and lanes end an epoch together 
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import logging
 import random
 import re
 
 import msgspec
+import pytest
 
 from tests.core.conftest import make_docs, write_jsonl
+from zephon_stream.errors import IncompatibleState
 from zephon_stream.loader.config import Config, SourceConfig
 from zephon_stream.loader.loader import Loader
-from zephon_stream.operators.read import ShardPlan, plan_splits
+from zephon_stream.loader.plan import old_split_digest
+from zephon_stream.loader.state import LoaderState
+from zephon_stream.operators.read import ShardPlan, _plan_splits, plan_splits
 from zephon_stream.testing.determinism import batch_records
 
 
@@ -31,14 +37,77 @@ def test_jsonl_splits_are_a_multiple_of_lanes_and_equal():
         assert max(sizes) <= split_bytes and max(cut) <= 1.3 * min(cut), sizes
 
 
-def test_frames_cut_at_the_nearest_boundary_or_give_fewer_splits():
+def test_frames_cut_at_the_nearest_boundary_and_a_coarse_shard_leaves_its_share_to_the_others():
     fine = ShardPlan("f.zst", 0, "", list(range(0, 100_001, 1_000)))  # 100 frames of 1 KB
     coarse = ShardPlan("c.zst", 0, "", [0, 40_000, 80_000])  # 2 frames
     splits = plan_splits([fine, coarse], 12, 1 << 20)
     sizes = _bytes([fine, coarse], splits)
     assert [s.shard for s in splits].count(1) == 2  # it cannot be cut finer than its frames
-    assert sum(sizes) == 180_000 and len(splits) == 7 + 2  # 12 * 100/180 = 6.7 -> 7 for the fine shard
+    # its share was 12 * 80/180 = 5: the 3 it cannot give go to the fine shard (split plan 2 gave 7 + 2)
+    assert sum(sizes) == 180_000 and len(splits) == 10 + 2
     assert max(sizes[:-2]) - min(sizes[:-2]) <= 1_000
+    assert _plan_splits([fine, coarse], 12, 1 << 20)[1], "not split plan 2's splits: marked"
+    for shards in ([fine], [fine, ShardPlan("j.jsonl", 50_000, "")], [coarse]):  # nothing to refill
+        assert not _plan_splits(shards, 12, 1 << 20)[1]
+
+
+def test_a_shard_that_cannot_give_its_share_refills_until_none_can():
+    """Two coarse shards of uneven frames and one single-member gzip among JSONL shards: every
+    shard that cannot be cut into its share keeps what it gives, the others share the rest, and a
+    source gives k * lanes splits while its other shards can be cut."""
+    gz = ShardPlan("g.jsonl.gz", 300_000, "", [0, 300_000])  # one member: one split
+    uneven = ShardPlan("u.zst", 0, "", [0, 1_000, 2_000, 150_000])  # 3 frames, one of them most of it
+    shards = [ShardPlan("a.jsonl", 200_000, ""), gz, uneven, ShardPlan("b.jsonl", 20_000, "")]
+    for lanes in (5, 12, 16):
+        splits, refilled = _plan_splits(shards, lanes, 1 << 20)
+        per_shard = [[s.shard for s in splits].count(i) for i in range(4)]
+        assert len(splits) % lanes == 0 and refilled, (lanes, per_shard)
+        assert per_shard[1] == 1 and 1 <= per_shard[2] <= 3 and min(per_shard) >= 1, per_shard
+        covered = [(s.start, s.end) for s in splits if s.shard == 0]
+        assert covered[0][0] == 0 and covered[-1][1] == 200_000 and all(
+            a[1] == b[0] for a, b in zip(covered, covered[1:]))  # the refilled shard is still cut whole
+    only = [gz, ShardPlan("h.jsonl.gz", 10_000, "", [0, 10_000])]  # nothing can be cut: fewer splits
+    assert len(plan_splits(only, 12, 1 << 20)) == 2
+
+
+def test_one_gzip_file_beside_jsonl_gives_every_lane_a_split_of_its_own(tmp_path, dataset, caplog):
+    """A `.jsonl.gz` written by gzip is one member: its share of 12 splits used to be lost, so
+    11 lanes read 12 lanes' worth and a batch held the same samples twice."""
+    root, _ = dataset
+    docs = make_docs(random.Random(11), 400, 40)
+    (tmp_path / "m").mkdir()
+    write_jsonl(tmp_path / "m" / "a.jsonl", docs[:220])
+    write_jsonl(tmp_path / "g.jsonl", docs[220:])
+    (tmp_path / "m" / "b.jsonl.gz").write_bytes(gzip.compress((tmp_path / "g.jsonl").read_bytes()))
+    cfg = Config(seed=5, lanes=12, seq_len=32, global_batch_size=24, tokenizer=str(root / "tokenizer.json"),
+                 shuffle_window=0, sources=[SourceConfig(name="mixed", uri=f"file://{tmp_path}/m/")])
+    loader = Loader(cfg, backend="inline")
+    with caplog.at_level(logging.WARNING, logger="zephon_stream.loader"):
+        for b, batch in enumerate(loader):
+            records = batch_records(batch)
+            assert len({r[4] for r in records}) == len(records), f"batch {b} repeats a sample"
+            if b == 5:
+                break
+    plan = loader.data_plan.sources[0]
+    assert len(plan.splits) == 12 and plan.refilled
+    assert not [r for r in caplog.records if "splits for 12 lanes" in r.getMessage()]
+    state = loader.state_dict()
+    # as the version before the refill wrote it: the same listing, with its old digests
+    older = LoaderState.from_dict(state)
+    listing = msgspec.msgpack.encode([plan.name, [(s.key, s.size, s.etag) for s in plan.shards]])
+    old_digest = old_split_digest(plan)
+    assert old_digest == hashlib.sha256(listing).hexdigest()[:16] != loader.data_plan.by_source["mixed"].digest
+    header = msgspec.structs.replace(
+        older.header, data_fingerprint=hashlib.sha256(listing).hexdigest()[:32],
+        data_sources={"mixed": msgspec.structs.replace(older.header.data_sources["mixed"], digest=old_digest)})
+    again = Loader(cfg, backend="inline")
+    again.load_state_dict({**state, "meta": msgspec.msgpack.encode(header)})
+    with pytest.raises(IncompatibleState, match="written by an older zephon-stream, which cut source 'mixed' into "
+                                                "other splits.*start fresh"):
+        next(iter(again))
+    resumed = Loader(cfg, backend="inline")  # a checkpoint of this version resumes
+    resumed.load_state_dict(state)
+    assert next(iter(resumed))["step"] == 6
 
 
 def _small_source(tmp_path, dataset, zst: bool, frame_docs: int = 7) -> Config:

@@ -24,7 +24,7 @@ from zephon_stream.engine.memory import managed_memory
 from zephon_stream.errors import CheckpointError, ConfigError, IncompatibleState, ZephonError, unwrap_groups
 from zephon_stream.loader.backends import run_lanes, start_fork_server
 from zephon_stream.loader.config import Config, ScheduleEntry
-from zephon_stream.loader.plan import DataPlan, SourceData, open_stores, plan_data
+from zephon_stream.loader.plan import DataPlan, SourceData, old_split_digest, open_stores, plan_data
 from zephon_stream.loader.relaunch import LaneRuns
 from zephon_stream.loader.sequencer import check_world, consumed, rank_lanes, rank_slots
 from zephon_stream.loader.state import FORMAT_VERSION, LaneState, LoaderState, StateHeader, check_lane_state
@@ -432,6 +432,17 @@ class Loader:
         if self._plan is None:
             self._plan = await plan_data(self.config, stores)
         if self._fingerprint and self._fingerprint != self._plan.fingerprint:
+            was = self._data_sources
+            resplit = [sp.name for sp in self._plan.sources
+                       if sp.name in was and was[sp.name].digest == old_split_digest(sp)]
+            if resplit and all(was.get(n) == d or n in resplit for n, d in self._plan.by_source.items()):
+                names = ("sources " if len(resplit) > 1 else "source ") + ", ".join(map(repr, resplit))
+                raise IncompatibleState(
+                    f"checkpoint was written by an older zephon-stream, which cut {names} into other "
+                    "splits: a shard there cannot be cut into its share of splits, and the older version left "
+                    "that share to no other shard (lanes read the same split twice); this version gives it to "
+                    "the other shards, so it cannot continue that checkpoint's order: start fresh, or finish "
+                    "the run with the version that wrote the checkpoint")
             raise IncompatibleState(
                 f"checkpoint was written for other data (fingerprint {self._fingerprint}, the sources now give "
                 f"{self._plan.fingerprint}): {self._data_change()}; resume against the same data or start fresh")

@@ -17,7 +17,7 @@ from zephon_stream.loader.config import Config
 from zephon_stream.operators import read
 from zephon_stream.operators.read import SourcePlan, plan_source
 
-__all__ = ["DataPlan", "SourceData", "open_stores", "plan_data"]
+__all__ = ["DataPlan", "SourceData", "old_split_digest", "open_stores", "plan_data"]
 
 
 class SourceData(msgspec.Struct, frozen=True, array_like=True):
@@ -71,11 +71,26 @@ async def plan_data(config: Config, stores: list[Store]) -> DataPlan:
                       defer_errors=True)
     h, by_source = hashlib.sha256(), {}
     for sp in sources:
-        listing = msgspec.msgpack.encode([sp.name, [(s.key, s.size, s.etag) for s in sp.shards]])
+        listing = _listing(sp, sp.refilled)
         h.update(listing)
         by_source[sp.name] = SourceData(len(sp.shards), sum(s.size for s in sp.shards),
                                         hashlib.sha256(listing).hexdigest()[:16])
     return DataPlan(sources, h.hexdigest()[:32], by_source)
+
+
+def _listing(sp: SourcePlan, refilled: bool) -> bytes:
+    """What a source's data digest is taken of: its shards' keys, sizes and ETags, and a mark where
+    its splits are not split plan 2's (`SourcePlan.refilled`): the same listing then has another
+    digest, and a checkpoint written over the old splits is refused (the sources whose splits did
+    not change keep their digests, and their checkpoints resume)."""
+    return msgspec.msgpack.encode([sp.name, [(s.key, s.size, s.etag) for s in sp.shards]]
+                                  + (["splits: a coarse shard's share refilled"] if refilled else []))
+
+
+def old_split_digest(sp: SourcePlan) -> str | None:
+    """A refilled source's data digest as a version before the refill gave it (None if not refilled):
+    a checkpoint with that digest was written over the same data, cut into other splits."""
+    return hashlib.sha256(_listing(sp, False)).hexdigest()[:16] if sp.refilled else None
 
 
 async def open_stores(config: Config, stack: AsyncExitStack, wrap: Any = None) -> list[Store]:

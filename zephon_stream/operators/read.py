@@ -103,6 +103,9 @@ class SourcePlan(msgspec.Struct, frozen=True):
     splits: list[Split]
     skipped_shards: list[str] = []
     format: str = "lines"  # a key of FORMATS: which reader and parser the source gets (operators.sources)
+    # a coarse shard's share of splits went to the others: split plan 2 cut this source otherwise, so its
+    # data digest is marked (loader.plan), and a checkpoint written by an older version is refused
+    refilled: bool = False
 
 
 # ---- planning ------------------------------------------------------------------------------------
@@ -155,12 +158,12 @@ async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field
     await run_ordered(objects, plan, keep, workers=PLAN_WORKERS, window=2 * PLAN_WORKERS)
     if not shards:
         raise DataError(f"source {name!r}: every shard under {uri} is empty or corrupt: {skipped}")
-    splits = plan_splits(shards, lanes, split_bytes)
+    splits, refilled = _plan_splits(shards, lanes, split_bytes)
     if not splits:
         raise DataError(f"source {name!r}: the {fmt} shards under {uri} hold no " +
                         {"tar": "samples", "parquet": "rows"}.get(fmt, "data"))
     return SourcePlan(name=name, uri=uri, prefix=prefix, text_field=text_field,
-                      shards=shards, splits=splits, skipped_shards=skipped, format=fmt)
+                      shards=shards, splits=splits, skipped_shards=skipped, format=fmt, refilled=refilled)
 
 
 def warn_coarse(sp: SourcePlan, lanes: int, max_epochs: int = 0) -> None:
@@ -343,28 +346,58 @@ def plan_splits(shards: list[ShardPlan], lanes: int, split_bytes: int) -> list[S
     epoch, and lanes end an epoch within about one split of each other. `k` is the smallest that
     keeps splits under `split_bytes`, but at least 4 where splits stay over 256 KiB. Each shard
     gets a whole number of the splits (largest remainder, at least one), cut at byte offsets
-    (JSONL) or at the frame, member, sample or row-group boundary nearest an equal cut; a shard
-    with fewer of those than its share gives fewer.
+    (JSONL) or at the frame, member, sample or row-group boundary nearest an equal cut. A shard
+    with fewer of those than its share (one gzip member, a few large frames) gives what it has,
+    and the rest of its share goes to the source's other shards, so that a source with one coarse
+    shard still gives every lane a split of its own (split plan 2 left that share to no shard:
+    `SourcePlan.refilled` says where the two differ).
     """
+    return _plan_splits(shards, lanes, split_bytes)[0]
+
+
+def _plan_splits(shards: list[ShardPlan], lanes: int, split_bytes: int) -> tuple[list[Split], bool]:
+    """`plan_splits`, and whether its splits differ from those of split plan 2 (its first round)."""
     content = all(len(s.content) == len(s.frames) and s.content[-1] > s.content[0] for s in shards if s.frames)
     sizes = [_extent(s, content) for s in shards]
-    total = sum(sizes)
-    if total == 0:
-        return []
+    if sum(sizes) == 0:
+        return [], False
     stored = sum(s.frames[-1] - s.frames[0] if s.frames else s.size for s in shards)  # what the reads fetch
     # every shard needs a split of its own: with more shards than that, the next multiple of lanes
     # and up to _SPLITS_PER_LANE splits a lane where they stay >= _MIN_SPLIT: an epoch's end is then
     # averaged over several splits a lane, and its padding shrinks (bench data: 15% -> 10% of the positions)
     more = min(_SPLITS_PER_LANE, stored // (lanes * _MIN_SPLIT))
     want = lanes * max(1, more, math.ceil(stored / (lanes * split_bytes)), math.ceil(len(shards) / lanes))
-    quotas = [want * size / total for size in sizes]
-    counts = [max(1, math.floor(q)) for q in quotas]
+    given: dict[int, list[Split]] = {}  # the shards that gave fewer splits than their share: what they gave
+    first: list[Split] | None = None
+    while True:
+        counts = _shares(sizes, want, {i: len(cut) for i, cut in given.items()})
+        cuts = [given[i] if i in given else _cut(i, shard, n, content)
+                for i, (shard, n) in enumerate(zip(shards, counts))]
+        splits = [sp for cut in cuts for sp in cut]
+        first = splits if first is None else first
+        short = {i: cut for i, cut in enumerate(cuts) if i not in given and len(cut) < counts[i]}
+        if not short or len(given) + len(short) == len(shards):  # no shard left to take the rest
+            return splits, splits != first
+        given.update(short)
+
+
+def _shares(sizes: list[int], want: int, fixed: dict[int, int]) -> list[int]:
+    """`want` splits shared out in proportion to `sizes` (largest remainder, at least one a shard),
+    less the counts of the `fixed` shards, which keep them."""
+    free = [i for i in range(len(sizes)) if i not in fixed]
+    left, total = want - sum(fixed.values()), sum(sizes[i] for i in free)
+    quotas = [left * sizes[i] / total if i not in fixed and total else float(fixed.get(i, 1))
+              for i in range(len(sizes))]
+    counts = [fixed[i] if i in fixed else max(1, math.floor(quotas[i])) for i in range(len(sizes))]
     while sum(counts) > want:  # the at-least-one rule overshot: take from the most over-served shard
-        i = max((i for i in range(len(counts)) if counts[i] > 1), key=lambda i: (counts[i] - quotas[i], -i))
+        over = [i for i in free if counts[i] > 1]
+        if not over:
+            break
+        i = max(over, key=lambda i: (counts[i] - quotas[i], -i))
         counts[i] -= 1
-    for i in sorted(range(len(shards)), key=lambda i: (counts[i] - quotas[i], i))[:want - sum(counts)]:
+    for i in sorted(free, key=lambda i: (counts[i] - quotas[i], i))[:max(0, want - sum(counts))]:
         counts[i] += 1  # the largest remainders first (ties by shard order)
-    return [sp for i, (shard, n) in enumerate(zip(shards, counts)) for sp in _cut(i, shard, n, content)]
+    return counts
 
 
 def _scale(shard: ShardPlan, content: bool) -> list[int]:
