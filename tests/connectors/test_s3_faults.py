@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import time
 
 import anyio
@@ -188,3 +190,58 @@ async def test_a_request_that_times_out_is_retried(s3, s3_proxy) -> None:
         proxy.inject("latency", method="GET")  # the server answers after the client gave up
         assert await store.read("obj") == data
         assert store.statistics().retries == 1
+
+
+async def _outage_for(proxy, seconds: float) -> None:
+    """Every request refused (a reset before any response) for `seconds`, then the endpoint is back."""
+    proxy.set_faults(Faults(reset_before_response=1.0))
+    await anyio.sleep(seconds)
+    proxy.set_faults(Faults())
+
+
+async def test_an_outage_of_an_endpoint_that_answered_is_ridden_out(s3, s3_proxy, caplog) -> None:
+    """A training job must not die of S3 being away for a few seconds: once the endpoint has answered,
+    a request that fails all of botocore's attempts is tried again until `retry_deadline`."""
+    data = text_bytes(300_000, seed=3)
+    await _seed(s3, {"obj": data})
+    proxy, options = s3_proxy()
+    async with S3Store(s3.bucket, **options, max_attempts=2, retry_deadline=30) as store:
+        assert await store.read("obj", 0, 10) == data[:10]  # the endpoint answered
+        retries = store.statistics().retries
+        with caplog.at_level(logging.WARNING, logger="zephon_stream.connectors.s3"):
+            async with anyio.create_task_group() as tg:
+                proxy.set_faults(Faults(reset_before_response=1.0))
+                tg.start_soon(_outage_for, proxy, 3.0)
+                t0 = time.monotonic()
+                assert await store.read("obj") == data
+                assert [o.key for o in await store.list("")] == ["obj"]
+        assert time.monotonic() - t0 >= 2.5
+        assert store.statistics().retries - retries >= 2
+    refused = proxy.statistics().faults.get("reset_before_response", 0)
+    assert refused >= 4, refused  # two attempts of botocore's, at least twice
+    said = [r.getMessage() for r in caplog.records]
+    assert len([m for m in said if "it answered before, so it is retried until retry_deadline = 30 s" in m]) == 1, said
+    assert any(re.search(r"answers again, after [\d.]+ s", m) for m in said), said
+
+
+async def test_an_endpoint_that_never_answered_fails_after_max_attempts(s3, s3_proxy) -> None:
+    """A wrong host or port, or a server that is down at the start: no outage to ride out, a quick error."""
+    proxy, options = s3_proxy(faults=Faults(reset_before_response=1.0))
+    async with S3Store(s3.bucket, **options, max_attempts=2, retry_deadline=60) as store:
+        t0 = time.monotonic()
+        with pytest.raises(ConnectorError, match="check that the endpoint is reachable"):
+            await store.read("obj")
+        assert time.monotonic() - t0 < 10
+    assert proxy.statistics().faults["reset_before_response"] == 2
+
+
+async def test_an_outage_longer_than_retry_deadline_fails(s3, s3_proxy) -> None:
+    await _seed(s3, {"obj": b"x" * 1000})
+    proxy, options = s3_proxy()
+    async with S3Store(s3.bucket, **options, max_attempts=2, retry_deadline=2) as store:
+        await store.head("obj")
+        proxy.set_faults(Faults(reset_before_response=1.0))
+        t0 = time.monotonic()
+        with pytest.raises(ConnectorError, match="check that the endpoint is reachable"):
+            await store.read("obj")
+        assert 1.5 < time.monotonic() - t0 < 10

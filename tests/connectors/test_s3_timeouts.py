@@ -105,16 +105,26 @@ def test_defaults_fail_a_stalled_endpoint_within_a_minute_and_a_bit() -> None:
 
 async def test_source_timeouts_reach_the_store_and_not_the_order() -> None:
     fast = SourceConfig(name="a", uri="s3://b1/", endpoint_url="http://127.0.0.1:9", connect_timeout=1.5,
-                        read_timeout=2.5)
+                        read_timeout=2.5, max_attempts=3, retry_deadline=30.0)
     default = SourceConfig(name="b", uri="s3://b2/", endpoint_url="http://127.0.0.1:9")
     cfg = Config(seed=1, lanes=1, seq_len=8, global_batch_size=1, tokenizer="tok.json", sources=[fast, default])
     async with AsyncExitStack() as stack:
         stores = await open_stores(cfg, stack, None)
     assert (stores[0].settings.connect_timeout, stores[0].settings.read_timeout) == (1.5, 2.5)
+    assert (stores[0].settings.max_attempts, stores[0].settings.retry_deadline) == (3, 30.0)
     assert stores[1].settings.read_timeout == S3Settings().read_timeout
+    assert (stores[1].settings.max_attempts, stores[1].settings.retry_deadline) == (5, 120.0)
     assert stores[0]._key != stores[1]._key, "clients are keyed by their timeouts"
     slower = cfg.replace(sources=[msgspec.structs.replace(fast, read_timeout=99.0), default])
     assert slower.order_digest("t") == cfg.order_digest("t"), "timeouts are execution settings"
+    patient = cfg.replace(sources=[msgspec.structs.replace(fast, max_attempts=9, retry_deadline=600.0), default])
+    assert patient.order_digest("t") == cfg.order_digest("t"), "and so are the retries"
+    from zephon_stream import ConfigError
+
+    for change, needle in (({"max_attempts": 0}, r"max_attempts = 0: must be in \[1, 100\]"),
+                           ({"retry_deadline": 0.0}, r"retry_deadline = 0.0: must be in \(0, 3600\] seconds")):
+        with pytest.raises(ConfigError, match=needle):
+            msgspec.structs.replace(fast, **change)
 
 
 def test_an_invalid_endpoint_url_is_a_config_error() -> None:

@@ -3,6 +3,9 @@ per-sample digests equal the local-store run of the same data, with and without 
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import anyio
 import msgspec
 import pytest
@@ -73,6 +76,37 @@ def test_faults_change_nothing_and_are_counted(s3_config, local_baseline, s3, s3
     faults = proxy.statistics().faults
     assert set(faults) == set(FAULT_KINDS), faults
     assert stats.store_retries > 0, stats
+
+
+@pytest.mark.parametrize("backend", ["threads", "processes"])
+def test_an_s3_outage_is_ridden_out_and_changes_nothing(s3_config, local_baseline, s3, s3_proxy, caplog, monkeypatch,
+                                                        backend):
+    """S3 away for 4 s from the end of planning, longer than a request's 2 attempts: the loader waits
+    it out (a warning when it starts and when it ends) and its batches are those of the local run.
+    With processes, the workers' first requests meet the outage: the parent's plan says the endpoint
+    answered."""
+    import zephon_stream.loader.loader as loader_module
+
+    proxy, options = s3_proxy()
+    cfg = _on_endpoint(s3_config, s3.bucket, options["endpoint_url"])
+    cfg = cfg.replace(sources=[msgspec.structs.replace(src, max_attempts=2, retry_deadline=60) for src in cfg.sources])
+    planned = loader_module.plan_data
+
+    async def plan_then_outage(*args, **kwargs):
+        plan = await planned(*args, **kwargs)
+        proxy.set_faults(Faults(reset_before_response=1.0))
+        threading.Timer(4.0, proxy.set_faults, [Faults()]).start()
+        return plan
+
+    monkeypatch.setattr(loader_module, "plan_data", plan_then_outage)
+    with caplog.at_level(logging.WARNING, logger="zephon_stream.connectors.s3"):
+        records, _ = run_world(cfg, 1, STEPS, backend=backend)
+    assert records == local_baseline
+    assert proxy.statistics().faults["reset_before_response"] >= 2
+    if backend == "threads":  # a worker's log lines stay in its process
+        said = [r.getMessage() for r in caplog.records]
+        assert any("failed after 2 attempts" in m and "retried until retry_deadline = 60 s" in m for m in said), said
+        assert any("answers again" in m for m in said), said
 
 
 def test_s3_buffer_sizes_and_resume_twice(s3_config, local_baseline):

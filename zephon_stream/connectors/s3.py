@@ -27,6 +27,11 @@ jitter. This module adds, on top, what botocore cannot do:
   response's ETag (`If-Match`) so the parts cannot come from two versions;
 - a deadline (`retry_deadline`): no retry or resume starts once an operation has run that long
   (botocore only bounds attempts);
+- an outage is ridden out: once an endpoint has answered a client of the pool, a request that still fails
+  with a refused or dropped connection, a 5xx or throttling after botocore's `max_attempts` is
+  tried again, with backoff, until `retry_deadline` (logged when it starts and when it ends). A
+  training job then survives S3 being away for a minute. An endpoint that never answered (a
+  wrong host, a server that is down at the start) still fails after `max_attempts`;
 - a stalled endpoint fails fast: a request that timed out (`connect_timeout`, or `read_timeout`
   between bytes) `timeout_attempts` times is not retried again, and the error names the
   operation, the object and the timeout;
@@ -103,7 +108,8 @@ class S3Settings(msgspec.Struct, frozen=True, kw_only=True):
     multipart_concurrency: int = 4  # parts of one multipart upload in flight
     list_page_size: int = 1000  # MaxKeys of one ListObjectsV2 page
     max_attempts: int = 5  # attempts of one request (botocore standard mode), and body resumes
-    retry_deadline: float = 120.0  # no retry or resume starts after an operation ran this long
+    retry_deadline: float = 120.0  # no retry or resume starts after an operation ran this long (an outage
+    # of an endpoint that answered before is retried until then)
     resume_backoff: float = 0.05  # base of the jittered exponential backoff between resumes
     connect_timeout: float = 10.0  # to open a connection
     read_timeout: float = 30.0  # between two reads of a response: a stalled endpoint, not a slow one
@@ -228,6 +234,26 @@ _TRANSIENT = (
 
 
 _TIMEOUTS = (ConnectTimeoutError, ReadTimeoutError)
+_OUTAGE_BACKOFF = 0.5, 8.0  # seconds: the first wait between two tries through an outage, and the longest
+
+
+def _outage(exc: BaseException) -> bool:
+    """Whether `exc` (what botocore raised once its attempts ran out) looks like an endpoint that is
+    away for a while: a refused, reset or dropped connection, a 5xx, or throttling. Not a timeout:
+    a stalled endpoint fails after `timeout_attempts`, as its settings say."""
+    if isinstance(exc, _TIMEOUTS):
+        return False
+    if isinstance(exc, ClientError):
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return _code(exc) in _THROTTLED or (isinstance(status, int) and status >= 500)
+    return isinstance(exc, (BotoConnectionError, HTTPClientError, aiohttp.ClientConnectionError, ConnectionError))
+
+
+def _what(exc: BaseException) -> str:
+    """A failure in a few words: its S3 error code and HTTP status, or its type."""
+    if isinstance(exc, ClientError):
+        return f"{_code(exc)}, HTTP {exc.response.get('ResponseMetadata', {}).get('HTTPStatusCode', '?')}"
+    return type(exc).__name__
 
 
 def _code(exc: ClientError) -> str:
@@ -312,6 +338,7 @@ class S3ClientPool:
             raise ConfigError(f"max_in_flight must be >= 1, got {max_in_flight!r}")
         self.limiter = anyio.CapacityLimiter(max_in_flight)
         self._clients: dict[_ClientKey, Any] = {}
+        self.answered: set[_ClientKey] = set()  # clients whose endpoint answered: a failure now is an outage
         self._stack = AsyncExitStack()
         self._lock = anyio.Lock()
         self._closed = False
@@ -461,7 +488,8 @@ class S3Store:
     Options: `endpoint_url`, `region`, `addressing_style` ("path", "virtual" or "auto"; default
     "path" with a custom endpoint, else "auto"), credentials (`access_key_id`,
     `secret_access_key`, `session_token`, or `profile`; default: the AWS chain), `pool` (an
-    `S3ClientPool` to share), `settings` (an `S3Settings`), and any `S3Settings` field by name.
+    `S3ClientPool` to share), `settings` (an `S3Settings`), any `S3Settings` field by name, and
+    `answered` (the endpoint is known to answer: an outage is ridden out from the first request).
     """
 
     overlap_reads = True  # a round trip a request: the split readers keep `read_ahead` in flight
@@ -479,6 +507,7 @@ class S3Store:
         profile: str | None = None,
         pool: S3ClientPool | None = None,
         settings: S3Settings | None = None,
+        answered: bool = False,
         **overrides: Any,
     ) -> None:
         if not bucket or "/" in bucket:
@@ -507,6 +536,9 @@ class S3Store:
         self._own_pool = pool is None
         self._pool = pool if pool is not None else S3ClientPool(max_in_flight=self.settings.max_in_flight)
         self._counters = _Counters()
+        if answered:  # known to answer (a loader's worker: its parent planned the data through it)
+            self._pool.answered.add(self._key)
+        self._down_since: float | None = None  # when the outage being ridden out began
 
     def __repr__(self) -> str:
         where = self._key.endpoint_url or "aws"
@@ -548,15 +580,48 @@ class S3Store:
                 c.in_flight -= 1
 
     async def _call(self, method: str, key: str | None, **params: Any) -> Any:
-        """One S3 API call (botocore retries inside), errors translated. Call inside `_slot`."""
+        """One S3 API call (botocore retries inside), errors translated. Call inside `_slot`.
+
+        Once the endpoint has answered a client of the pool, a call whose attempts all met an outage
+        (`_outage`) is made again, with backoff, until the operation's `retry_deadline`."""
         client = await self._pool.client(self._key)
-        try:
-            return await getattr(client, method)(Bucket=self.bucket, **params)
-        except (BotoCoreError, ClientError, aiohttp.ClientError) as exc:
-            op_name = client.meta.method_to_api_mapping.get(method, method)
-            err = translate_error(exc, bucket=self.bucket, key=key, operation=op_name, endpoint=self.endpoint,
-                                  settings=self.settings)
-            raise err from exc
+        op, tries = _CURRENT.get(), 0
+        while True:
+            try:
+                resp = await getattr(client, method)(Bucket=self.bucket, **params)
+            except (BotoCoreError, ClientError, aiohttp.ClientError) as exc:
+                op_name = client.meta.method_to_api_mapping.get(method, method)
+                if isinstance(exc, ClientError) and not _outage(exc):
+                    self._pool.answered.add(self._key)  # a 404 or a 412 is an answer too
+                wait = self._outage_wait(op, exc, tries)
+                if wait is None:
+                    err = translate_error(exc, bucket=self.bucket, key=key, operation=op_name,
+                                          endpoint=self.endpoint, settings=self.settings)
+                    raise err from exc
+                if self._down_since is None:
+                    self._down_since = time.monotonic()
+                    log.warning("S3 endpoint %s: %s s3://%s/%s failed after %d attempts (%s); it answered before, so "
+                                "it is retried until retry_deadline = %g s", self.endpoint, op_name, self.bucket,
+                                key or "", self.settings.max_attempts, _what(exc), self.settings.retry_deadline)
+                tries += 1
+                if op is not None:
+                    op.counters.retries += 1
+                await anyio.sleep(wait)
+                continue
+            self._pool.answered.add(self._key)
+            if self._down_since is not None:
+                log.warning("S3 endpoint %s answers again, after %.1f s", self.endpoint,
+                            time.monotonic() - self._down_since)
+                self._down_since = None
+            return resp
+
+    def _outage_wait(self, op: _Operation | None, exc: BaseException, tries: int) -> float | None:
+        """How long to wait before trying a failed call again through an outage, or None to fail."""
+        left = op.deadline - time.monotonic() if op is not None else 0.0
+        if not (self._key in self._pool.answered and left > 0 and _outage(exc)):
+            return None
+        first, longest = _OUTAGE_BACKOFF
+        return min(left, random.uniform(0.5, 1.0) * min(longest, first * 2**tries))
 
     async def _request(self, method: str, key: str | None, **params: Any) -> Any:
         async with self._operation(), self._slot():

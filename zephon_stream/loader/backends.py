@@ -422,7 +422,7 @@ async def _worker(cfg: Config, plan: DataPlan, states: list[LaneState], initial_
     out_send, out_recv = anyio.create_memory_object_stream[bytes](len(states))
     async with AsyncExitStack() as stack:
         await stack.enter_async_context(managed_memory())  # as in the loader's process (ZEPHON_MALLOC)
-        stores = await open_stores(cfg, stack, wrap_store)
+        stores = await open_stores(cfg, stack, wrap_store, planned=True)
         local = cfg.replace(backend="threads")
         async with _run_local(local, plan, stores, tokenizer, {s.lane: s for s in states}) as (streams, shared):
             async with anyio.create_task_group() as tg:

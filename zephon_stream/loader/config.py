@@ -149,6 +149,8 @@ class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
     profile: str | None = None
     connect_timeout: float = 10.0
     read_timeout: float = 30.0
+    max_attempts: int = 5  # S3: attempts of one request (botocore's standard retries)
+    retry_deadline: float = 120.0  # S3: how long an outage of an endpoint that answered before is ridden out
     messages_field: str | None = None  # makes it a chat source: the field holding a list of {role, content}
     chat_template: str | None = None  # a Jinja file; unset: the tokenizer_config.json next to the tokenizer
     loss_on: Literal["assistant", "last_assistant", "all"] = "assistant"
@@ -191,9 +193,10 @@ class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
         if self.endpoint_url is not None:
             _check(_is_http_url(self.endpoint_url), f"{where}.endpoint_url", self.endpoint_url,
                    "is not a URL: use http://host:port or https://host")
-        for field in ("connect_timeout", "read_timeout"):
+        for field in ("connect_timeout", "read_timeout", "retry_deadline"):
             value = getattr(self, field)
             _check(0 < value <= MAX_TIMEOUT_S, f"{where}.{field}", value, f"must be in (0, {MAX_TIMEOUT_S:g}] seconds")
+        _check(1 <= self.max_attempts <= 100, f"{where}.max_attempts", self.max_attempts, "must be in [1, 100]")
 
     @property
     def image_extensions(self) -> tuple[str, ...]:

@@ -93,8 +93,11 @@ def old_split_digest(sp: SourcePlan) -> str | None:
     return hashlib.sha256(_listing(sp, False)).hexdigest()[:16] if sp.refilled else None
 
 
-async def open_stores(config: Config, stack: AsyncExitStack, wrap: Any = None) -> list[Store]:
+async def open_stores(config: Config, stack: AsyncExitStack, wrap: Any = None, *, planned: bool = False) -> list[Store]:
     """Open (and register for closing) one store per source, wrapped by `wrap(store)` if given.
+
+    `planned`: the data was planned through these endpoints already (a worker's stores), so an S3
+    outage is ridden out from the first request, not only once the endpoint has answered here.
 
     S3 sources share one client pool: one client per endpoint and credentials, entered once and
     closed once, and one limiter on the requests in flight across all sources.
@@ -106,7 +109,8 @@ async def open_stores(config: Config, stack: AsyncExitStack, wrap: Any = None) -
                                                   ("addressing_style", src.addressing_style),
                                                   ("profile", src.profile)) if v is not None}
         if parse_uri(src.uri)[0] == "s3":
-            opts.update(connect_timeout=src.connect_timeout, read_timeout=src.read_timeout)
+            opts.update(connect_timeout=src.connect_timeout, read_timeout=src.read_timeout,
+                        max_attempts=src.max_attempts, retry_deadline=src.retry_deadline, answered=planned)
             if pool is None:
                 from zephon_stream.connectors.s3 import S3ClientPool
 

@@ -117,7 +117,7 @@ class _LaneActor:
     async def _serve(self, cfg: Config, plan: DataPlan, states: dict[int, LaneState]) -> None:
         try:
             async with AsyncExitStack() as stack:
-                self.stores = await open_stores(cfg, stack, self.wrap_store)
+                self.stores = await open_stores(cfg, stack, self.wrap_store, planned=True)
                 tokenizer = Tokenize.for_config(cfg)
                 async with self.run_local(cfg, plan, self.stores, tokenizer, states) as (
                         streams, shared):

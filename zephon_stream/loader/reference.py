@@ -21,7 +21,7 @@ EXECUTION = {("", k) for k in ("backend", "workers", "cpu_threads", "max_restart
                                "ray_num_cpus", "tokenize_batch", "doc_buffer", "sample_buffer", "sample_batch",
                                "read_ahead", "stall_warning_s")} | {
     ("sources", k) for k in ("endpoint_url", "region", "addressing_style", "profile", "connect_timeout",
-                             "read_timeout")} | {
+                             "read_timeout", "max_attempts", "retry_deadline")} | {
     ("vision", "decode_batch"), ("vision", "decode_ahead"), ("vision", "decode_threads")}
 
 #: (table, key) -> meaning. `table` is "" for top-level keys.
@@ -117,6 +117,10 @@ MEANINGS: dict[tuple[str, str], str] = {
                             "instance role). ",
     ("sources", "connect_timeout"): "S3: seconds to connect, per request. ",
     ("sources", "read_timeout"): "S3: seconds between bytes of a response. ",
+    ("sources", "max_attempts"): "S3: attempts of one request (refused or dropped connections, 5xx, throttling, "
+                                 "timeouts: botocore's standard retries, with backoff). ",
+    ("sources", "retry_deadline"): "S3: seconds an outage is ridden out: once the endpoint has answered, a request "
+                                   "that failed all its attempts is tried again until then (not a timeout). ",
     ("vision", "patch_size"): "Pixels on a patch side. ",
     ("vision", "merge_size"): "Patches per side merged into one image token. ",
     ("vision", "temporal_patch_size"): "Frames per patch (a still image is repeated). ",
