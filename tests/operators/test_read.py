@@ -1,3 +1,5 @@
+import logging
+
 import anyio
 import msgspec
 import pytest
@@ -122,7 +124,7 @@ def test_a_prefix_that_is_not_a_folder_keeps_its_names():
     assert sorted(got) == ["a", "b"]
 
 
-def test_shards_are_planned_overlapped_and_errors_come_in_key_order():
+def test_shards_are_planned_overlapped_and_errors_come_in_key_order(caplog):
     """A source of many .zst shards planned one request after another: 200 shards at 20 ms took
     8.3 s. Plans overlap now (at most PLAN_WORKERS), and the shard named by an error is still the
     first bad one by key, whichever plan failed first."""
@@ -155,9 +157,19 @@ def test_shards_are_planned_overlapped_and_errors_come_in_key_order():
     with pytest.raises(DataError, match="03.jsonl.zst"):
         anyio.run(plan, "error")
     assert 1 < counting.peak <= PLAN_WORKERS
-    got = anyio.run(plan, "skip")
+    with caplog.at_level(logging.WARNING, logger="zephon_stream.loader"):
+        got = anyio.run(plan, "skip")
     assert [s.key for s in got.shards] == [f"{i:02d}.jsonl.zst" for i in range(60) if i not in (3, 40)]
     assert got.skipped_shards == ["03.jsonl.zst", "40.jsonl.zst"]
+    said = [r.getMessage() for r in caplog.records]  # a shard lost whole is named, with why
+    assert [m.split(":")[0] for m in said] == ["source 's'"] * 2 and all(
+        f"shard '{k}' is skipped whole (on_bad_record = \"skip\"), none of its records is read: " in m
+        for k, m in zip(got.skipped_shards, said)), said
+    for i in range(60):
+        store.objects[f"{i:02d}.jsonl.zst"] = b"\x28\xb5\x2f\xfd not a frame"
+    with pytest.raises(DataError, match=r"every shard under memory://x/ is empty or corrupt: \['00.jsonl.zst', .*\]; "
+                                        r"the first: .*'00.jsonl.zst'"):
+        anyio.run(plan, "skip")
 
 
 def test_bad_inputs_name_object_and_offset():

@@ -68,6 +68,7 @@ FORMATS = {"lines": SUFFIXES, "parquet": PARQUET_SUFFIXES, "tar": (".tar",)}  # 
 log = logging.getLogger("zephon_stream.loader")
 _SPLITS_PER_LANE, _MIN_SPLIT = 4, 256 << 10  # see plan_splits
 _READ_PART = 1 << 20  # the largest ranged read of a split
+_NAMED_SKIPS = 5  # shards skipped at planning named one by one in warnings, a source
 _MIN_PART = 1 << 10  # the smallest, when a small split is cut into `read_ahead` parts
 _TAIL_PART = 1 << 16  # reads past a split's end, only to finish its last record
 _LOCATE_MAX = 8 << 20  # the most decoded bytes of frames `SplitReader.lines_at` decodes for one record
@@ -152,12 +153,21 @@ async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field
             raise got  # the first bad shard in key order, however the plans overlapped
         else:
             skipped.append(obj.key)
+            causes.append(str(got))
 
+    causes: list[str] = []
     # Each plan is a request or two (a seek table, a footer) or a scan: overlapped, so a source of
     # many shards plans in its latency over PLAN_WORKERS, not in the sum of its latencies
     await run_ordered(objects, plan, keep, workers=PLAN_WORKERS, window=2 * PLAN_WORKERS)
     if not shards:
-        raise DataError(f"source {name!r}: every shard under {uri} is empty or corrupt: {skipped}")
+        raise DataError(f"source {name!r}: every shard under {uri} is empty or corrupt: {skipped}; the first: "
+                        f"{causes[0]}")
+    for key, cause in list(zip(skipped, causes))[:_NAMED_SKIPS]:  # a whole shard is no longer read: say so
+        log.warning("source %r: shard %r is skipped whole (on_bad_record = \"skip\"), none of its records is read: "
+                    "%s", name, key, cause)
+    if len(skipped) > _NAMED_SKIPS:
+        log.warning("source %r: %d more shards are skipped whole (loader.statistics().skipped_shards counts them)",
+                    name, len(skipped) - _NAMED_SKIPS)
     splits, refilled = _plan_splits(shards, lanes, split_bytes)
     if not splits:
         raise DataError(f"source {name!r}: the {fmt} shards under {uri} hold no " +
