@@ -224,7 +224,7 @@ def test_shard_cli_names_its_flags_for_chat_data(tool_data, tmp_path, capsys):
 
     (tmp_path / "pq").mkdir()
     pq.write_table(pa.table({"conversation": [[{"role": "user", "content": "x"}]]}), tmp_path / "pq" / "p.parquet")
-    assert main(["shard", str(tmp_path / "pq"), str(tmp_path / "out"), "--messages-field", "messages"]) == 1
+    assert main(["shard", str(tmp_path / "pq"), str(tmp_path / "out"), "--messages-field", "messages"]) == 2
     err = capsys.readouterr().err
     assert "has no column 'messages' (its columns: conversation): pass one of them to --messages-field" in err, err
     assert main(["shard", str(tmp_path / "pq"), str(tmp_path / "out"), "--messages-field", "m",

@@ -325,6 +325,10 @@ def test_cli_set_weights_digests_and_inspect(config, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:  # argparse took "-1:..." for an option: "expected one argument"
         main(["stream", str(path), "--steps", "1", "--set-weights", "-1:a=1,b=1"])
     assert exit_.value.code == 2 and "--set-weights: -1 is negative: give a step >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # a name given twice: the second weight won silently
+        main(["stream", str(path), "--steps", "1", "--set-weights", "5:a=1,a=2,b=1"])
+    assert exit_.value.code == 2 and "'5:a=1,a=2,b=1' gives a twice: give each source's weight once" in \
+        capsys.readouterr().err
 
 
 # ---- the 1-point goal ---------------------------------------------------------------------------------

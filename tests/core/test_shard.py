@@ -257,7 +257,7 @@ def test_a_semicolon_csv_names_the_delimiter_to_pass(tmp_path, capsys):
     """Spreadsheets in many locales export CSV with ';' between values."""
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.csv").write_bytes(_csv(_CSV_ROWS, ";"))
-    assert main(["shard", str(tmp_path / "in"), str(tmp_path / "out")]) == 1
+    assert main(["shard", str(tmp_path / "in"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "CSV file 'a.csv' has one column, 'id;text;n', and no 'text': its header seems separated by ';'; pass " \
            "--delimiter ';'" in err, err
@@ -268,7 +268,7 @@ def test_a_semicolon_csv_names_the_delimiter_to_pass(tmp_path, capsys):
         shard(str(tmp_path / "in"), str(tmp_path / "out3"), delimiter='"', progress=False)
     (tmp_path / "tsv").mkdir()
     (tmp_path / "tsv" / "a.tsv").write_bytes(_csv(_CSV_ROWS, "\t"))
-    assert main(["shard", str(tmp_path / "tsv"), str(tmp_path / "out5"), "--delimiter", ","]) == 1
+    assert main(["shard", str(tmp_path / "tsv"), str(tmp_path / "out5"), "--delimiter", ","]) == 2
     err = capsys.readouterr().err
     assert "its header seems separated by '\\t'; pass --delimiter '\\t'" in err, err
     assert main(["shard", str(tmp_path / "tsv"), str(tmp_path / "out5"), "--delimiter", "\\t"]) == 0  # as pasted
@@ -340,7 +340,7 @@ def test_a_csv_spool_that_fails_says_where_and_what_to_set(tmp_path, monkeypatch
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.csv").write_bytes(_csv(_CSV_ROWS))
     monkeypatch.setattr(shard_module._Utf8Check, "feed", full)
-    assert main(["shard", str(tmp_path / "in"), str(tmp_path / "out")]) == 1
+    assert main(["shard", str(tmp_path / "in"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert re.search(r"zephon shard copies CSV file 'a.csv' into a temporary file in \S+ to parse it, and that "
                      r"failed: No space left on device; set TMPDIR to a disk with room for the file", err), err
@@ -644,18 +644,18 @@ def test_cli_errors_name_its_flags_not_the_config_keys(tmp_path, capsys):
     its flags."""
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.jsonl").write_bytes(b'{"text": "ok"}\n{"text": \n')
-    assert main(["shard", str(tmp_path / "in"), str(tmp_path / "o1")]) == 1
+    assert main(["shard", str(tmp_path / "in"), str(tmp_path / "o1")]) == 2
     err = capsys.readouterr().err
     assert "bad record in 'a.jsonl' at byte 15" in err and "pass --on-bad-record skip to skip" in err, err
     (tmp_path / "in" / "a.jsonl").write_bytes(b'{"text": "' + b"x" * 3000 + b'"}\n')
-    assert main(["shard", str(tmp_path / "in"), str(tmp_path / "o2"), "--max-record-bytes", "1KiB"]) == 1
+    assert main(["shard", str(tmp_path / "in"), str(tmp_path / "o2"), "--max-record-bytes", "1KiB"]) == 2
     err = capsys.readouterr().err
     assert "longer than --max-record-bytes 1024" in err and "on_bad_record" not in err, err
     (tmp_path / "img").mkdir()
     (tmp_path / "img" / "a.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(200))
     (tmp_path / "img" / "a.txt").write_text("a caption")
     assert main(["shard", str(tmp_path / "img"), str(tmp_path / "o3"), "--image-field", "png",
-                 "--max-record-bytes", "100"]) == 1
+                 "--max-record-bytes", "100"]) == 2
     err = capsys.readouterr().err
     assert "'a.png' takes 208 bytes, more than --max-record-bytes 100 (pass --on-bad-record skip" in err, err
     assert main(["shard", str(tmp_path / "img"), str(tmp_path / "o4"), "--image-field", "png",
@@ -664,15 +664,15 @@ def test_cli_errors_name_its_flags_not_the_config_keys(tmp_path, capsys):
     assert "0 documents from 1 input (208 bytes) into 0 shards (0 bytes), 1 bad record skipped" in out, out
     (tmp_path / "in" / "b.jsonl.gz").write_bytes(b"")
     (tmp_path / "in" / "a.jsonl").write_bytes(b'{"text": "ok"}\n')
-    assert main(["shard", str(tmp_path / "in"), str(tmp_path / "o5")]) == 1
+    assert main(["shard", str(tmp_path / "in"), str(tmp_path / "o5")]) == 2
     err = capsys.readouterr().err
     assert "error: empty input 'b.jsonl.gz' (0 bytes): remove it or pass --on-bad-record skip" in err, err
     (tmp_path / "pq").mkdir()
     pq.write_table(pa.table({"body": pa.array([1], pa.int64())}), tmp_path / "pq" / "a.parquet")
-    assert main(["shard", str(tmp_path / "pq"), str(tmp_path / "o6")]) == 1
+    assert main(["shard", str(tmp_path / "pq"), str(tmp_path / "o6")]) == 2
     err = capsys.readouterr().err
     assert "has no column 'text' (its columns: body): pass one of them to --text-field" in err, err
-    assert main(["shard", str(tmp_path / "pq"), str(tmp_path / "o7"), "--text-field", "body"]) == 1
+    assert main(["shard", str(tmp_path / "pq"), str(tmp_path / "o7"), "--text-field", "body"]) == 2
     err = capsys.readouterr().err
     assert "column 'body' of Parquet file 'a.parquet' is int64, not a string: name a text column (--text-field)" in err
 
@@ -681,7 +681,7 @@ def test_a_sharegpt_record_says_where_a_map_step_is(tmp_path, capsys):
     """The chat check's hint names a map step, which the loader has and zephon shard has not."""
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.jsonl").write_text('{"messages": [{"from": "human", "value": "hi"}]}\n')
-    assert main(["shard", str(tmp_path / "in"), str(tmp_path / "out"), "--messages-field", "messages"]) == 1
+    assert main(["shard", str(tmp_path / "in"), str(tmp_path / "out"), "--messages-field", "messages"]) == 2
     err = capsys.readouterr().err
     assert "(ShareGPT style: map from/value to role/content with a map step of a loader source, " \
            "[[sources.transforms]]: zephon shard copies records as they are, so give such files to the loader as " \

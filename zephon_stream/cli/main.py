@@ -188,6 +188,9 @@ def _decision(text: str) -> tuple[int, dict[str, float]]:
         weights = {name.strip(): float(w) for name, w in pairs}
     except ValueError:
         raise usage from None
+    twice = sorted({n.strip() for n, _ in pairs if [m.strip() for m, _ in pairs].count(n.strip()) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"{text!r} gives {', '.join(twice)} twice: give each source's weight once")
     return _count(step), weights
 
 

@@ -17,7 +17,7 @@ import re
 import sys
 from typing import Any
 
-from zephon_stream.errors import ConfigError, ZephonError
+from zephon_stream.errors import ZephonError
 
 __all__ = ["add_subparser", "parse_size"]
 
@@ -92,7 +92,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"zephon shard: error: {_as_flags(str(exc))}", file=sys.stderr)
         for note in getattr(exc, "__notes__", []):
             print(f"  {_as_flags(note)}", file=sys.stderr)
-        return 2 if isinstance(exc, ConfigError) else 1
+        return 2  # a bad input is the user's to fix, as a bad setting is: every zephon command says 2
     skipped = f", {_count(report.skipped, 'bad record')} skipped" if report.skipped else ""
     print(f"{_count(report.documents, 'document')} from {_count(report.inputs, 'input')} ({report.bytes_in} bytes) "
           f"into {_count(len(report.shards), 'shard')} ({report.bytes_out} bytes){skipped}")
