@@ -20,8 +20,10 @@ exactly one lane, whatever the number of splits.
 A lane cannot see a whole epoch of a source (it reads only its own positions), so a source
 that yields no document at all would leave it reading empty splits forever. A lane that reads
 `_EMPTY_RUN` positions in a row without a document therefore checks the whole source once
-(every split, stopping at the first document): a source with none is a DataError. Valid data
-never fails the check, and the check never changes what a lane yields.
+(every split, stopping at the first document): a source with none is a DataError. So does a
+lane whose share of the source ends (`max_epochs`) with positions that gave no document: with
+`max_epochs = 1` a lane may read a single position of it. Valid data never fails the check,
+and the check never changes what a lane yields.
 """
 
 from __future__ import annotations
@@ -392,6 +394,8 @@ class TextLane:
                 if empty >= min(_EMPTY_RUN, len(shared.plan.sources[source].splits)):
                     await shared.check_source(source)
                 position, offset = position + 1, 0
+            if empty:  # the last epoch (max_epochs) ended this lane's share in a run shorter than _EMPTY_RUN
+                await shared.check_source(source)
 
     async def _hand_out(self, source: int, reader: SplitReader, pending: list[Doc], send: FeedSender, final: bool,
                         first: tuple[int, int] | None, piece: int) -> tuple[bool, tuple[int, int] | None]:
