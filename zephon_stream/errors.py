@@ -74,6 +74,13 @@ class DataError(ZephonError):
         self.key = key
         self.offset = offset
 
+    def of_source(self, name: str, uri: str) -> DataError:
+        """This error with its source named first (`zephon shard` names every output
+        `shard-00000.jsonl.zst`: two sources' shards can share a name), or itself if it names it."""
+        if str(self).startswith(f"source {name!r}"):
+            return self
+        return DataError(f"source {name!r} ({uri}): {self}", key=self.key, offset=self.offset)
+
 
 class CheckpointError(ZephonError):
     """A checkpoint cannot be decoded or applied."""

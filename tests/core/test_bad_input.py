@@ -148,3 +148,22 @@ def test_lanes_whose_splits_are_blank_do_not_fail_a_source_that_has_documents(co
         return loader.statistics()
     stats = anyio.run(batches)
     assert stats.skipped_records == 0
+
+
+@pytest.mark.parametrize("backend", ["threads", "processes"])
+def test_an_error_names_its_source_when_shards_share_names(config, tmp_path, backend):
+    """`zephon shard` names every output shard-00000.jsonl.zst: a bad record's or a bad shard's error
+    names the source first, or two sources' shards cannot be told apart."""
+    for name in ("web", "code"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "shard-00000.jsonl").write_bytes(GOOD)
+    (tmp_path / "code" / "shard-00000.jsonl").write_bytes(GOOD + b'{"text": broken\n')
+    srcs = [SourceConfig(name=n, uri=f"file://{tmp_path}/{n}/") for n in ("web", "code")]
+    cfg = config.replace(sources=srcs, max_epochs=1)
+    with pytest.raises(DataError, match=rf"^source 'code' \(file://{tmp_path}/code/\): bad record in "
+                                        r"'shard-00000.jsonl' at byte \d+: "):
+        for _ in Loader(cfg, backend=backend):
+            pass
+    (tmp_path / "web" / "shard-00001.jsonl").write_bytes(b"")
+    with pytest.raises(DataError, match=rf"^source 'web' \(file://{tmp_path}/web/\): empty shard 'shard-00001.jsonl'"):
+        next(iter(Loader(cfg, backend=backend)))

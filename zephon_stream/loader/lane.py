@@ -374,6 +374,16 @@ class TextLane:
         the read-ahead would take more documents than the blocks decoded so far hold, the next
         block of the split is decoded first: a call takes up to a whole `tokenize_batch` of the
         split, not only what one block (a zstd frame: about 35 documents) holds."""
+        try:
+            await self._read_from(source, position, offset, piece, send)
+        except DataError as exc:
+            src = self.shared.plan.sources[source]
+            err = exc.of_source(src.name, src.uri)
+            if err is exc:
+                raise
+            raise err from exc
+
+    async def _read_from(self, source: int, position: int, offset: int, piece: int, send: FeedSender) -> None:
         shared = self.shared
         first = (position, offset) if piece else None  # the document the cursor is inside
         empty = 0  # positions in a row that gave no document
