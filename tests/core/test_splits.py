@@ -18,7 +18,7 @@ from zephon_stream.loader.config import Config, SourceConfig
 from zephon_stream.loader.loader import Loader
 from zephon_stream.loader.plan import old_split_digest
 from zephon_stream.loader.state import LoaderState
-from zephon_stream.operators.read import ShardPlan, _plan_splits, plan_splits
+from zephon_stream.operators.read import ShardPlan, SourcePlan, _plan_splits, plan_splits, warn_coarse
 from zephon_stream.testing.determinism import batch_records
 
 
@@ -185,3 +185,24 @@ def test_zstd_splits_balance_decompressed_bytes_when_the_seek_table_says_them():
     assert len(splits) == 12 and min(text) == max(text) == 160_000
     blind = plan_splits([msgspec.structs.replace(shard, content=[])], 12, 1 << 30)
     assert len({content[s.end] - content[s.start] for s in blind}) > 1
+
+
+def test_one_split_over_two_lanes_share_is_named_in_a_warning(caplog):
+    """A single-frame .zst (as the zstd CLI writes) beside a finely framed one: 24 splits for 12 lanes,
+    but one of them holds 44% of the bytes, and its lane ended the epoch at step 420 of 421 while
+    the others ended by step 64 (84% padding), with no word of why."""
+    fine = ShardPlan("z.jsonl.zst", 0, "", list(range(0, 41_001, 1_000)))  # 41 frames of 1 KB
+    single = ShardPlan("z2.jsonl.zst", 0, "", [0, 32_000])
+    sp = SourcePlan(name="zmid", uri="file:///x/", prefix="", text_field="text", shards=[fine, single],
+                    splits=plan_splits([fine, single], 12, 4096))
+    assert len(sp.splits) == 24
+    with caplog.at_level(logging.WARNING, logger="zephon_stream.loader"):
+        warn_coarse(sp, 12, max_epochs=2)
+        warn_coarse(SourcePlan(name="even", uri="file:///y/", prefix="", text_field="text", shards=[fine],
+                               splits=plan_splits([fine], 12, 4096)), 12, max_epochs=2)
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["source 'zmid': one split (of shard 'z2.jsonl.zst') holds 44% of its bytes, 5.3x a lane's share "
+                    "of an epoch at 12 lanes: its zstd frames or gzip members cannot be cut finer, so the lane that "
+                    "reads it takes that much longer: the other lanes end long before it and give padding while "
+                    "it reads; rewrite it with smaller frames: `zephon shard --frame-size` (256KiB by default), e.g. "
+                    "4KiB"], said

@@ -177,25 +177,43 @@ async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field
 
 
 def warn_coarse(sp: SourcePlan, lanes: int, max_epochs: int = 0) -> None:
-    """Warn that a planned source has fewer splits than lanes (its pieces are too coarse), with
-    what that costs: with `max_epochs`, lanes without a split pad; without, epochs overlap."""
+    """Warn that a planned source cannot be cut fine enough for `lanes` lanes, with what that costs:
+    it has fewer splits than lanes (with `max_epochs`, lanes without a split pad; without, epochs
+    overlap), or one split holds more than two lanes' share of an epoch (a single large frame
+    beside small ones: the lane that reads it ends each epoch long after the others)."""
+    piece = ("zstd frames or gzip members" if sp.format == "lines" else "row groups" if sp.format == "parquet"
+             else "samples")
+    stored = sum(s.frames[-1] - s.frames[0] if s.frames else s.size for s in sp.shards)
+    per_lane = max(1, stored // lanes >> 10)  # KiB: a frame that size or smaller gives every lane a split
+    fix = ("with smaller frames: `zephon shard --frame-size` (256KiB by default), e.g. "
+           f"{min(64, 1 << (per_lane.bit_length() - 1))}KiB" if sp.format == "lines"
+           else "in smaller pieces with `zephon shard`")
     if 0 < len(sp.splits) < lanes:
-        piece = ("zstd frames or gzip members" if sp.format == "lines" else "row groups" if sp.format == "parquet"
-                 else "samples")
         idle = lanes - len(sp.splits)
         cost = (f"{idle} of its lanes {'has' if idle == 1 else 'have'} no split in an epoch and give"
                 f"{'s' if idle == 1 else ''} padding while the others read" if max_epochs
                 else "lanes read the same splits at about the same time: one batch can hold the same samples "
                 "several times")
-        stored = sum(s.frames[-1] - s.frames[0] if s.frames else s.size for s in sp.shards)
-        per_lane = max(1, stored // lanes >> 10)  # KiB: a frame that size or smaller gives every lane a split
-        fix = ("with smaller frames: `zephon shard --frame-size` (256KiB by default), e.g. "
-               f"{min(64, 1 << (per_lane.bit_length() - 1))}KiB" if sp.format == "lines"
-               else "in smaller pieces with `zephon shard`")
         if stored < lanes << 10:
             fix += f" (its {stored:,} bytes are too few to give each of {lanes} lanes a split)"
         log.warning("source %r has %d split%s for %d lanes: its %s cannot be cut finer, so %s; rewrite it %s",
                     sp.name, len(sp.splits), "" if len(sp.splits) == 1 else "s", lanes, piece, cost, fix)
+        return
+    sizes = [_split_bytes(sp.shards[s.shard], s) for s in sp.splits]
+    big = max(range(len(sizes)), key=lambda i: (sizes[i], -i), default=None)
+    if big is None or stored <= 0 or sizes[big] * lanes <= 2 * stored:
+        return
+    cost = ("the other lanes end long before it and give padding while it reads" if max_epochs
+            else "its epochs fall behind the other lanes', and nearby batches can repeat documents")
+    log.warning("source %r: one split (of shard %r) holds %.0f%% of its bytes, %.1fx a lane's share of an epoch "
+                "at %d lanes: its %s cannot be cut finer, so the lane that reads it takes that much longer: %s; "
+                "rewrite it %s", sp.name, sp.shards[sp.splits[big].shard].key, 100 * sizes[big] / stored,
+                sizes[big] * lanes / stored, lanes, piece, cost, fix)
+
+
+def _split_bytes(shard: ShardPlan, split: Split) -> int:
+    """The stored bytes a split reads."""
+    return shard.frames[split.end] - shard.frames[split.start] if shard.frames else split.end - split.start
 
 
 def is_hidden(key: str, prefix: str) -> bool:
