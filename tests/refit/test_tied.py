@@ -118,16 +118,35 @@ def test_tensors_a_sharding_splits_stay_apart():
     run(go)
 
 
-def test_an_untied_trainer_publishes_both_and_an_old_target_still_works():
+def test_a_target_that_ties_what_the_version_holds_apart_is_refused_unless_they_agree():
+    """The rollout ties the embedding and the LM head, the trainer holds them apart: one was written
+    over the other and the pull said it had the version, and so did every delta pull after it. With
+    the same values in both (a trainer whose state_dict copies a tie apart), the target holds the
+    version and the pull passes."""
     trainer, rollout = TiedLM(1, tie=False), TiedLM(2)
+    ties = {k: torch.zeros_like(v) for k, v in trainer.state_dict().items()}
+    ties["lm_head.weight"] = ties["embed.weight"]  # a plain dict with two names of one tensor
 
     async def go():
         store = MemoryStore()
-        async with Publisher("m/", store=store) as pub, Subscriber("m/", store=store, module=rollout) as sub:
+        async with Publisher("m/", store=store) as pub, Subscriber("m/", store=store, module=rollout) as sub, \
+                Subscriber("m/", store=store) as dict_sub:
             info = await pub.publish(trainer.state_dict())
             assert info.model_bytes == (2 * V * D + D * D + D) * 2
-            await sub.pull()  # the rollout ties what the trainer holds apart: the last written wins
-        assert raw(rollout.embed.weight) in (raw(trainer.embed.weight), raw(trainer.lm_head.weight))
+            for pull in (sub.pull, lambda: dict_sub.pull(ties)):
+                with pytest.raises(ConfigError, match="version 1 holds 'embed.weight' and 'lm_head.weight' apart, "
+                                                      "with other values, but they share memory in the target"):
+                    await pull()
+            _train(trainer, 5)
+            await pub.publish(trainer.state_dict())
+            with pytest.raises(ConfigError, match="version 2 holds 'embed.weight' and 'lm_head.weight' apart"):
+                await sub.pull()  # a delta after it: still refused
+            with torch.no_grad():
+                trainer.lm_head.weight.copy_(trainer.embed.weight)
+            await pub.publish(trainer.state_dict())
+            assert await sub.pull() == 3
+        assert raw(rollout.embed.weight) == raw(trainer.embed.weight) == raw(trainer.lm_head.weight)
+        assert all(raw(v) == raw(trainer.state_dict()[k]) for k, v in rollout.state_dict().items())
 
     run(go)
 

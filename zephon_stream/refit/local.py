@@ -73,11 +73,32 @@ class LocalState:
             flat = t.detach().reshape(-1).view(_TORCH_WORD[spec.itemsize])
             self.words.append(flat.numpy().view(WORD[spec.itemsize]) if flat.device.type == "cpu" else flat)
             self.pieces.append(sharding.piece(spec))
+        # tensors of the table that share memory here (a target that ties what the version holds apart)
+        self.shared = _shared_memory([(i, tensors[spec.name]) for i, spec in enumerate(table.specs)])
 
     def host_index(self, tensor: int, e: np.ndarray) -> np.ndarray:
         """Where local elements `e` of table tensor `tensor` are in its word array."""
         host = self.hosts[tensor]
         return e if host is None else host.to_global(e)
+
+
+def _shared_memory(indexed: Sequence[tuple[int, torch.Tensor | Placed]]) -> list[tuple[int, int]]:
+    """The pairs of tensors (by table index) whose memory overlaps. Tensors placed in one host
+    (`Fuse`) hold pieces of it the name map checked, and are not compared with each other."""
+    spans = []
+    for i, t in indexed:
+        host = t.host if isinstance(t, Placed) else t
+        size = host.numel() * host.element_size()
+        if size:
+            start = host.untyped_storage().data_ptr() + host.storage_offset() * host.element_size()
+            spans.append((str(host.device), start, start + size, i, id(host) if isinstance(t, Placed) else None))
+    spans.sort(key=lambda s: s[:2])
+    pairs, open_ = [], []  # spans that start before the current one and may still reach it
+    for dev, start, end, i, host in spans:
+        open_ = [o for o in open_ if o[0] == dev and o[2] > start]
+        pairs += [(o[3], i) for o in open_ if o[4] is None or o[4] != host]
+        open_.append((dev, start, end, i, host))
+    return pairs
 
 
 def _memory(t: torch.Tensor) -> tuple:

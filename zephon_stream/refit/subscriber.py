@@ -306,6 +306,8 @@ class Subscriber(StoreOwner):
         await job.verify()
         await self._save(msgspec.structs.replace(rec, target=latest, file=None))  # unbound until applied
         await job.apply()
+        if local.shared:  # the target ties tensors the version holds apart: they must hold the same values
+            await self._cpu(job.check_shared)
         for target, source in ties:  # tied tensors the target holds apart: copied from the one pulled
             await self._cpu(target.copy_, source)
         if sync is not None:
@@ -798,6 +800,24 @@ class _Pull:
         per = max(1, min(per, len(loads) // (4 * self.sub.workers)))  # 4+ batches a worker: they end together
         others = [[i] for i in self.todo if not self._loads(i)]
         return [loads[k : k + per] for k in range(0, len(loads), per)] + others
+
+    def check_shared(self) -> None:
+        """Re-hash, from memory, the chunks of the tensors that share memory in the target: a module
+        that ties an embedding and an LM head which the version holds with other values has the one
+        written last in both, and would say it pulled the version. Equal values (a trainer whose
+        state_dict copies a tie apart) pass."""
+        shared = {t for pair in self.local.shared for t in pair}
+        for i, plan in enumerate(self.plans):
+            if plan.owned and any(p.tensor in shared for p in plan.parts):
+                if plan.digest(plan.current()) != self.m.chunks[i].plain:
+                    specs = self.local.table.specs
+                    names = ", ".join(f"{specs[a].name!r} and {specs[b].name!r}"
+                                      for a, b in self.local.shared)
+                    raise ConfigError(
+                        f"version {self.target} holds {names} apart, with other values, but they share memory in "
+                        "the target (tied weights): the one written last is in both, so the target does not hold "
+                        "the version. Untie them in the target (e.g. tie_word_embeddings=False), or publish from "
+                        "a model that ties them too")
 
     def _loads(self, i: int) -> bool:
         """Whether apply loads chunk i from its keyframe in one pass (`_load_key`)."""
