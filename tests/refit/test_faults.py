@@ -239,3 +239,49 @@ def test_subscriber_killed_mid_apply_recovers(make_store, monkeypatch, tmp_path)
         assert_same(v2, replica)
 
     go(make_store, body)
+
+
+async def _run_twice(store: Store, prefix: str, seeds: tuple[int, int], versions: tuple[int, int]):
+    """Two trainer runs on one prefix, the second after the prefix was wiped: their models."""
+    runs = []
+    for seed, n in zip(seeds, versions):
+        for info in await store.list(prefix):
+            await store.delete(info.key)
+        state, states = model(seed), []
+        async with Publisher(prefix, store=store) as pub:
+            for v in range(n):
+                state = step(state, seed * 100 + v) if v else state
+                await pub.publish(state)
+                states.append({k: t.clone() for k, t in state.items()})
+        runs.append(states)
+        yield runs
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_a_prefix_started_again_is_pulled_not_taken_for_the_old_run(make_store, tmp_path, caplog, fresh):
+    """The trainer starts again on a wiped prefix: its version N is another model than the one a
+    subscriber pulled as N. The pull said it had the version (same number) and kept the old
+    weights, then refused every delta until a keyframe. `fresh`: a new Subscriber with the record
+    file (as `zephon refit pull` is); else the same one, whose manifests were read before."""
+
+    async def go():
+        async with make_store() as (store, prefix):
+            replica = zeros_like(model(1))
+            sub = Subscriber(prefix, store=store, record=tmp_path / "rec")
+            async for runs in _run_twice(store, prefix, (1, 2), (3, 3)):
+                if len(runs) == 1:
+                    assert await sub.pull(replica) == 3
+                    assert_same(replica, runs[0][-1])
+            if fresh:
+                sub = Subscriber(prefix, store=store, record=tmp_path / "rec")
+            with caplog.at_level("WARNING", logger="zephon_stream.refit.subscriber"):
+                assert await sub.pull(replica) == 3
+            assert_same(replica, runs[1][-1])
+            assert any("was started again" in r.getMessage() for r in caplog.records), caplog.records
+            async with Publisher(prefix, store=store) as pub:  # and the deltas after it apply
+                nxt = step(runs[1][-1], 999)
+                await pub.publish(nxt)
+            assert await sub.pull(replica) == 4
+            assert_same(replica, nxt)
+
+    anyio.run(go)

@@ -43,6 +43,7 @@ version the record or the target names is rebuilt from a keyframe, exactly as a 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -64,6 +65,7 @@ from zephon_stream.errors import (
     ConnectorError,
     DataError,
     DigestMismatch,
+    ObjectNotFound,
     RefitError,
 )
 from zephon_stream.refit import codec, hashing
@@ -84,6 +86,7 @@ from zephon_stream.refit.versions import (
 )
 
 __all__ = ["FileIdentity", "LocalRecord", "Subscriber"]
+log = logging.getLogger(__name__)
 
 _KEY_BATCH_BYTES = 32 << 20  # model bytes a worker loads from a keyframe per hand-off (see `_Pull._batches`)
 _REFUSABLE = (DataError, DigestMismatch, ConnectorError, BaseVersionMismatch)
@@ -207,6 +210,7 @@ class Subscriber(StoreOwner):
         self.record = self._load_record()
         self._trusted = False  # whether this object has itself brought the state to `record`
         self._manifests: dict[int, tuple[Manifest, TensorTable] | None] = {}
+        self._tags: dict[int, tuple[int, str]] = {}  # version -> its MANIFEST's (size, ETag) when read
         self._ahead: dict[str, _Ahead] = {}  # object key -> phase-1 result, from prefetch()
         self._ahead_bytes = 0
         self._ahead_tried: set[str] = set()
@@ -294,11 +298,16 @@ class Subscriber(StoreOwner):
         latest = await find_latest(self.store, self.key_prefix)
         if latest == 0:  # nothing here: a record made at another prefix claims nothing here either
             return self.record.version if self.record.prefix == self._where else 0
+        doubt = self._doubt()
+        rec = await self._anchored() if doubt else self.record
+        reset = await self._reset(rec, latest)
+        if reset is not None:  # its chunks are re-hashed against the prefix's versions, as a record in doubt
+            log.warning("%s was started again (%s): this subscriber re-checks its state against it and pulls "
+                        "version %d", self.uri, reset, latest)
+            rec, doubt = LocalRecord(prefix=self._where), True
         m, table = await self._manifest(latest)
         targets, ties = self._state(state, m, table)
         local = LocalState(table, self.sharding, targets)
-        doubt = self._doubt()
-        rec = await self._anchored() if doubt else self.record
         if rec.version == latest and rec.target is None and rec.geometry == geometry(m) and not doubt:
             return latest
         job = _Pull(self, m, table, local, rec, doubt)
@@ -392,11 +401,45 @@ class Subscriber(StoreOwner):
 
     async def _manifest(self, version: int) -> tuple[Manifest, TensorTable]:
         if version not in self._manifests:
+            tag = await self._tag(version)
             self._manifests[version] = await read_manifest(self.store, self.key_prefix, version)
+            if tag is not None:
+                self._tags[version] = tag
         got = self._manifests[version]
         if got is None:
             raise RefitError(f"version {version} has no MANIFEST under {self.uri!r} (garbage-collected?)")
         return got
+
+    async def _tag(self, version: int) -> tuple[int, str] | None:
+        """The (size, ETag) of `version`'s MANIFEST now, None if it has none."""
+        try:
+            info = await self.store.head(manifest_key(self.key_prefix, version))
+        except ObjectNotFound:
+            return None
+        return info.size, info.etag
+
+    async def _reset(self, rec: LocalRecord, latest: int) -> str | None:
+        """Why the prefix no longer holds the versions `rec` (a record of this prefix) names, if it
+        does not: a trainer that started again on a wiped prefix numbers its versions from 1, and
+        its version N is another model than the one this subscriber pulled as N. The manifests read
+        before are forgotten then (a version of the same number is another object now)."""
+        if rec.version == 0 or rec.prefix != self._where or not rec.model_digest:
+            return None
+        why = None
+        if rec.version > latest:
+            why = f"its newest version is {latest}, behind version {rec.version} that this subscriber pulled"
+        elif rec.version in self._tags and await self._tag(rec.version) not in (None, self._tags[rec.version]):
+            why = f"its version {rec.version} was written again since this subscriber read it"
+        else:
+            m = await self._maybe_manifest(rec.version)
+            if m is not None and m.model_digest != rec.model_digest:
+                why = (f"its version {rec.version} is another model (digest {m.model_digest:016x}) than the one this "
+                       f"subscriber pulled as {rec.version} ({rec.model_digest:016x})")
+        if why is not None:
+            self._manifests.clear()
+            self._tags.clear()
+            self._drop_ahead()
+        return why
 
     async def _maybe_manifest(self, version: int) -> Manifest | None:
         """The manifest of `version`, or None when it is missing or unusable (malformed, oversized):
