@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import anyio
 import pytest
 
@@ -87,3 +89,28 @@ def test_delete_takes_the_folders_it_empties_not_the_root_or_others(tmp_path):
         assert await store.read("v1/MANIFEST") == b"y"
 
     anyio.run(go)
+
+
+def test_a_full_disk_is_a_connector_error_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    """`zephon relay` to a full file:// child died with a traceback (OSError is no ZephonError, which
+    it retries), and its partial temporary files kept the disk full."""
+    import errno
+    import pathlib
+
+    from zephon_stream import ConnectorError
+
+    real = pathlib.Path.write_bytes
+
+    def full(self, data):
+        real(self, bytes(data)[: len(data) // 2])  # half written, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    store = LocalStore(tmp_path)
+    monkeypatch.setattr(pathlib.Path, "write_bytes", full)
+    with pytest.raises(ConnectorError, match=r"cannot write 'v6/chunk-1' under .*: No space left on device "
+                                             r"\(1,000 bytes\)"):
+        anyio.run(store.put, "v6/chunk-1", b"x" * 1000)
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == []
+    anyio.run(store.put, "v6/chunk-1", b"x" * 1000)  # space again: the next try writes it
+    assert (tmp_path / "v6" / "chunk-1").read_bytes() == b"x" * 1000

@@ -107,3 +107,30 @@ def test_cli_publish_pull_status(tmp_path, capsys) -> None:
     assert lines[0] == "latest 4" and len(lines) == 2 + 4
     assert [ln.split()[2] for ln in lines[2:]] == ["yes", "no", "yes", "no"]
     assert zephon("refit", "pull", "--prefix", f"file://{tmp_path}/nope/", "--weights", str(rollout)) == 1
+
+
+def test_a_new_weights_file_on_a_full_disk_is_an_error_not_a_sigbus(tmp_path, capsys, monkeypatch) -> None:
+    """`zephon refit pull` into a new file on a full disk: the sparse file was created and the first
+    write through its memory map killed the process (SIGBUS, exit 135, no message)."""
+    import errno
+    import os
+
+    prefix = f"file://{tmp_path}/store/"
+    (tmp_path / "store").mkdir()
+    safetensors.save(tmp_path / "trainer.safetensors", model(3))
+    assert zephon("refit", "publish", "--prefix", prefix, "--weights", str(tmp_path / "trainer.safetensors")) == 0
+    capsys.readouterr()
+    reserved = []
+
+    def full(fd, offset, size):
+        reserved.append(size)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    new = tmp_path / "new.safetensors"
+    assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(new)) == 1
+    assert "cannot be written (No space left on device)" in capsys.readouterr().err
+    assert reserved and reserved[0] > sum(t.numel() * t.element_size() for t in model(3).values())
+    monkeypatch.undo()
+    assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(new)) == 0  # space again
+    assert_same(model(3), dict(safetensors.load(new)))

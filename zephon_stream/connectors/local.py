@@ -13,7 +13,7 @@ from pathlib import Path
 
 from zephon_stream.connectors.base import ObjectInfo, StoreStatistics
 from zephon_stream.engine import threads
-from zephon_stream.errors import AccessDenied, AlreadyExists, ConfigError, ObjectNotFound
+from zephon_stream.errors import AccessDenied, AlreadyExists, ConfigError, ConnectorError, ObjectNotFound
 
 __all__ = ["LocalStore"]
 
@@ -116,13 +116,17 @@ class LocalStore:
         path = self._path(key)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{id(data):x}.tmp")
         for last in (False, True):
-            path.parent.mkdir(parents=True, exist_ok=True)
             try:
+                path.parent.mkdir(parents=True, exist_ok=True)
                 tmp.write_bytes(data)
                 break
             except FileNotFoundError:  # a delete took the folder as it emptied (`_delete`): once more
                 if last:
                     raise
+            except OSError as exc:  # a full disk, a read-only or vanished mount: no partial file stays
+                tmp.unlink(missing_ok=True)
+                raise ConnectorError(f"cannot write {key!r} under {self.root}: {exc.strerror or exc} "
+                                     f"({len(data):,} bytes)") from exc
         try:
             if if_none_match:
                 try:

@@ -4,6 +4,7 @@ then the raw little-endian bytes. Loading memory-maps the file, so a pull writes
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import math
@@ -128,14 +129,14 @@ def _short(x: object, limit: int = 120) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-def _os_error(where: str, exc: OSError) -> ZephonError:
+def _os_error(where: str, exc: OSError, doing: str = "read") -> ZephonError:
     if isinstance(exc, FileNotFoundError):
         return ObjectNotFound(f"{where}: no such file")
     if isinstance(exc, PermissionError):
         return AccessDenied(f"{where}: permission denied")
     if isinstance(exc, IsADirectoryError):
         return DataError(f"{where} is a directory, not a safetensors file", key=where)
-    return DataError(f"{where}: cannot be read ({exc.strerror or exc})", key=where)
+    return DataError(f"{where}: cannot be {doing} ({exc.strerror or exc})", key=where)
 
 
 class Mapped(dict[str, torch.Tensor]):
@@ -235,7 +236,9 @@ def allocate(path: str | os.PathLike[str], tensors: Mapping[str, tuple[torch.dty
              metadata: dict[str, str] | None = None) -> None:
     """Create `path` holding zero-filled tensors of these dtypes and shapes, laid out as `save`
     lays them out, without writing the zeros (a sparse file where the filesystem has them).
-    An existing file at `path` is replaced."""
+    An existing file at `path` is replaced. Its blocks are reserved (`posix_fallocate`, where the
+    filesystem has it): a sparse file on a full disk is created, and the first write through its
+    memory map is a SIGBUS, not an error."""
     for name, (dtype, _) in tensors.items():
         if dtype not in _NAMES:
             raise ConfigError(f"tensor {name!r} is {dtype}, which safetensors cannot hold: use one of "
@@ -246,8 +249,20 @@ def allocate(path: str | os.PathLike[str], tensors: Mapping[str, tuple[torch.dty
             f.write(struct.pack("<Q", len(text)))
             f.write(text)
             f.truncate(8 + len(text) + total)
+            _reserve(f.fileno(), 8 + len(text) + total)
     except OSError as exc:
-        raise _os_error(os.fspath(path), exc) from exc
+        raise _os_error(os.fspath(path), exc, "written") from exc
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Reserve `size` bytes of disk for `fd`: ENOSPC now, as an OSError. A filesystem that cannot
+    (EOPNOTSUPP, EINVAL) keeps the file sparse."""
+    if size and hasattr(os, "posix_fallocate"):
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
 
 
 def shard_files(tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], max_bytes: int,
