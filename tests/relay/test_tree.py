@@ -197,6 +197,45 @@ def test_corrupt_parent_object_not_propagated_then_retried(regions) -> None:
     anyio.run(main)
 
 
+def test_a_corrupt_parent_version_is_jumped_by_the_keyframe_after_it(regions) -> None:
+    """A version whose object is corrupt at the parent can never be relayed: with a keyframe after it,
+    the child restarts there, as past a garbage-collection gap (it waited at the version before
+    until the parent collected the corrupt one, while subscribers at the parent went on)."""
+    trainer, child = regions("trainer", proxy=False), regions("child")
+
+    async def main() -> None:
+        pstore, pkey = trainer.open("p/")
+        cstore, ckey = child.open("p/")
+        w, models = model(4), {}
+        with anyio.fail_after(60):
+            async with pstore, cstore, Publisher(pkey, store=pstore, chunk_bytes=256, keyframe_every=3) as pub:
+                for v in range(1, 6):  # v1 and v4 are keyframes
+                    w = step(w, v, frac=0.2)
+                    models[v] = snapshot(w)
+                    await pub.publish(w)
+                bad = [o.key for o in await pstore.list(f"{pkey}v5/chunk-")][0]
+                good = await pstore.read(bad)
+                await pstore.put(bad, good[:-1] + bytes([good[-1] ^ 0x01]))
+                relay = Relay(trainer.prefix("p/"), [child.prefix("p/")], workers=2, poll_interval=0.01)
+                async with relay:
+                    report = await relay.sync()
+                    assert not report.ok and isinstance(report.errors[0], DigestMismatch)
+                    assert await committed(cstore, ckey) == [1, 2, 3, 4]
+                    assert (await relay.sync()).ok is False  # no keyframe after it yet: it waits
+                    for v in range(6, 8):  # v7 is a keyframe
+                        w = step(w, v, frac=0.2)
+                        models[v] = snapshot(w)
+                        await pub.publish(w)
+                    report = await relay.sync()
+                    assert report.ok, report.errors
+                    assert await committed(cstore, ckey) == [1, 2, 3, 4, 7]
+                replica = zeros_like(w)
+                assert await Subscriber(ckey, store=cstore).pull(replica) == 7
+                assert_same(models[7], replica)
+
+    anyio.run(main)
+
+
 async def _errors(relay: Relay, n: int) -> bool:
     return relay.statistics().errors.get("digest", 0) >= n
 

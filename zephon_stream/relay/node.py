@@ -280,6 +280,15 @@ class Relay:
         have = c.latest or 0
         if c.failed is not None or have >= latest:
             return None
+        if have + 1 in parent.broken:  # an object of it is corrupt at the parent: a keyframe after it is the way on
+            key = await parent.newest_keyframe(latest)
+            if key <= have + 1:
+                return have + 1  # none yet: `_plan` stops at it and reports it, until the publisher writes one
+            log.warning("version %d has a corrupt object at the parent and is never relayed: restarting child %s at "
+                        "the keyframe after it, version %d", have + 1, c.name, key,
+                        extra={"event": "child_jump", "child": c.name, "child_latest": have, "keyframe": key})
+            c.oldest = None
+            return key
         try:
             if await parent.manifest(have + 1) is not None:
                 return have + 1  # the parent's versions are contiguous: the chain have+1..latest is intact

@@ -37,6 +37,7 @@ class Parent:
         self._is_key: dict[int, bool] = {}  # whether a version is a keyframe, down to the newest one
         self._seen: dict[int, float] = {}  # version -> monotonic time the relay first saw it
         self._seen_upto = 0
+        self.broken: dict[int, str] = {}  # version -> why an object of it can never be relayed (corrupt)
 
     @property
     def name(self) -> str:
@@ -111,10 +112,13 @@ class Parent:
             if await verified(self.cpu, data, size, digest):
                 return data
         if len(data) != size:
-            raise DataError(f"{key} at the parent is {len(data)} bytes, its MANIFEST says {size} "
-                            "(truncated?): version not relayed", key=key, offset=len(data))
-        raise DigestMismatch(f"{key} at the parent has blake2b {object_digest(data)}, its MANIFEST says "
-                             f"{digest}: corrupt object, version {version} not relayed")
+            err: ZephonError = DataError(f"{key} at the parent is {len(data)} bytes, its MANIFEST says {size} "
+                                         "(truncated?): version not relayed", key=key, offset=len(data))
+        else:
+            err = DigestMismatch(f"{key} at the parent has blake2b {object_digest(data)}, its MANIFEST says "
+                                 f"{digest}: corrupt object, version {version} not relayed")
+        self.broken[version] = str(err)  # read twice, wrong twice: the next sync jumps a newer keyframe over it
+        raise err
 
     def forget_below(self, floor: int) -> None:
         """Drop the MANIFESTs below `floor` and the first-seen times up to it: every child has them."""
@@ -122,3 +126,5 @@ class Parent:
             del self._manifests[v]
         for v in [v for v in self._seen if v <= floor]:
             del self._seen[v]
+        for v in [v for v in self.broken if v < floor]:
+            del self.broken[v]
