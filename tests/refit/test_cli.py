@@ -134,3 +134,27 @@ def test_a_new_weights_file_on_a_full_disk_is_an_error_not_a_sigbus(tmp_path, ca
     monkeypatch.undo()
     assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(new)) == 0  # space again
     assert_same(model(3), dict(safetensors.load(new)))
+
+
+def test_a_file_that_is_not_safetensors_and_a_changed_layout_say_what_to_do(tmp_path, capsys) -> None:
+    (tmp_path / "model.py").write_text("import torch\nprint('a training script, not weights')\n")
+    prefix = f"file://{tmp_path}/store/"
+    assert zephon("refit", "publish", "--prefix", prefix, "--weights", str(tmp_path / "model.py")) == 2
+    assert "model.py: not a safetensors file? Its first 8 bytes give a header length of" in capsys.readouterr().err
+    rollout = tmp_path / "rollout.safetensors"
+    safetensors.save(tmp_path / "t.safetensors", model(5))
+    assert zephon("refit", "publish", "--prefix", prefix, "--weights", str(tmp_path / "t.safetensors")) == 0
+    assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(rollout)) == 0
+    grown = {**model(5), "w1": torch.zeros(20, 24, dtype=torch.bfloat16)}  # the trainer's model grew
+    safetensors.save(tmp_path / "t.safetensors", grown)
+    assert zephon("refit", "publish", "--prefix", prefix, "--weights", str(tmp_path / "t.safetensors")) == 0
+    capsys.readouterr()
+    assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(rollout)) == 2
+    err = capsys.readouterr().err
+    assert "expected torch.bfloat16 (20, 24)" in err and (
+        f"if the published model's layout changed (names, shapes, dtypes), delete {rollout} and its record "
+        f"{rollout}.refit to pull the new layout whole") in err, err
+    rollout.unlink()
+    (tmp_path / "rollout.safetensors.refit").unlink()
+    assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(rollout)) == 0
+    assert_same(grown, dict(safetensors.load(rollout)))

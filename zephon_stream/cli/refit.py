@@ -163,7 +163,11 @@ async def _pull(args: argparse.Namespace) -> int:
                     finished = True
                     await sub._rebind(_weights(args.weights).files if made.files else args.weights)
         except ConfigError as exc:  # the file against the versions (its tensors, shapes, dtypes): name both
-            raise ConfigError(f"--weights {args.weights} against the versions under {args.prefix}: {exc}") from exc
+            err = ConfigError(f"--weights {args.weights} against the versions under {args.prefix}: {exc}")
+            if not made and ("expected" in str(exc) or "does not match the tensor table" in str(exc)):
+                err.add_note(f"if the published model's layout changed (names, shapes, dtypes), delete {args.weights} "
+                             f"and its record {record} to pull the new layout whole")
+            raise err from exc
     finally:
         if made:
             made.clean()

@@ -54,8 +54,8 @@ def _header(path: str | os.PathLike[str]) -> tuple[int, dict[str, _Entry]]:
                 raise DataError(f"{where}: {size} bytes is too short for a safetensors file", key=where, offset=0)
             (n,) = struct.unpack("<Q", head)
             if n > min(MAX_HEADER, size - 8):
-                raise DataError(f"{where}: header length {n} exceeds the file ({size} bytes) or {MAX_HEADER}",
-                                key=where, offset=0)
+                raise DataError(f"{where}: not a safetensors file? Its first 8 bytes give a header length of {n}, "
+                                f"more than the file ({size} bytes) or {MAX_HEADER}", key=where, offset=0)
             text = f.read(n)
     except OSError as exc:
         raise _os_error(where, exc) from exc
