@@ -477,7 +477,9 @@ def test_a_pull_into_another_model_names_the_file_and_the_prefix(tmp_path: Path,
     assert zephon("refit", "pull", "--prefix", "versions", "--weights", "other.safetensors") == 2
     assert capsys.readouterr().err == (  # it said only "state_dict does not match the tensor table: ..."
         f"zephon refit pull: error: --weights other.safetensors against the versions under "
-        f"file://{tmp_path}/versions/: state_dict does not match the tensor table: missing ['a'], unexpected ['b']\n")
+        f"file://{tmp_path}/versions/: state_dict does not match the tensor table: missing ['a'], unexpected ['b']\n"
+        "  if the published model's layout changed (names, shapes, dtypes), delete other.safetensors and its record "
+        "other.safetensors.refit to pull the new layout whole\n")
 
 
 def test_a_failed_pull_into_a_new_file_leaves_no_record(tmp_path: Path, monkeypatch, capsys) -> None:
