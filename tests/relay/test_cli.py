@@ -38,6 +38,21 @@ def test_option_before_its_prefix_refused(capsys) -> None:
     assert "--to-endpoint must follow a --to" in capsys.readouterr().err
 
 
+def test_an_option_given_twice_or_to_a_local_prefix_is_refused(tmp_path, capsys, monkeypatch) -> None:
+    """The second --to-endpoint of one --to won silently, and an endpoint of a file:// prefix was
+    dropped without a word; a plain folder path was 'unsupported URI scheme', where refit --prefix
+    takes one."""
+    with pytest.raises(SystemExit):
+        parse("--from", "s3://t/p/", "--to", "s3://a/", "--to-endpoint", "http://x:1", "--to-endpoint", "http://y:2")
+    assert "--to-endpoint given twice for s3://a/" in capsys.readouterr().err
+    cfg = load_config(parse("--from", "s3://t/p/", "--to", f"file://{tmp_path}/a/", "--to-endpoint", "http://x:1"))
+    with pytest.raises(ConfigError, match=rf"file://{tmp_path}/a/: endpoint_url is for s3:// prefixes only"):
+        cfg.to[0].prefix()
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(parse("--from", "root", "--to", "child"))
+    assert (cfg.parent.uri, cfg.to[0].uri) == (f"file://{tmp_path}/root/", f"file://{tmp_path}/child/")
+
+
 def test_config_file_with_credentials_from_env(tmp_path, monkeypatch) -> None:
     (tmp_path / "r.toml").write_text(
         'poll_interval = 0.25\n[from]\nuri = "s3://t/p/"\nendpoint_url = "http://127.0.0.1:1"\n'

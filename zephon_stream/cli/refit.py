@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from zephon_stream.cli.shard import parse_size
-from zephon_stream.connectors import missing_locally, open_store
+from zephon_stream.connectors import folder_uri, missing_locally, open_store
 from zephon_stream.errors import ConfigError, DataError, RefitError, ZephonError
 from zephon_stream.refit.versions import find_latest, list_versions, read_manifest
 
@@ -79,11 +79,7 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
 def _prefix(text: str) -> str:
     """A `--prefix`: a URI as given, or a local folder's path as its file:// URI (as a source's path
     in a loader config is; `unsupported URI scheme` said to write one)."""
-    if "://" in text:
-        return text
-    from pathlib import Path
-
-    return Path(text).resolve().as_uri() + "/"
+    return folder_uri(text)
 
 
 def _guard(fn: Any) -> Any:

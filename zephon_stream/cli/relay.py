@@ -43,7 +43,7 @@ import anyio
 import anyio.abc
 import msgspec
 
-from zephon_stream.connectors import missing_locally
+from zephon_stream.connectors import folder_uri, missing_locally
 from zephon_stream.errors import ConfigError, ZephonError, closest_key, unwrap_groups
 from zephon_stream.relay import Prefix, Relay, prometheus_text
 
@@ -79,8 +79,13 @@ class PrefixConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 value = os.environ[env]
             if value is not None:
                 opts[name] = value
-        if not self.uri.startswith("s3://"):
-            opts = {}  # file:// and memory:// take no options
+        if not self.uri.startswith("s3://"):  # file:// and memory:// take no options: a mistake, not a no-op
+            given = sorted(k for k in ("endpoint_url", "region", "addressing_style", "profile", "access_key_id",
+                                       "secret_access_key", "session_token") if k in opts)
+            if given or self.options:
+                raise ConfigError(f"{self.uri}: {', '.join(given + sorted(self.options))} "
+                                  f"{'is' if len(given) + len(self.options) == 1 else 'are'} for s3:// prefixes only")
+            opts = {}
         return Prefix(self.uri, **opts, **self.options)
 
 
@@ -145,26 +150,33 @@ class _Lanes(argparse.Action):
 
 class _From(argparse.Action):
     def __call__(self, parser: Any, ns: argparse.Namespace, value: Any, option: Any = None) -> None:
-        ns.parent = {"uri": value}
+        ns.parent = {"uri": folder_uri(value)}
 
 
 class _To(argparse.Action):
     def __call__(self, parser: Any, ns: argparse.Namespace, value: Any, option: Any = None) -> None:
-        ns.children = [*(ns.children or []), {"uri": value}]
+        ns.children = [*(ns.children or []), {"uri": folder_uri(value)}]
+
+
+def _set(parser: Any, table: dict[str, Any], option: str, dest: str, value: Any) -> None:
+    field = _FIELDS[dest.partition("_")[2]]
+    if field in table:
+        parser.error(f"{option} given twice for {table['uri']}")
+    table[field] = value
 
 
 class _FromOption(argparse.Action):
     def __call__(self, parser: Any, ns: argparse.Namespace, value: Any, option: Any = None) -> None:
         if ns.parent is None:
             parser.error(f"{option} must follow --from")
-        ns.parent[_FIELDS[self.dest.partition("_")[2]]] = value
+        _set(parser, ns.parent, option, self.dest, value)
 
 
 class _ToOption(argparse.Action):
     def __call__(self, parser: Any, ns: argparse.Namespace, value: Any, option: Any = None) -> None:
         if not ns.children:
             parser.error(f"{option} must follow a --to")
-        ns.children[-1][_FIELDS[self.dest.partition("_")[2]]] = value
+        _set(parser, ns.children[-1], option, self.dest, value)
 
 
 def load_config(args: argparse.Namespace) -> RelayConfig:

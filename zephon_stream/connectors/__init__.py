@@ -15,8 +15,8 @@ from zephon_stream.connectors.local import LocalStore
 from zephon_stream.connectors.memory import MemoryStore
 from zephon_stream.errors import ConfigError
 
-__all__ = ["LocalStore", "MemoryStore", "ObjectInfo", "Store", "StoreStatistics", "missing_locally", "open_store",
-           "parse_uri", "register_scheme"]
+__all__ = ["LocalStore", "MemoryStore", "ObjectInfo", "Store", "StoreStatistics", "folder_uri", "missing_locally",
+           "open_store", "parse_uri", "register_scheme"]
 
 _MEMORY: dict[str, MemoryStore] = {}
 _SCHEMES: dict[str, Callable[..., Store]] = {}
@@ -55,6 +55,16 @@ def missing_locally(uri: str) -> bool:
         return not os.path.exists(uri)
     scheme, location, _ = parse_uri(uri)
     return scheme == "file" and not os.path.exists(location)
+
+
+def folder_uri(text: str) -> str:
+    """A prefix as given on a command line: a URI as it is, or a local folder's path as its file://
+    URI (as a source's path in a loader config is)."""
+    if "://" in text:
+        return text
+    from pathlib import Path
+
+    return Path(text).resolve().as_uri() + "/"
 
 
 def open_store(uri: str, **options: object) -> tuple[Store, str]:
