@@ -334,3 +334,34 @@ def test_oversized_manifest_never_read_whole(side: str, monkeypatch: pytest.Monk
             reads
 
     anyio.run(main)
+
+
+def test_a_parent_started_again_is_named_as_the_likely_cause() -> None:
+    """A trainer restarted on a wiped parent prefix: the child is ahead of it, then holds other
+    versions of the same numbers. The error blamed only 'another tree'."""
+    async def main() -> None:
+        parent, child = MemoryStore(), MemoryStore()
+        w = model(8)
+
+        async def publish(n: int) -> None:
+            nonlocal w
+            async with Publisher("p/", store=parent, chunk_bytes=256) as pub:
+                for v in range(n):
+                    w = step(w, 50 + v)
+                    await pub.publish(w)
+
+        await publish(3)
+        async with Relay(Prefix("p/", store=parent), [Prefix("c/", store=child)]) as relay:
+            assert (await relay.sync()).ok
+        for info in await parent.list("p/"):
+            await parent.delete(info.key)
+        await publish(1)
+        for expect in ("is at version 3, ahead of its parent", "version 3 at child"):
+            async with Relay(Prefix("p/", store=parent), [Prefix("c/", store=child)]) as relay:
+                report = await relay.sync()
+            assert not report.ok and expect in str(report.errors[0])
+            assert "the parent was started again (a trainer restarted on a wiped prefix)" in str(report.errors[0])
+            assert "empty the child prefix" in str(report.errors[0])
+            await publish(2)  # the new run reaches the child's version: another model of the same number
+
+    anyio.run(main)

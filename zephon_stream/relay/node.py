@@ -260,7 +260,9 @@ class Relay:
         if not latest or latest > parent.latest:
             if latest and latest > parent.latest:
                 c.fail(RefitError(f"child {c.name} is at version {latest}, ahead of its parent "
-                                  f"{parent.name} at {parent.latest}: is it fed by another tree?"))
+                                  f"{parent.name} at {parent.latest}: the parent was started again (a trainer "
+                                  "restarted on a wiped prefix), or another tree feeds the child; to follow the "
+                                  "parent's new run, empty the child prefix"))
             return
         try:
             theirs = await read_manifest_bytes(c.store, c.key, latest)
@@ -272,7 +274,9 @@ class Relay:
         ours = await parent.manifest(latest)
         if ours is not None and ours[0] != theirs:
             c.fail(RefitError(f"version {latest} at child {c.name} is not the parent's version {latest} "
-                              f"({parent.name}): the child is fed by another tree; give it its own prefix"))
+                              f"({parent.name}): the parent was started again (a trainer restarted on a wiped "
+                              "prefix), or another tree feeds the child; to follow the parent's new run, empty "
+                              "the child prefix, else give each tree its own prefix"))
 
     async def _start(self, c: Child, latest: int) -> int | None:
         """The first version the child takes: the next one, or the parent's newest keyframe."""
