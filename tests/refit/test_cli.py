@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import struct
 
 import pytest
@@ -158,3 +159,20 @@ def test_a_file_that_is_not_safetensors_and_a_changed_layout_say_what_to_do(tmp_
     (tmp_path / "rollout.safetensors.refit").unlink()
     assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(rollout)) == 0
     assert_same(grown, dict(safetensors.load(rollout)))
+
+
+def test_a_long_publish_or_pull_says_how_far_it_is(tmp_path, capsys, monkeypatch) -> None:
+    """A 200 MB model took 5-6 s of silence each way; a multi-GB one, minutes."""
+    import zephon_stream.cli.refit as cli
+
+    monkeypatch.setattr(cli, "PROGRESS_S", 0.001)
+    prefix = f"file://{tmp_path}/store/"
+    safetensors.save(tmp_path / "t.safetensors", model(6))
+    assert zephon("refit", "publish", "--prefix", prefix, "--weights", str(tmp_path / "t.safetensors")) == 0
+    assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(tmp_path / "r.safetensors")) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert any(re.fullmatch(r"zephon refit publish: [\d,]+\.\d MB written in \d+ s", e) for e in err), err
+    assert any(re.fullmatch(r"zephon refit pull: [\d,]+\.\d MB read in \d+ s", e) for e in err), err
+    monkeypatch.setattr(cli, "PROGRESS_S", 60.0)
+    assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(tmp_path / "r.safetensors")) == 0
+    assert capsys.readouterr().err == ""  # a short one says nothing

@@ -20,13 +20,15 @@ import math
 import os
 import re
 import sys
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from zephon_stream.cli.shard import parse_size
 from zephon_stream.connectors import folder_uri, missing_locally, open_store
-from zephon_stream.errors import ConfigError, DataError, RefitError, ZephonError
+from zephon_stream.errors import ConfigError, DataError, RefitError, ZephonError, unwrap_groups
 from zephon_stream.refit.versions import find_latest, list_versions, read_manifest
 
 if TYPE_CHECKING:
@@ -99,6 +101,30 @@ def _guard(fn: Any) -> Any:
     return run
 
 
+PROGRESS_S = 5.0  # a publish or pull that runs longer says how far it is, every this many seconds
+
+
+@contextlib.asynccontextmanager
+async def _progress(command: str, verb: str, done: Callable[[], int]) -> AsyncIterator[None]:
+    """A line on stderr every PROGRESS_S seconds while the block runs (none for a short one): the
+    bytes the store has `verb` so far and the time. A multi-GB model is minutes of work."""
+    start = time.monotonic()
+
+    async def report() -> None:
+        while True:
+            await anyio.sleep(PROGRESS_S)
+            print(f"zephon refit {command}: {done() / 1e6:,.1f} MB {verb} in {time.monotonic() - start:.0f} s",
+                  file=sys.stderr, flush=True)
+
+    with unwrap_groups():  # the block's own error, not a group of one
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(report)
+            try:
+                yield
+            finally:
+                tg.cancel_scope.cancel()
+
+
 def _weights(path: str, *, writable: bool = False) -> Mapped:
     """The weights file, or a sharded checkpoint's index (`*.index.json`: all its files as one
     state), or ConfigError (exit 2): a missing, unreadable or malformed file is the user's to fix."""
@@ -126,7 +152,8 @@ async def _publish(args: argparse.Namespace) -> int:
               "the command exits (file:// or s3:// keep it)", file=sys.stderr)
     async with Publisher(args.prefix, keyframe_every=args.keyframe_every, keep_versions=args.keep_versions,
                          chunk_bytes=args.chunk_bytes, overwrite=args.overwrite, workers=args.workers) as pub:
-        info = await pub.publish(state)
+        async with _progress("publish", "written", lambda: pub.store.statistics().bytes_written):
+            info = await pub.publish(state)
     kind = "keyframe" if info.keyframe else "delta"
     print(f"version {info.version} digest {info.model_digest:016x} {kind} delta_bytes {info.delta_bytes} "
           f"key_bytes {info.key_bytes} changes {info.changes}")
@@ -152,7 +179,8 @@ async def _pull(args: argparse.Namespace) -> int:
         try:
             async with Subscriber(args.prefix, record=record, weights=state.files or loaded,
                                   workers=args.workers) as sub:
-                version = await sub.pull(state, sync=state.flush)
+                async with _progress("pull", "read", lambda: sub.store.statistics().bytes_read):
+                    version = await sub.pull(state, sync=state.flush)
                 if made:  # complete: it takes its name(s), and the record is bound to the file(s) under them
                     del state
                     made.finish()
