@@ -114,3 +114,23 @@ def test_a_full_disk_is_a_connector_error_and_leaves_no_partial_file(tmp_path, m
     assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == []
     anyio.run(store.put, "v6/chunk-1", b"x" * 1000)  # space again: the next try writes it
     assert (tmp_path / "v6" / "chunk-1").read_bytes() == b"x" * 1000
+
+
+def test_a_killed_writer_s_temporary_files_go_with_the_folder(tmp_path):
+    """A relay killed mid-put left `.chunk.<pid>.<id>.tmp` files; retention deletes only the keys a
+    version names, so a collected version's folder stayed, holding them, for good."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    store = LocalStore(tmp_path)
+    anyio.run(store.put, "v1/chunk-0", b"data")
+    (tmp_path / "v1" / f".chunk-1.{dead}.7f3a9c.tmp").write_bytes(b"partial")
+    anyio.run(store.delete, "v1/chunk-0")
+    assert not (tmp_path / "v1").exists()
+    anyio.run(store.put, "v2/chunk-0", b"data")
+    mine = tmp_path / "v2" / f".chunk-1.{os.getpid()}.7f3a9c.tmp"  # a live writer's: kept
+    mine.write_bytes(b"being written")
+    anyio.run(store.delete, "v2/chunk-0")
+    assert mine.exists()

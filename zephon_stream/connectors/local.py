@@ -8,7 +8,9 @@ worker thread so the event loop never waits on the disk.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 from pathlib import Path
 
 from zephon_stream.connectors.base import ObjectInfo, StoreStatistics
@@ -149,6 +151,7 @@ class LocalStore:
         path.unlink(missing_ok=True)
         folder = path.parent
         while folder != self.root and self.root in folder.parents:
+            _remove_orphans(folder)
             try:
                 folder.rmdir()
             except OSError:  # not empty (or gone): the folders above are not empty either
@@ -174,3 +177,32 @@ class LocalStore:
         await self.aclose()
 
 
+
+
+_TMP = re.compile(r"\..+\.(\d+)\.[0-9a-f]+\.tmp")  # `_put`'s temporary file: .{name}.{pid}.{id}.tmp
+
+
+def _remove_orphans(folder: Path) -> None:
+    """Remove the temporary files in `folder` that a killed process left (`_put` writes one, then
+    renames it): their pid is not alive. Retention deletes only the keys a version names, so a
+    relay or publisher killed mid-put left them for good, and a collected version's folder with them."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        m = _TMP.fullmatch(name)
+        if m is None or _alive(int(m[1])):
+            continue
+        with contextlib.suppress(OSError):
+            (folder / name).unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
