@@ -285,3 +285,29 @@ def test_a_prefix_started_again_is_pulled_not_taken_for_the_old_run(make_store, 
             assert_same(replica, nxt)
 
     anyio.run(go)
+
+
+def test_a_version_collected_during_a_pull_says_to_pull_again() -> None:
+    """keep_versions collected the version while a pull read it: a bare ObjectNotFound named a chunk."""
+    from zephon_stream.testing.stores import WrappedStore
+
+    class Collecting(WrappedStore):
+        armed = False
+
+        async def read(self, key, start=0, end=None):
+            if self.armed and "/key-" in key:  # the publisher's retention takes the version mid-pull
+                self.armed = False
+                for info in await self.inner.list("m/v1/"):
+                    await self.inner.delete(info.key)
+            return await self.inner.read(key, start, end)
+
+    async def go():
+        store = Collecting(MemoryStore())
+        async with Publisher("m/", store=store) as pub:
+            await pub.publish(model(9))
+        store.armed = True
+        with pytest.raises(ObjectNotFound) as err:
+            await Subscriber("m/", store=store).pull(zeros_like(model(9)))
+        assert "version 1 was collected while this pull read it" in "".join(err.value.__notes__), err.value.__notes__
+
+    anyio.run(go)

@@ -78,6 +78,7 @@ from zephon_stream.refit.target import NameMap, module_state
 from zephon_stream.refit.versions import (
     chunk_key,
     find_latest,
+    has_version,
     manifest_key,
     object_label,
     parse_object,
@@ -311,10 +312,17 @@ class Subscriber(StoreOwner):
         if rec.version == latest and rec.target is None and rec.geometry == geometry(m) and not doubt:
             return latest
         job = _Pull(self, m, table, local, rec, doubt)
-        await job.plan()
-        await job.verify()
-        await self._save(msgspec.structs.replace(rec, target=latest, file=None))  # unbound until applied
-        await job.apply()
+        try:
+            await job.plan()
+            await job.verify()
+            await self._save(msgspec.structs.replace(rec, target=latest, file=None))  # unbound until applied
+            await job.apply()
+        except ObjectNotFound as exc:
+            if await has_version(self.store, self.key_prefix, latest):
+                raise
+            exc.add_note(f"version {latest} was collected while this pull read it (the publisher keeps "
+                         "keep_versions versions): pull again, it takes the newest one")
+            raise
         if local.shared:  # the target ties tensors the version holds apart: they must hold the same values
             await self._cpu(job.check_shared)
         for target, source in ties:  # tied tensors the target holds apart: copied from the one pulled
