@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import struct
 
@@ -176,3 +177,20 @@ def test_a_long_publish_or_pull_says_how_far_it_is(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(cli, "PROGRESS_S", 60.0)
     assert zephon("refit", "pull", "--prefix", prefix, "--weights", str(tmp_path / "r.safetensors")) == 0
     assert capsys.readouterr().err == ""  # a short one says nothing
+
+
+def test_s3_options_are_flags_for_an_s3_prefix_only(tmp_path, capsys, monkeypatch) -> None:
+    """`zephon refit` had no --endpoint-url: a SeaweedFS or MinIO prefix failed with
+    'GetObject s3://.../LATEST at AWS failed: EndpointConnectionError', with no hint of
+    AWS_ENDPOINT_URL. Without a server: an endpoint that refuses connections is the one used."""
+    for var in ("AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_PROFILE"):
+        monkeypatch.setenv(var, "unset-by-the-test")  # restored after: the CLI sets them in its process
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.delenv("AWS_PROFILE")
+    assert zephon("refit", "status", "--prefix", str(tmp_path), "--endpoint-url", "http://127.0.0.1:9") == 2
+    assert f"--endpoint-url is for s3:// prefixes; --prefix {tmp_path.as_uri()}/ takes none" in capsys.readouterr().err
+    assert zephon("refit", "status", "--prefix", "s3://bkt/p/", "--endpoint-url", "http://127.0.0.1:9",
+                  "--region", "eu-west-1") == 1
+    assert "s3://bkt/p/LATEST at http://127.0.0.1:9" in capsys.readouterr().err
+    assert os.environ["AWS_REGION"] == "eu-west-1"

@@ -72,6 +72,14 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     st.add_argument("--prefix", required=True, type=_prefix, metavar="URI",
                     help="where the versions were published (a URI, or a local folder's path)")
     st.set_defaults(func=_status)
+    for command in (pub, pull, st):
+        command.add_argument("--endpoint-url", metavar="URL",
+                             help="an s3:// prefix's endpoint, for MinIO, SeaweedFS, R2 ... (default: "
+                                  "$AWS_ENDPOINT_URL_S3 or $AWS_ENDPOINT_URL, else AWS)")
+        command.add_argument("--region", metavar="NAME", help="an s3:// prefix's region (default: $AWS_REGION)")
+        command.add_argument("--profile", metavar="NAME",
+                             help="an s3:// prefix's credentials: a profile of ~/.aws (default: $AWS_PROFILE, "
+                                  "else the AWS chain)")
     for command in (pub, pull, st):  # the library's errors name its settings; here they are these flags
         command.set_defaults(flags={a.dest: a.option_strings[-1] for a in command._actions
                                     if a.option_strings and a.dest != "help"})
@@ -84,11 +92,27 @@ def _prefix(text: str) -> str:
     return folder_uri(text)
 
 
+def _s3_options(args: argparse.Namespace) -> None:
+    """`--endpoint-url`, `--region`, `--profile` as the environment the S3 store reads them from
+    (the prefix is opened by the Publisher or Subscriber); ConfigError for a prefix that is not s3://."""
+    given = {name: value for name, value in (("--endpoint-url", getattr(args, "endpoint_url", None)),
+                                             ("--region", getattr(args, "region", None)),
+                                             ("--profile", getattr(args, "profile", None))) if value is not None}
+    if given and not args.prefix.startswith("s3://"):
+        raise ConfigError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for s3:// prefixes; "
+                          f"--prefix {args.prefix} takes none")
+    for name, var in (("--endpoint-url", "AWS_ENDPOINT_URL_S3"), ("--region", "AWS_REGION"),
+                      ("--profile", "AWS_PROFILE")):
+        if name in given:
+            os.environ[var] = given[name]
+
+
 def _guard(fn: Any) -> Any:
     """Run a command: a user's mistake (a bad setting or input file) exits 2, a refused or failed
     operation exits 1, each with one line (and the error's notes) on stderr."""
     def run(args: argparse.Namespace) -> int:
         try:
+            _s3_options(args)
             return anyio.run(fn, args)
         except ZephonError as exc:
             flags = getattr(args, "flags", {})  # `keyframe_every=0 must be ...` as `--keyframe-every 0 must be ...`
