@@ -245,3 +245,41 @@ async def test_an_outage_longer_than_retry_deadline_fails(s3, s3_proxy) -> None:
         with pytest.raises(ConnectorError, match="check that the endpoint is reachable"):
             await store.read("obj")
         assert 1.5 < time.monotonic() - t0 < 10
+
+
+def test_only_what_botocore_retries_is_an_outage() -> None:
+    from botocore.exceptions import ClientError, ConnectTimeoutError, EndpointConnectionError
+
+    from zephon_stream.connectors.s3 import _outage
+
+    def answer(status: int, code: str) -> ClientError:
+        return ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+    assert [_outage(answer(s, c)) for s, c in [(500, "InternalError"), (502, "502"), (503, "SlowDown"),
+                                               (504, "504"), (400, "Throttling")]] == [True] * 5
+    # a 501 (an endpoint without conditional puts) fails at once, as 4xx answers and timeouts do
+    assert [_outage(answer(s, c)) for s, c in [(501, "NotImplemented"), (505, "505"), (404, "NoSuchKey"),
+                                               (412, "PreconditionFailed"), (403, "AccessDenied")]] == [False] * 5
+    assert _outage(EndpointConnectionError(endpoint_url="http://x")) is True
+    assert _outage(ConnectTimeoutError(endpoint_url="http://x")) is False
+
+
+async def test_an_outage_does_not_hold_the_pool_s_slots(s3, s3_proxy) -> None:
+    """Stores of one pool share its limiter: a request waiting out one endpoint's outage held its
+    slot, and a store on an endpoint that was up waited for it."""
+    from zephon_stream.connectors.s3 import S3ClientPool
+
+    await _seed(s3, {"obj": b"x" * 1000})
+    proxy, options = s3_proxy()
+    async with S3ClientPool(max_in_flight=1) as pool, \
+            S3Store(s3.bucket, **options, pool=pool, max_attempts=2, retry_deadline=30) as down, \
+            S3Store(s3.bucket, **s3.options, pool=pool) as up:
+        await down.head("obj")
+        async with anyio.create_task_group() as tg:
+            proxy.set_faults(Faults(reset_before_response=1.0))
+            tg.start_soon(down.read, "obj")
+            await anyio.sleep(1.0)  # its attempts are spent: it waits out the outage
+            t0 = time.monotonic()
+            assert (await up.head("obj")).size == 1000
+            assert time.monotonic() - t0 < 1.0
+            proxy.set_faults(Faults())

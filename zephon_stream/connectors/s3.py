@@ -243,10 +243,18 @@ def _outage(exc: BaseException) -> bool:
     a stalled endpoint fails after `timeout_attempts`, as its settings say."""
     if isinstance(exc, _TIMEOUTS):
         return False
-    if isinstance(exc, ClientError):
+    if isinstance(exc, ClientError):  # as botocore's own retries: not a 501 (a feature the endpoint lacks)
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        return _code(exc) in _THROTTLED or (isinstance(status, int) and status >= 500)
+        return _code(exc) in _THROTTLED or status in (500, 502, 503, 504)
     return isinstance(exc, (BotoConnectionError, HTTPClientError, aiohttp.ClientConnectionError, ConnectionError))
+
+
+def _attempts(exc: BaseException, max_attempts: int) -> str:
+    """How many attempts botocore made: as the response says, else (a connection error, retried
+    to the bound) `max_attempts`."""
+    n = exc.response.get("ResponseMetadata", {}).get("RetryAttempts", 0) + 1 if isinstance(exc, ClientError) \
+        else max_attempts
+    return f"{n} attempt{'s' if n != 1 else ''}"
 
 
 def _what(exc: BaseException) -> str:
@@ -600,13 +608,14 @@ class S3Store:
                     raise err from exc
                 if self._down_since is None:
                     self._down_since = time.monotonic()
-                    log.warning("S3 endpoint %s: %s s3://%s/%s failed after %d attempts (%s); it answered before, so "
-                                "it is retried until retry_deadline = %g s", self.endpoint, op_name, self.bucket,
-                                key or "", self.settings.max_attempts, _what(exc), self.settings.retry_deadline)
+                    log.warning("S3 endpoint %s: %s s3://%s/%s failed after %s (%s); it answered before, so it "
+                                "is retried until retry_deadline = %g s", self.endpoint, op_name, self.bucket,
+                                key or "", _attempts(exc, self.settings.max_attempts), _what(exc),
+                                self.settings.retry_deadline)
                 tries += 1
                 if op is not None:
                     op.counters.retries += 1
-                await anyio.sleep(wait)
+                await self._wait_unslotted(wait)
                 continue
             self._pool.answered.add(self._key)
             if self._down_since is not None:
@@ -614,6 +623,19 @@ class S3Store:
                             time.monotonic() - self._down_since)
                 self._down_since = None
             return resp
+
+    async def _wait_unslotted(self, seconds: float) -> None:
+        """Sleep through an outage without the request slot `_call`'s caller holds (`_slot`): the
+        pool's limiter is shared by every store of the pool, and another endpoint may be up."""
+        limiter, c = self._pool.limiter, self._counters
+        limiter.release()
+        c.in_flight -= 1
+        try:
+            await anyio.sleep(seconds)
+        finally:
+            with anyio.CancelScope(shield=True):  # the caller's `async with` releases it again, cancelled or not
+                await limiter.acquire()
+            c.in_flight += 1
 
     def _outage_wait(self, op: _Operation | None, exc: BaseException, tries: int) -> float | None:
         """How long to wait before trying a failed call again through an outage, or None to fail."""
