@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import anyio
@@ -91,27 +92,44 @@ def test_delete_takes_the_folders_it_empties_not_the_root_or_others(tmp_path):
     anyio.run(go)
 
 
-def test_a_full_disk_is_a_connector_error_and_leaves_no_partial_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("errno_name", ["ENOSPC", "EROFS", "EPERM"])
+def test_a_full_disk_is_a_connector_error_and_leaves_no_partial_file(tmp_path, monkeypatch, errno_name):
     """`zephon relay` to a full file:// child died with a traceback (OSError is no ZephonError, which
-    it retries), and its partial temporary files kept the disk full."""
+    it retries), and its partial temporary files kept the disk full. On a read-only mount even the
+    cleanup's unlink fails (EROFS, not ENOENT); without hard links the conditional put's link does."""
     import errno
     import pathlib
 
     from zephon_stream import ConnectorError
 
-    real = pathlib.Path.write_bytes
+    code = getattr(errno, errno_name)
+    real_write, real_unlink = pathlib.Path.write_bytes, pathlib.Path.unlink
 
     def full(self, data):
-        real(self, bytes(data)[: len(data) // 2])  # half written, then the disk is full
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_write(self, bytes(data)[: len(data) // 2])  # half written, then the disk is full
+        raise OSError(code, os.strerror(code))
+
+    def read_only(self, missing_ok=False):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, os.strerror(errno.EPERM))
 
     store = LocalStore(tmp_path)
-    monkeypatch.setattr(pathlib.Path, "write_bytes", full)
-    with pytest.raises(ConnectorError, match=r"cannot write 'v6/chunk-1' under .*: No space left on device "
+    if errno_name == "EPERM":
+        monkeypatch.setattr(os, "link", no_links)
+    else:
+        monkeypatch.setattr(pathlib.Path, "write_bytes", full)
+    if errno_name == "EROFS":
+        monkeypatch.setattr(pathlib.Path, "unlink", read_only)
+    with pytest.raises(ConnectorError, match=rf"cannot write 'v6/chunk-1' under .*: {os.strerror(code)} "
                                              r"\(1,000 bytes\)"):
-        anyio.run(store.put, "v6/chunk-1", b"x" * 1000)
+        anyio.run(functools.partial(store.put, "v6/chunk-1", b"x" * 1000, if_none_match=True))
     monkeypatch.undo()
-    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == []
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == ([] if errno_name != "EROFS" else
+                                                                    [p.name for p in tmp_path.rglob("*.tmp")])
+    for p in tmp_path.rglob("*.tmp"):
+        real_unlink(p)
     anyio.run(store.put, "v6/chunk-1", b"x" * 1000)  # space again: the next try writes it
     assert (tmp_path / "v6" / "chunk-1").read_bytes() == b"x" * 1000
 

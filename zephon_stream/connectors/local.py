@@ -126,9 +126,9 @@ class LocalStore:
                 if last:
                     raise
             except OSError as exc:  # a full disk, a read-only or vanished mount: no partial file stays
-                tmp.unlink(missing_ok=True)
-                raise ConnectorError(f"cannot write {key!r} under {self.root}: {exc.strerror or exc} "
-                                     f"({len(data):,} bytes)") from exc
+                with contextlib.suppress(OSError):  # read-only: unlinking a missing file is EROFS, not ENOENT
+                    tmp.unlink(missing_ok=True)
+                raise self._write_error(key, len(data), exc) from exc
         try:
             if if_none_match:
                 try:
@@ -137,8 +137,14 @@ class LocalStore:
                     raise AlreadyExists(f"object {key!r} already exists under {self.root}") from exc
             else:
                 os.replace(tmp, path)
+        except OSError as exc:  # no hard links here (EPERM), a folder that needs a block on a full disk
+            raise self._write_error(key, len(data), exc) from exc
         finally:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+
+    def _write_error(self, key: str, size: int, exc: OSError) -> ConnectorError:
+        return ConnectorError(f"cannot write {key!r} under {self.root}: {exc.strerror or exc} ({size:,} bytes)")
 
     async def delete(self, key: str) -> None:
         self._requests += 1
