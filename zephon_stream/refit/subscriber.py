@@ -211,7 +211,7 @@ class Subscriber(StoreOwner):
         self.record = self._load_record()
         self._trusted = False  # whether this object has itself brought the state to `record`
         self._manifests: dict[int, tuple[Manifest, TensorTable] | None] = {}
-        self._tags: dict[int, tuple[int, str]] = {}  # version -> its MANIFEST's (size, ETag) when read
+        self._tags: dict[int, tuple[int, str]] = {}  # the newest version read -> its MANIFEST's (size, ETag)
         self._ahead: dict[str, _Ahead] = {}  # object key -> phase-1 result, from prefetch()
         self._ahead_bytes = 0
         self._ahead_tried: set[str] = set()
@@ -306,6 +306,10 @@ class Subscriber(StoreOwner):
             log.warning("%s was started again (%s): this subscriber re-checks its state against it and pulls "
                         "version %d", self.uri, reset, latest)
             rec, doubt = LocalRecord(prefix=self._where), True
+        if latest not in self._tags:  # the version a pull ends at: what its next pull checks (`_reset`)
+            tag = await self._tag(latest)
+            if tag is not None:
+                self._tags = {latest: tag}
         m, table = await self._manifest(latest)
         targets, ties = self._state(state, m, table)
         local = LocalState(table, self.sharding, targets)
@@ -409,10 +413,7 @@ class Subscriber(StoreOwner):
 
     async def _manifest(self, version: int) -> tuple[Manifest, TensorTable]:
         if version not in self._manifests:
-            tag = await self._tag(version)
             self._manifests[version] = await read_manifest(self.store, self.key_prefix, version)
-            if tag is not None:
-                self._tags[version] = tag
         got = self._manifests[version]
         if got is None:
             raise RefitError(f"version {version} has no MANIFEST under {self.uri!r} (garbage-collected?)")
