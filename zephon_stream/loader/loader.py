@@ -439,10 +439,11 @@ class Loader:
                 names = ("sources " if len(resplit) > 1 else "source ") + ", ".join(map(repr, resplit))
                 raise IncompatibleState(
                     f"checkpoint was written by an older zephon-stream, which cut {names} into other "
-                    "splits: a shard there cannot be cut into its share of splits, and the older version left "
-                    "that share to no other shard (lanes read the same split twice); this version gives it to "
-                    "the other shards, so it cannot continue that checkpoint's order: start fresh, or finish "
-                    "the run with the version that wrote the checkpoint")
+                    "splits: a shard there cannot be cut into its share of splits (too few or too uneven zstd "
+                    "frames, gzip members or row groups), and the older version left the rest of that share to "
+                    "no other shard (fewer splits than planned: lanes could read the same split); this version "
+                    "gives it to the other shards, so it cannot continue that checkpoint's order: start fresh, "
+                    "or finish the run with the version that wrote the checkpoint")
             raise IncompatibleState(
                 f"checkpoint was written for other data (fingerprint {self._fingerprint}, the sources now give "
                 f"{self._plan.fingerprint}): {self._data_change()}; resume against the same data or start fresh")
