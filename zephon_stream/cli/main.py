@@ -229,12 +229,12 @@ def _check_output(option: str, path: Path) -> None:
         raise ZephonError(f"{option} {str(path)!r}: directory {str(path.parent)!r} does not exist; create it first")
 
 
-def _save_state(loader: Any, path: Path) -> None:
+def _save_state(loader: Any, path: Path, step: int | None = None) -> None:
     from zephon_stream.engine.files import atomic_write
     from zephon_stream.loader.state import state_to_bytes
 
     with _user_path("--save-state", path):  # whole or not at all: it may be the file resumed from
-        atomic_write(path, [state_to_bytes(loader.state_dict())])
+        atomic_write(path, [state_to_bytes(loader.state_dict(step=step))])
 
 
 def _stream(args: argparse.Namespace) -> int:
@@ -255,26 +255,27 @@ def _stream(args: argparse.Namespace) -> int:
         progress = StreamProgress(loader.statistics, total=args.steps, start=loader.step)
         batches = progress.track(batches)
     at_the_end = args.save_state is not None and args.save_at is None  # save where the stream stops
-    start = loader.step
+    start = done = loader.step  # done: the global step after the last batch whose output is out
     try:
         for batch in batches:
             if args.digests:
                 _write_digests(batch, sys.stdout, [s.name for s in loader.config.sources])
+            done = batch["step"] + 1
             saved = _maybe_save(loader, args) or saved
     except ZephonError as exc:  # a bad record, a store that stayed down: keep what was streamed, as Ctrl-C does
-        if not at_the_end or loader.step == start:
+        if not at_the_end or done == start:
             raise
         if progress:
             progress.close()
-        _save_state(loader, args.save_state)
-        raise ZephonError(f"{exc}; the stream stopped at global step {loader.step}, and its state is in "
+        _save_state(loader, args.save_state, done)
+        raise ZephonError(f"{exc}; the stream stopped at global step {done}, and its state is in "
                           f"{str(args.save_state)!r} (--resume it once the cause is fixed)") from exc
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # it may land after a batch was taken and before its lines were written
         if progress:
             progress.close()
-        where = f"zephon stream: interrupted at global step {loader.step}"
-        if at_the_end:  # the batches handed out, and no more
-            _save_state(loader, args.save_state)
+        where = f"zephon stream: interrupted at global step {done}"
+        if at_the_end:  # the batches whose output is out, and no more
+            _save_state(loader, args.save_state, done)
             where += f"; its state is in {str(args.save_state)!r} (--resume it to go on)"
         print(where, file=sys.stderr)
         raise
@@ -335,8 +336,8 @@ def _loader(args: argparse.Namespace, dp_rank: int, dp_size: int) -> Any:
 def _write_digests(batch: dict[str, Any], out: Any, source_names: list[str]) -> None:
     from zephon_stream.operators.collate import sample_digests
 
-    for record in sample_digests(batch, source_names):
-        out.write(json.dumps(record) + "\n")
+    # one write: an interrupt lands before a batch's lines or after them, not among them
+    out.write("".join(json.dumps(record) + "\n" for record in sample_digests(batch, source_names)))
 
 
 def _batches(loader: Any, stop: int | None) -> Any:
