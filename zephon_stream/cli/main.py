@@ -7,7 +7,9 @@ import difflib
 import errno
 import json
 import re
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -258,9 +260,10 @@ def _stream(args: argparse.Namespace) -> int:
     start = done = loader.step  # done: the global step after the last batch whose output is out
     try:
         for batch in batches:
-            if args.digests:
-                _write_digests(batch, sys.stdout, [s.name for s in loader.config.sources])
-            done = batch["step"] + 1
+            with _ctrl_c_after():  # the lines and `done` together: a Ctrl-C in the write left them apart
+                if args.digests:
+                    _write_digests(batch, sys.stdout, [s.name for s in loader.config.sources])
+                done = batch["step"] + 1
             saved = _maybe_save(loader, args) or saved
     except ZephonError as exc:  # a bad record, a store that stayed down: keep what was streamed, as Ctrl-C does
         if not at_the_end or done == start:
@@ -290,6 +293,30 @@ def _stream(args: argparse.Namespace) -> int:
         print(f"zephon stream: the data ended at global step {loader.step}, before --steps {args.steps} "
               f"(max_epochs = {loader.config.max_epochs}: every epoch read)", file=sys.stderr)
     return 0
+
+
+@contextmanager
+def _ctrl_c_after() -> Iterator[None]:
+    """Hold a Ctrl-C until the block has run: it raised KeyboardInterrupt inside a write whose
+    bytes had gone out (Python checks for signals after the system call), or between the write and
+    the bookkeeping after it. The main thread's handler only; elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[Any] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if not held or previous == signal.SIG_IGN:
+        return
+    if previous is signal.default_int_handler:
+        raise KeyboardInterrupt
+    if callable(previous):
+        previous(signal.SIGINT, held[0])
+    else:  # SIG_DFL: the signal as it would have come
+        signal.raise_signal(signal.SIGINT)
 
 
 def _check_save_options(args: argparse.Namespace) -> None:
