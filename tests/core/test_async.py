@@ -139,7 +139,8 @@ def test_a_cancelled_wait_for_a_batch_loses_nothing(config, backend, path, cut):
     same batch, so the batches and the checkpoint are those of a run without timeouts. Before, the
     batch a cancelled `async for` call was fetching was dropped (steps 2, 4, 5, 6, 8, 10 came out
     for the first six), and a cancelled `open()` stream raised an internal error: the samples
-    taken for the batch were lost to the sequencer."""
+    taken for the batch were lost to the sequencer. And `async for` directly on the loader moved
+    the state past the batch it held for the next call: a checkpoint then skipped it."""
     import asyncio
 
     steps = 5
@@ -147,7 +148,7 @@ def test_a_cancelled_wait_for_a_batch_loses_nothing(config, backend, path, cut):
         expected = [r for _, b in zip(range(steps), loader) for r in batch_records(b)]
 
     async def main() -> tuple[list, int, int]:
-        got, cut_short = [], 0
+        got, cut_short, ahead = [], 0, []
 
         async def take(stream) -> None:
             nonlocal cut_short
@@ -161,6 +162,8 @@ def test_a_cancelled_wait_for_a_batch_loses_nothing(config, backend, path, cut):
                     with anyio.move_on_after(0.001) as scope:  # shorter than a batch: most waits are cut
                         got.append(await stream.__anext__())
                     cut_short += scope.cancelled_caught
+                if loader.step != len(got):  # a checkpoint now must name the batch not handed out yet
+                    ahead.append((len(got), loader.step))
 
         with Loader(config, backend=backend) as loader:
             if path == "open":
@@ -168,11 +171,12 @@ def test_a_cancelled_wait_for_a_batch_loses_nothing(config, backend, path, cut):
                     await take(stream)
             else:
                 await take(loader.__aiter__())
-            return [r for b in got for r in batch_records(b)], cut_short, loader.step
+            return [r for b in got for r in batch_records(b)], cut_short, loader.step, ahead
 
-    records, cut_short, step = anyio.run(main)
+    records, cut_short, step, ahead = anyio.run(main)
     assert cut_short > 0 and step == steps
     assert records == expected
+    assert ahead == [], "the state moved past a batch the caller had not received (it was lost on resume)"
 
 
 @pytest.mark.parametrize("backend", ["threads", "processes"])

@@ -518,16 +518,22 @@ class Loader:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """Batches in step order, the pipeline run in a helper thread (torch IterableDataset semantics)."""
+        return self._iteration(self._iterate())
+
+    def _iteration(self, gen: Iterator[Any]) -> _Iteration:
         self._check_usable()
         _check_not_in_torch_worker()
         if self.config.backend == "processes":
             start_fork_server()  # from this thread (the helper thread cannot make it deaf to Ctrl-C)
-        it = _Iteration(self._iterate())
+        it = _Iteration(gen)
         self._iterators.add(it)
         _OPEN_ITERATIONS.add(it)
         return it
 
-    def _iterate(self) -> Iterator[dict[str, Any]]:
+    def _iterate(self, deferred: bool = False) -> Iterator[Any]:
+        """The batches, each consumed (`commit`) as it is yielded; with `deferred`, (batch, commit)
+        pairs: the caller consumes each as it hands it out (an `async for` whose wait was cancelled
+        after the batch was made holds it, and the state must not be past it)."""
         with anyio.from_thread.start_blocking_portal() as portal:
             cm = portal.wrap_async_context_manager(self.open())
             stream = cm.__enter__()
@@ -541,14 +547,16 @@ class Loader:
                     except BaseException:  # Ctrl-C while waiting: the batch is not consumed, so the
                         call.cancel()  # state (saved next, say) still names it as the next one
                         raise
-                    if stream.commit():  # handed out: only now the rank's state moves past it
+                    if deferred:
+                        yield batch, stream.commit
+                    elif stream.commit():  # handed out: only now the rank's state moves past it
                         yield batch  # (else set_weights decided its step meanwhile: it is made again)
             finally:  # an early `break` closes the generator: stop the lanes without an error
                 cm.__exit__(None, None, None)
 
     def __aiter__(self) -> _ThreadedAsyncIterator:
         """`async for` over a pipeline run in a helper thread; `open()` runs it on your loop instead."""
-        return _ThreadedAsyncIterator(iter(self))
+        return _ThreadedAsyncIterator(self._iteration(self._iterate(deferred=True)))
 
     # ---- closing -------------------------------------------------------------------------------
 
@@ -869,7 +877,8 @@ class _Iteration:
 
 class _ThreadedAsyncIterator:
     """`async for` over a `for` iteration, each `next` in a worker thread; a cancelled `__anext__`
-    loses no batch (see `_KeptCall`): the next one hands it out."""
+    loses no batch (see `_KeptCall`): the next one hands it out, and the state moves past a batch
+    only then (`Loader._iterate(deferred=True)`), so a checkpoint taken after the cancel names it."""
 
     def __init__(self, it: Iterator[dict[str, Any]]) -> None:
         self._it = it
@@ -879,10 +888,13 @@ class _ThreadedAsyncIterator:
         return self
 
     async def __anext__(self) -> dict[str, Any]:
-        item = await self._next.result(threads.run_sync, next, self._it, _END)
-        if item is _END:
-            raise StopAsyncIteration
-        return item
+        while True:
+            item = await self._next.result(threads.run_sync, next, self._it, _END)
+            if item is _END:
+                raise StopAsyncIteration
+            batch, commit = item  # made, not consumed: the state moves past it here, as it is handed out
+            if commit():  # (else set_weights decided its step meanwhile: the next `next` makes it again)
+                return batch
 
 
 _END: Any = object()
