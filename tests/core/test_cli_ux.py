@@ -441,3 +441,24 @@ def test_a_config_flag_says_the_config_is_positional(capsys, cfg) -> None:
         "(did you mean --prefix?) (see zephon refit pull --help)\n")  # it named --prefix alone
     assert usage_error(["stream", str(cfg), "--steps", "1", "extra"]).startswith(
         "zephon stream: error: unrecognized arguments: extra (see zephon stream --help)")
+
+
+def test_with_digests_stdout_holds_the_lines_alone(cfg, capsys, monkeypatch) -> None:
+    """Ray printed its notice of a worker that died ('(raylet) A worker died ...') on stdout, among
+    the digest lines: they were no longer JSON lines. Anything else the process prints goes to stderr."""
+    from zephon_stream.cli import main as cli
+
+    real = cli._batches
+
+    def noisy(loader, stop):
+        for batch in real(loader, stop):
+            print("(raylet) A worker died or was killed while executing a task")  # as a library's thread does
+            yield batch
+
+    monkeypatch.setattr(cli, "_batches", noisy)
+    assert main(["stream", str(cfg), "--steps", "2", "--digests"]) == 0
+    out, err = capsys.readouterr()
+    assert len([json.loads(line) for line in out.splitlines()]) == 2 * 24
+    assert err.count("(raylet) A worker died") == 2
+    print("after")
+    assert capsys.readouterr().out == "after\n"  # stdout is back

@@ -240,6 +240,18 @@ def _save_state(loader: Any, path: Path, step: int | None = None) -> None:
 
 
 def _stream(args: argparse.Namespace) -> int:
+    if not args.digests:
+        return _stream_to(args, sys.stdout)
+    # stdout is the digests': anything else this process prints goes to stderr (a library's print,
+    # such as Ray's notice of a worker that died, made the lines no longer JSON lines)
+    data, sys.stdout = sys.stdout, sys.stderr
+    try:
+        return _stream_to(args, data)
+    finally:
+        sys.stdout = data
+
+
+def _stream_to(args: argparse.Namespace, out: Any) -> int:
     _check_save_options(args)
     loader = _loader(args, args.dp_rank, args.dp_size)
     if args.steps is not None and loader.step > args.steps:
@@ -262,7 +274,7 @@ def _stream(args: argparse.Namespace) -> int:
         for batch in batches:
             with _ctrl_c_after():  # the lines and `done` together: a Ctrl-C in the write left them apart
                 if args.digests:
-                    _write_digests(batch, sys.stdout, [s.name for s in loader.config.sources])
+                    _write_digests(batch, out, [s.name for s in loader.config.sources])
                 done = batch["step"] + 1
             saved = _maybe_save(loader, args) or saved
     except ZephonError as exc:  # a bad record, a store that stayed down: keep what was streamed, as Ctrl-C does
