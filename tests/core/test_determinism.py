@@ -179,3 +179,7 @@ def test_refuses_world_that_cannot_keep_order(config):
         Loader(config, dp_rank=0, dp_size=5)
     with pytest.raises(ConfigError, match="does not divide global_batch_size"):
         Loader(config.replace(global_batch_size=18), dp_rank=0, dp_size=4)
+    # the sizes offered keep the order: those that divide both (4 and 12 divide the lanes, not 18)
+    with pytest.raises(ConfigError, match=r"dp_size=5 does not divide lanes=12: use a dp_size in \[1, 2, 3, 6\] "
+                                          r"\(they divide lanes=12 and global_batch_size=18\)"):
+        Loader(config.replace(global_batch_size=18), dp_rank=0, dp_size=5)

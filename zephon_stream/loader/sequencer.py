@@ -8,6 +8,8 @@ another rank's lanes.
 
 from __future__ import annotations
 
+import math
+
 from zephon_stream.errors import ConfigError
 
 __all__ = ["check_world", "consumed", "rank_lanes", "rank_slots"]
@@ -17,13 +19,12 @@ def check_world(lanes: int, global_batch: int, dp_size: int, dp_rank: int) -> No
     """Refuse a world size that cannot keep the order identical to a single-rank run."""
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise ConfigError(f"dp_rank={dp_rank} dp_size={dp_size}: need 0 <= dp_rank < dp_size")
-    if lanes % dp_size:
-        ok = [d for d in range(1, lanes + 1) if lanes % d == 0]
-        raise ConfigError(f"dp_size={dp_size} does not divide lanes={lanes}: use a dp_size in {ok}, "
-                          f"or set lanes to a multiple of {dp_size} (which changes the order)")
-    if global_batch % dp_size:
-        raise ConfigError(f"dp_size={dp_size} does not divide global_batch_size={global_batch}: "
-                          f"use a global_batch_size that is a multiple of {dp_size}")
+    if lanes % dp_size or global_batch % dp_size:  # the sizes that keep the order divide both
+        ok = [d for d in range(1, math.gcd(lanes, global_batch) + 1) if lanes % d == 0 and global_batch % d == 0]
+        what, n = ("lanes", lanes) if lanes % dp_size else ("global_batch_size", global_batch)
+        raise ConfigError(f"dp_size={dp_size} does not divide {what}={n}: use a dp_size in {ok} (they divide "
+                          f"lanes={lanes} and global_batch_size={global_batch}), or set {what} to a multiple of "
+                          f"{dp_size} (which changes the order)")
 
 
 def rank_lanes(lanes: int, dp_size: int, dp_rank: int) -> list[int]:
