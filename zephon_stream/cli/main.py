@@ -7,14 +7,13 @@ import difflib
 import errno
 import json
 import re
-import signal
 import sys
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
+from zephon_stream.engine.signals import ctrl_c_after
 from zephon_stream.errors import ZephonError
 
 __all__ = ["main"]
@@ -272,7 +271,7 @@ def _stream_to(args: argparse.Namespace, out: Any) -> int:
     start = done = loader.step  # done: the global step after the last batch whose output is out
     try:
         for batch in batches:
-            with _ctrl_c_after():  # the lines and `done` together: a Ctrl-C in the write left them apart
+            with ctrl_c_after():  # the lines and `done` together: a Ctrl-C in the write left them apart
                 if args.digests:
                     _write_digests(batch, out, [s.name for s in loader.config.sources])
                 done = batch["step"] + 1
@@ -305,30 +304,6 @@ def _stream_to(args: argparse.Namespace, out: Any) -> int:
         print(f"zephon stream: the data ended at global step {loader.step}, before --steps {args.steps} "
               f"(max_epochs = {loader.config.max_epochs}: every epoch read)", file=sys.stderr)
     return 0
-
-
-@contextmanager
-def _ctrl_c_after() -> Iterator[None]:
-    """Hold a Ctrl-C until the block has run: it raised KeyboardInterrupt inside a write whose
-    bytes had gone out (Python checks for signals after the system call), or between the write and
-    the bookkeeping after it. The main thread's handler only; elsewhere the block runs as it is."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held: list[Any] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if not held or previous == signal.SIG_IGN:
-        return
-    if previous is signal.default_int_handler:
-        raise KeyboardInterrupt
-    if callable(previous):
-        previous(signal.SIGINT, held[0])
-    else:  # SIG_DFL: the signal as it would have come
-        signal.raise_signal(signal.SIGINT)
 
 
 def _check_save_options(args: argparse.Namespace) -> None:
