@@ -34,7 +34,7 @@ import msgspec
 __all__ = [
     "AccessDenied", "AlreadyExists", "BaseVersionMismatch", "CheckpointError", "ConfigError",
     "ConnectorError", "DataError", "DigestMismatch", "IncompatibleState", "ObjectNotFound", "RefitError",
-    "Throttled", "ZephonError", "closest_key", "root_error", "unwrap_groups",
+    "Throttled", "ZephonError", "closest_key", "in_source", "root_error", "unwrap_groups",
 ]
 
 
@@ -80,6 +80,18 @@ class DataError(ZephonError):
         if str(self).startswith(f"source {name!r}"):
             return self
         return DataError(f"source {name!r} ({uri}): {self}", key=self.key, offset=self.offset)
+
+
+@contextmanager
+def in_source(name: str, uri: str) -> Iterator[None]:
+    """A DataError raised in the block names source `name` first (`DataError.of_source`)."""
+    try:
+        yield
+    except DataError as exc:
+        err = exc.of_source(name, uri)
+        if err is exc:
+            raise
+        raise err from exc
 
 
 class CheckpointError(ZephonError):

@@ -41,7 +41,7 @@ from zephon_stream.chat import ChatTokens
 from zephon_stream.connectors.base import Store, overlaps_reads
 from zephon_stream.engine.operator import Operator, refuse
 from zephon_stream.engine.rng import mix64, permutation
-from zephon_stream.errors import DataError, IncompatibleState
+from zephon_stream.errors import DataError, IncompatibleState, in_source
 from zephon_stream.loader.config import Config
 from zephon_stream.loader.plan import DataPlan
 from zephon_stream.loader.reread import Documents, Reread, interleave
@@ -374,14 +374,9 @@ class TextLane:
         the read-ahead would take more documents than the blocks decoded so far hold, the next
         block of the split is decoded first: a call takes up to a whole `tokenize_batch` of the
         split, not only what one block (a zstd frame: about 35 documents) holds."""
-        try:
+        src = self.shared.plan.sources[source]
+        with in_source(src.name, src.uri):
             await self._read_from(source, position, offset, piece, send)
-        except DataError as exc:
-            src = self.shared.plan.sources[source]
-            err = exc.of_source(src.name, src.uri)
-            if err is exc:
-                raise
-            raise err from exc
 
     async def _read_from(self, source: int, position: int, offset: int, piece: int, send: FeedSender) -> None:
         shared = self.shared

@@ -13,7 +13,7 @@ import msgspec
 from zephon_stream.connectors import open_store, parse_uri
 from zephon_stream.connectors.base import Store
 from zephon_stream.engine.ordered import run_ordered
-from zephon_stream.errors import DataError
+from zephon_stream.errors import in_source
 from zephon_stream.loader.config import Config
 from zephon_stream.operators import read
 from zephon_stream.operators.read import SourcePlan, plan_source
@@ -54,22 +54,14 @@ async def plan_data(config: Config, stores: list[Store]) -> DataPlan:
     shards_at_once = anyio.CapacityLimiter(read.PLAN_WORKERS)  # shared: a shard's scan holds up to 16 MiB
 
     async def plan(i: int) -> SourcePlan:
-        try:
-            return await plan_one(i)
-        except DataError as exc:
-            err = exc.of_source(config.sources[i].name, config.sources[i].uri)
-            if err is exc:
-                raise
-            raise err from exc
-
-    async def plan_one(i: int) -> SourcePlan:
         src, store = config.sources[i], stores[i]
         field, kind = (src.messages_field, "messages") if src.messages_field is not None else (src.text_field, "text")
-        return await plan_source(store, parse_uri(src.uri)[2], src.name, src.uri, field,
-                                 config.lanes, config.split_bytes, config.on_bad_record,
-                                 images=src.image_field is not None, max_record=config.max_record_bytes,
-                                 image_field=src.image_field, text_kind=kind, tools_field=src.tools_field,
-                                 documents_field=src.documents_field, limiter=shards_at_once)
+        with in_source(src.name, src.uri):
+            return await plan_source(store, parse_uri(src.uri)[2], src.name, src.uri, field,
+                                     config.lanes, config.split_bytes, config.on_bad_record,
+                                     images=src.image_field is not None, max_record=config.max_record_bytes,
+                                     image_field=src.image_field, text_kind=kind, tools_field=src.tools_field,
+                                     documents_field=src.documents_field, limiter=shards_at_once)
 
     async def keep(_: int, sp: SourcePlan) -> None:
         read.warn_coarse(sp, config.lanes, config.max_epochs)  # in the config's order, whichever source finished first
