@@ -229,6 +229,12 @@ def test_a_corrupt_parent_version_is_jumped_by_the_keyframe_after_it(regions) ->
                     report = await relay.sync()
                     assert report.ok, report.errors
                     assert await committed(cstore, ckey) == [1, 2, 3, 4, 7]
+                # a relay run once (`zephon relay --once`, from cron) is a fresh process: one sync does it
+                cstore2, ckey2 = child.open("q/")
+                async with cstore2, Relay(trainer.prefix("p/"), [child.prefix("q/")], workers=2) as once:
+                    report = await once.sync()
+                assert isinstance(report.errors[0], DigestMismatch) and len(report.errors) == 1
+                assert report.committed[child.prefix("q/").name] == [1, 2, 3, 4, 7]
                 replica = zeros_like(w)
                 assert await Subscriber(ckey, store=cstore).pull(replica) == 7
                 assert_same(models[7], replica)

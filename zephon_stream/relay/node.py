@@ -212,11 +212,18 @@ class Relay:
         for c in jobs.children:
             c.failed = None
         try:
-            try:
-                while await self._pass(report):
-                    pass
-            except BaseExceptionGroup as group:  # from a task group: report its ZephonError alone
-                raise root_error(group) from None
+            while True:
+                try:
+                    if not await self._pass(report):
+                        break
+                except BaseException as exc:
+                    err = root_error(exc) if isinstance(exc, BaseExceptionGroup) else exc  # a task group's
+                    if not isinstance(err, ZephonError) or not await self._jumps_broken():
+                        if err is exc:
+                            raise
+                        raise err from None  # from a task group: its error alone
+                    report.errors.append(err)  # counted, and the next pass restarts past it (a cron's --once too)
+                    self._tally.error(error_kind(err), err)
         except ZephonError as exc:
             report.errors.append(exc)
             self._tally.error(error_kind(exc), exc)
@@ -248,6 +255,14 @@ class Relay:
         parent.forget_below(min((c.latest or 0 for c in children), default=0))
         jobs.ahead.forget_upto(parent.latest)
         return bool(starts) and any(c.failed is None and (c.latest or 0) < latest for c in children)
+
+    async def _jumps_broken(self) -> bool:
+        """Whether a child waits at a version the parent holds a corrupt object of (`Parent.broken`),
+        with a keyframe after it: the next pass restarts the child there (`_start`)."""
+        parent = self._jobs.parent
+        waiting = [c.latest + 1 for c in self._jobs.children if c.failed is None and c.latest is not None]
+        stuck = [v for v in waiting if v in parent.broken]
+        return bool(stuck) and await parent.newest_keyframe(parent.latest) > min(stuck)
 
     async def _locate(self, c: Child) -> None:
         """Find the child's newest version when not known, and check it is the parent's version."""
