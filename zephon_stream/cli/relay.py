@@ -109,8 +109,10 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("relay", help="copy refit versions from a parent prefix to child prefixes",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, help="a TOML file (see above); flags add to it and override it")
-    p.add_argument("--from", dest="parent", action=_From, metavar="URI", help="the parent prefix")
-    p.add_argument("--to", dest="children", action=_To, metavar="URI", help="a child prefix (repeatable)")
+    p.add_argument("--from", dest="parent", action=_From, metavar="URI",
+                   help="the parent prefix (a URI, or a local folder's path)")
+    p.add_argument("--to", dest="children", action=_To, metavar="URI",
+                   help="a child prefix (a URI, or a local folder's path; repeatable)")
     for side, action in (("from", _FromOption), ("to", _ToOption)):
         for option, meta in (("endpoint", "URL"), ("region", "NAME"), ("profile", "NAME")):
             p.add_argument(f"--{side}-{option}", dest=f"{side}_{option}", action=action, metavar=meta,
