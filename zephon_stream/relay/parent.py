@@ -37,7 +37,7 @@ class Parent:
         self._is_key: dict[int, bool] = {}  # whether a version is a keyframe, down to the newest one
         self._seen: dict[int, float] = {}  # version -> monotonic time the relay first saw it
         self._seen_upto = 0
-        self.broken: dict[int, str] = {}  # version -> why an object of it can never be relayed (corrupt)
+        self.broken: set[int] = set()  # versions with an object that can never be relayed (corrupt)
 
     @property
     def name(self) -> str:
@@ -117,7 +117,7 @@ class Parent:
         else:
             err = DigestMismatch(f"{key} at the parent has blake2b {object_digest(data)}, its MANIFEST says "
                                  f"{digest}: corrupt object, version {version} not relayed")
-        self.broken[version] = str(err)  # read twice, wrong twice: the next sync jumps a newer keyframe over it
+        self.broken.add(version)  # read twice, wrong twice: the relay jumps a newer keyframe over it
         raise err
 
     def forget_below(self, floor: int) -> None:
@@ -126,5 +126,4 @@ class Parent:
             del self._manifests[v]
         for v in [v for v in self._seen if v <= floor]:
             del self._seen[v]
-        for v in [v for v in self.broken if v < floor]:
-            del self.broken[v]
+        self.broken = {v for v in self.broken if v >= floor}
