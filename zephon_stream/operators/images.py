@@ -210,7 +210,7 @@ class VisionTokens:
     def holding_vision_tokens(self, docs: list[tuple[Any, Any]], bad: BadRecords, key: str,
                               where: Callable[[int], str] | None, what: str) -> set[int]:
         """The positions in `docs` of those whose ids hold a vision token, each passed to `bad`."""
-        if not docs or not np.isin(np.concatenate([getattr(d, "ids", d) for _, d in docs]), self._reserved).any():
+        if not docs or not self._holds_reserved(np.concatenate([getattr(d, "ids", d) for _, d in docs])):
             return set()  # one look at them all: the common case
         out = set()
         for i, (ref, doc) in enumerate(docs):
@@ -224,6 +224,11 @@ class VisionTokens:
                           offset=ref[2]))
             out.add(i)
         return out
+
+    def _holds_reserved(self, ids: np.ndarray) -> bool:
+        """Whether `ids` holds a vision token: one comparison pass per token (there are at most
+        three), not `np.isin`, whose fixed cost was a tenth of the image path's Python time."""
+        return any((ids == t).any() for t in self._reserved)
 
     def __call__(self, docs: list[tuple[Any, ImageRecord]], bad: BadRecords, key: str,
                  where: Callable[[int], str] | None = None) -> list[tuple[Any, ImageDoc]]:
@@ -249,14 +254,19 @@ class VisionTokens:
         dropped = self.holding_vision_tokens([(ref, c) for (ref, *_), c in zip(images, captions)], bad, key, where,
                                              "caption")
         out = []
+        before, after, bos = self.bos + self.start, self.end, len(self.bos)
+        first = len(before)  # the BOS (if any) opens the document, before the image
         for i, ((ref, _, frame, (gh, gw)), caption) in enumerate(zip(images, captions)):
             if i in dropped:
                 continue
             k = gh * gw // self.spec.merge_size ** 2
-            head = np.array(self.bos + self.start + [self.image_id] * k + self.end, dtype=np.uint32)
-            first = len(self.bos) + len(self.start)  # the BOS (if any) opens the document, before the image
-            out.append((ref, ImageDoc(np.concatenate([head, caption[len(self.bos):]]), frame, (1, gh, gw), len(head),
-                                      (first, first + k))))
+            span = first + k + len(after)
+            ids = np.empty(span + len(caption) - bos, np.uint32)  # written in place: no list of k ints
+            ids[:first] = before
+            ids[first:first + k] = self.image_id
+            ids[first + k:span] = after
+            ids[span:] = caption[bos:]
+            out.append((ref, ImageDoc(ids, frame, (1, gh, gw), span, (first, first + k))))
         return out
 
 
