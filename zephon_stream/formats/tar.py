@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import re
 import tarfile
+import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -182,7 +183,7 @@ class _Walker:
 
     def _check_sum(self, header: bytes, at: int) -> None:
         stored = self._number(header, 148, 156, at, "checksum")
-        unsigned = sum(header) - sum(header[148:156]) + 8 * 32  # the checksum field counts as spaces
+        unsigned = _byte_sum(header) - sum(header[148:156]) + 8 * 32  # the checksum field counts as spaces
         if stored == unsigned:
             return
         high = sum(1 for b in header if b > 127) - sum(1 for b in header[148:156] if b > 127)
@@ -267,6 +268,13 @@ class _Walker:
             records[key] = record[eq + 1:-1]
             pos += length
         return records
+
+
+def _byte_sum(block: bytes) -> int:
+    """The sum of a 512-byte block's bytes, by zlib's Adler-32 in C: its low 16 bits are 1 + the
+    bytes' sum modulo 65521, and 256 bytes sum to at most 65280, so each half's is exact. Five
+    times faster than `sum(block)`, which was a fifth of a tar sample's parse."""
+    return (zlib.adler32(block[:256]) & 0xFFFF) + (zlib.adler32(block[256:]) & 0xFFFF) - 2
 
 
 def _split_key(name: str) -> tuple[str, str] | None:
