@@ -330,3 +330,36 @@ async def _has(store: MemoryStore, prefix: str, v: int) -> bool:
 
 async def _ahead(relay: Relay, n: int) -> bool:
     return relay.statistics().objects_ahead >= n
+
+
+@pytest.mark.parametrize("stream_ahead", [False, True])
+def test_a_daemon_jumps_at_once_when_the_parent_collected_past_its_next_version(stream_ahead: bool) -> None:
+    # A publisher that published v3..v9 and collected v1..v6 between two polls: the daemon polled for v3
+    # alone, found nothing, and waited for its resync (a minute) with lag 0 and healthz ok.
+    async def main() -> None:
+        staging, parent, child = MemoryStore(), MemoryStore(), MemoryStore()
+        models: dict = {}
+        w = model(5)
+        async with Publisher("p/", store=staging, chunk_bytes=256, keyframe_every=3, keep_versions=2) as pub:
+            w = await _publish(pub, w, range(1, 3), models)
+            parent.objects.update(staging.objects)
+            async with Relay(Prefix("p/", store=parent), [Prefix("c/", store=child)], workers=2, poll_interval=0.02,
+                             resync_interval=1000.0, stream_ahead=stream_ahead) as relay, \
+                    anyio.create_task_group() as tg:
+                stop = anyio.Event()
+                tg.start_soon(relay.run, stop)
+                await until(lambda: _child_has(child, [1, 2]), timeout=10)
+                w = await _publish(pub, w, range(3, 10), models)  # keyframes 1, 4, 7; keeps 7..9
+                parent.objects.clear()
+                parent.objects.update(staging.objects)  # at once, between two polls
+                await until(lambda: _child_has(child, [7, 8, 9]), timeout=10)
+                stop.set()
+        replica = zeros_like(w)
+        assert await Subscriber("c/", store=child).pull(replica) == 9
+        assert_same(models[9], replica)
+
+    anyio.run(main)
+
+
+async def _child_has(store: Store, versions: list[int]) -> bool:
+    return await committed(store, "c/") == versions

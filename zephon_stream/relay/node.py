@@ -186,13 +186,21 @@ class Relay:
 
     async def _news(self) -> bool:
         """One request: a publisher's next version exists once its MANIFEST does. With
-        `stream_ahead`, a LIST of the next version, whose objects are copied as they appear."""
+        `stream_ahead`, a LIST of the next version, whose objects are copied as they appear.
+
+        Without a next version, a second request: is the parent's newest version as the relay
+        last saw it still there? A publisher that published and collected past it between two
+        polls (fast versions, a small `keep_versions`) has taken the next one away too, and only
+        a sync (LATEST) finds the newer ones: the children jump to its newest keyframe now, not
+        at the next resync (`resync_interval`, a minute), which a relay polling for `latest + 1`
+        alone waited for, saying it was healthy and had no lag. A parent started again
+        (versions from 1 again) is found the same way."""
         parent, ahead = self._jobs.parent, self._jobs.ahead
         self._tally.polls += 1
         try:
-            if self.stream_ahead:
-                return await ahead.poll(parent.latest + 1)
-            return await parent.exists(parent.latest + 1)
+            if await (ahead.poll(parent.latest + 1) if self.stream_ahead else parent.exists(parent.latest + 1)):
+                return True
+            return parent.latest > 0 and not await parent.exists(parent.latest)
         except ConnectorError as exc:
             self._tally.error("poll", exc)
             return False
