@@ -171,6 +171,32 @@ def test_record_loaded_without_weights_file_is_verified_once(tmp_path: Path) -> 
     run(go)
 
 
+def test_a_record_the_state_does_not_hold_is_dropped_when_the_pull_cannot_rebuild(tmp_path: Path) -> None:
+    # a restarted rollout process: fresh weights, the old record file (version 3), and the keyframe gone.
+    # The pull failed saying "the state stays at version 3", and subscriber.version said 3 over random weights
+    store, states = MemoryStore(), [model(3), step(model(3), 4, frac=0.3), step(model(3), 5, frac=0.3)]
+
+    async def go() -> None:
+        await publish("p/", states, store)
+        assert await Subscriber("p/", store=store, record=tmp_path / "rec").pull(zeros_like(states[0])) == 3
+        for key in [k for k in store.objects if k.startswith("p/v1/key-0.")]:
+            del store.objects[key]
+        sub = Subscriber("p/", store=store, record=tmp_path / "rec")
+        assert sub.version == 3  # the record's claim, not checked yet
+        fresh = {k: torch.rand_like(v.float()).to(v.dtype) for k, v in states[0].items()}
+        with pytest.raises(Exception) as err:
+            await sub.pull(fresh)
+        notes = " ".join(getattr(err.value, "__notes__", []))
+        assert "holds none of the versions it could build on" in notes and "stays at version 3" not in notes
+        assert sub.version == 0
+        assert Subscriber("p/", store=store, record=tmp_path / "rec").version == 0  # the file says so too
+        with pytest.raises(ObjectNotFound) as err:
+            await sub.pull(fresh)  # now a joiner's pull: it names what is gone
+        assert "deleted by hand" in " ".join(err.value.__notes__)
+
+    run(go)
+
+
 def test_record_with_wrong_chunk_count_is_not_trusted(tmp_path: Path) -> None:
     store, states = MemoryStore(), [model(3), step(model(3), 4, frac=0.3)]
 

@@ -49,6 +49,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, NamedTuple
 
+import anyio
 import msgspec
 import numpy as np
 import torch
@@ -218,6 +219,7 @@ class Subscriber(StoreOwner):
         self._ahead_job: tuple[int, Mapping[str, torch.Tensor], _Pull] | None = None  # plans per version
         self.module, self.name_map = module, name_map
         self._views: tuple[object, dict[str, torch.Tensor | Placed]] | None = None  # (what they were made from, views)
+        self._busy = anyio.Lock()  # one pull or prefetch at a time
 
     def __repr__(self) -> str:
         return f"Subscriber({self.uri!r}, version={self.record.version}, sharding={self.sharding})"
@@ -295,7 +297,15 @@ class Subscriber(StoreOwner):
         `state` is the state_dict to update (omit it for a subscriber made with `module=`).
         `sync`, when given, runs (in a thread) after the writes and before the record says the
         version is complete: e.g. flushing a memory-mapped weights file.
+
+        Pulls (and prefetches) of one subscriber run one at a time: a second task's `pull()`
+        waits for the one in progress, then pulls what is newer (usually nothing). Two at once
+        applied the same deltas side by side.
         """
+        async with self._busy:
+            return await self._pull(state, sync)
+
+    async def _pull(self, state: Mapping[str, torch.Tensor] | None, sync: Callable[[], None] | None) -> int:
         latest = await find_latest(self.store, self.key_prefix)
         if latest == 0:  # nothing here: a record made at another prefix claims nothing here either
             return self.record.version if self.record.prefix == self._where else 0
@@ -318,11 +328,20 @@ class Subscriber(StoreOwner):
         job = _Pull(self, m, table, local, rec, doubt)
         try:
             await job.plan()
-            await job.verify()
+            try:
+                await job.verify()
+            except Exception:
+                if doubt and rec.version and job.fresh - job.blank:  # the record's version is not what the state holds
+                    await self._save(LocalRecord(prefix=self._where))
+                raise
             await self._save(msgspec.structs.replace(rec, target=latest, file=None))  # unbound until applied
             await job.apply()
         except ObjectNotFound as exc:
             if await has_version(self.store, self.key_prefix, latest):
+                exc.add_note(f"an object of a version that version {latest} builds on is gone: the publisher's "
+                             "retention (keep_versions) collected it while this pull read it, and a pull again "
+                             "takes the newest keyframe; if it is gone again, the prefix lost it (deleted by "
+                             "hand?) and a pull can only start from a keyframe published after it")
                 raise
             exc.add_note(f"version {latest} was collected while this pull read it (the publisher keeps "
                          "keep_versions versions): pull again, it takes the newest one")
@@ -362,6 +381,10 @@ class Subscriber(StoreOwner):
         delta from our version. Returns how many results are held; 0 when there is no version
         to build on yet, or the next version's MANIFEST is already in (then just pull).
         """
+        async with self._busy:
+            return await self._prefetch(state)
+
+    async def _prefetch(self, state: Mapping[str, torch.Tensor] | None) -> int:
         rec = self.record
         if rec.version == 0 or rec.target is not None:
             return 0
@@ -523,6 +546,7 @@ class _Pull:
         self.budget = sub.staged_bytes
         self.key: int | None = None
         self.fresh: set[int] = set()  # chunks that hold no version now: loaded from a keyframe in one pass
+        self.blank: set[int] = set()  # those of them a record of no version left so (a joiner's)
 
     # -- planning -------------------------------------------------------------------------
 
@@ -567,6 +591,7 @@ class _Pull:
         rehash = torn or (same and self.doubt)
         known = await self._known(chain, torn) if rehash else []
         blank = rec.version == 0  # a joiner, or one killed while joining: its state holds no version
+        self.blank = set(self.todo) if blank else set()
         for i in self.todo:
             routes: list[Route] = []
             owned = self.plans[i].owned
@@ -812,8 +837,14 @@ class _Pull:
             if self.doubt:
                 first.add_note("the local record was not trusted as it stood (its weights file or prefix changed, or "
                                "no weights file was named to check it), so each chunk was re-verified first")
-            first.add_note(f"version {self.target} refused: nothing was applied, the state stays at version "
-                           f"{self.sub.record.version}")
+            if i in self.fresh and self.rec.version and self.doubt:
+                first.add_note(f"version {self.target} refused: nothing was applied; re-hashed, chunk {i} of the state "
+                               f"holds none of the versions it could build on (not version {self.rec.version}, "
+                               "which the record names), so only a keyframe can rebuild it: the state holds no "
+                               "version, and the subscriber's version is 0 until a pull completes")
+            else:
+                first.add_note(f"version {self.target} refused: nothing was applied, the state stays at version "
+                               f"{self.sub.record.version}")
             raise first
 
         async def commit(i: int, staged: _Staged) -> None:
