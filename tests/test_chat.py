@@ -486,6 +486,12 @@ def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them(tok
         msgspec.structs.replace(source, chat_template_kwargs={"tools": "x"}).__post_init__()
     with pytest.raises(ConfigError, match="chat_template_kwargs .* is for chat sources"):
         SourceConfig(name="s", uri="file:///x/", chat_template_kwargs={"a": 1})
+    # chat_template and loss_on on a text source were ignored: it trained on every token of `text`
+    with pytest.raises(ConfigError, match=r"sources\[s\].chat_template = 'chatml.jinja': is for chat sources"):
+        SourceConfig(name="s", uri="file:///x/", chat_template="chatml.jinja")
+    with pytest.raises(ConfigError, match=r"sources\[s\].loss_on = 'last_assistant': is for chat sources"):
+        SourceConfig(name="s", uri="file:///x/", loss_on="last_assistant")
+    SourceConfig(name="s", uri="file:///x/", loss_on="assistant")  # the default, said again
 
 
 def test_a_long_conversation_with_an_unmarked_template_says_its_cost_once(caplog):

@@ -106,6 +106,13 @@ def test_refuses_changed_data_or_config(config, dataset, tmp_path):
                            ({"lanes": 6}, "another order config.*lanes: 12 in the checkpoint, 6 now")]:
         with pytest.raises(IncompatibleState, match=needle):
             Loader(config.replace(**change), backend="inline").load_state_dict(state)
+    # settings left out of the order data at their defaults are named with their default, and only
+    # the changed ones (packing's window and truncate, unchanged, were listed, and every default as None)
+    for change, says in [({"packing": "best_fit"}, "packing: 'concat' in the checkpoint, 'best_fit' now; restore"),
+                         ({"labels": "unshifted"}, "labels: 'shifted' in the checkpoint, 'unshifted' now; restore")]:
+        with pytest.raises(IncompatibleState) as err:
+            Loader(config.replace(**change), backend="inline").load_state_dict(state)
+        assert says in str(err.value) and "None" not in str(err.value)
     root, _ = dataset
     moved = tmp_path / "a"
     shutil.copytree(root / "a", moved)

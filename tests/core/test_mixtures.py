@@ -402,5 +402,5 @@ def test_per_source_windows_are_checked(config):
     mixed = msgspec.structs.replace(ls, shuffles=[msgspec.structs.replace(a, window=a.window[:-1] + b.window[:1]), b])
     with pytest.raises(IncompatibleState, match=r"shuffles\[0\].window = .*holds only documents of source 0"):
         check_lane_state(mixed, cfg)
-    with pytest.raises(IncompatibleState, match=r"shuffle_scope: None in the checkpoint, 'source' now"):
+    with pytest.raises(IncompatibleState, match=r"shuffle_scope: 'lane' in the checkpoint, 'source' now"):
         Loader(cfg).load_state_dict(Loader(config).state_dict())

@@ -117,6 +117,9 @@ class TransformStep(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                'must be an import path "pkg.module:function"')
 
 
+_CHAT_DEFAULTS: dict[str, Any] = {"chat_template": None, "loss_on": "assistant"}  # SourceConfig's, checked there
+
+
 class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
     """A named dataset: every `*.jsonl` and `*.jsonl.zst` object under `uri`, sorted by key.
 
@@ -166,6 +169,10 @@ class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
         if self.messages_field is not None:
             _check(self.image_field is None, f"{where}.messages_field", self.messages_field,
                    "a source is a chat source or an image+text source, not both: unset image_field")
+        if self.messages_field is None:  # a chat setting on a text source was ignored: it trained on all of `text`
+            for field, value in (("chat_template", self.chat_template), ("loss_on", self.loss_on)):
+                _check(value == _CHAT_DEFAULTS[field], f"{where}.{field}", value,
+                       "is for chat sources: set messages_field too (the field that holds the conversation)")
         if self.chat_template_kwargs:
             _check(self.messages_field is not None, f"{where}.chat_template_kwargs", self.chat_template_kwargs,
                    "is for chat sources: set messages_field too")
@@ -485,9 +492,23 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         order["tokenizer_sha256"] = tokenizer_sha
         return order
 
+    @staticmethod
+    def order_default(key: str) -> Any:
+        """The value of order setting `key` that `order_settings` leaves out (at its default, so that
+        older checkpoints keep their digest), or None for a setting it always holds."""
+        if key not in _ORDER_OMITTED:
+            return None
+        field = next(f for f in msgspec.structs.fields(Config) if f.name == key)
+        return field.default_factory() if field.default is msgspec.NODEFAULT else field.default
+
     def order_digest(self, tokenizer_sha: str) -> str:
         """Digest of `order_settings`: equal digests, equal sample sequences on equal data."""
         return hashlib.sha256(msgspec.json.encode(self.order_settings(tokenizer_sha))).hexdigest()[:32]
+
+
+# the order settings left out of `order_settings` at their defaults (packing's two with packing itself)
+_ORDER_OMITTED = ("bos_token", "labels", "shuffle_scope", "schedule", "packing", "packing_window", "truncate",
+                  "piece_tokens")
 
 
 def _chat_order(s: SourceConfig, tokenizer: str) -> list[Any]:

@@ -378,9 +378,10 @@ class Loader:
     def _check_compatible(self, st: LoaderState, first: LoaderState) -> None:
         cfg, head = self.config, st.header
         if head.order_digest != self.order_digest:
-            ours = self.order_settings
-            changed = [f"{k}: {head.order.get(k)!r} in the checkpoint, {ours.get(k)!r} now"
-                       for k in sorted(set(head.order) | set(ours)) if head.order.get(k) != ours.get(k)]
+            ours, default = self.order_settings, Config.order_default  # a setting left out is at its default
+            changed = [f"{k}: {head.order.get(k, default(k))!r} in the checkpoint, {ours.get(k, default(k))!r} now"
+                       for k in sorted(set(head.order) | set(ours))
+                       if head.order.get(k, default(k)) != ours.get(k, default(k))]
             what = "; ".join(changed) if head.order else (
                 "seed, lanes, seq_len, sources, weights, tokenizer, shuffle_window, max_epochs, split_bytes or "
                 "global_batch_size changed")
