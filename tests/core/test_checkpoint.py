@@ -109,7 +109,10 @@ def test_refuses_changed_data_or_config(config, dataset, tmp_path):
     # settings left out of the order data at their defaults are named with their default, and only
     # the changed ones (packing's window and truncate, unchanged, were listed, and every default as None)
     for change, says in [({"packing": "best_fit"}, "packing: 'concat' in the checkpoint, 'best_fit' now; restore"),
-                         ({"labels": "unshifted"}, "labels: 'shifted' in the checkpoint, 'unshifted' now; restore")]:
+                         ({"packing": "best_fit", "packing_window": 128},  # a window set under concat is unused there
+                          "packing: 'concat' in the checkpoint, 'best_fit' now; restore"),
+                         ({"labels": "unshifted"}, "labels: 'shifted' in the checkpoint, 'unshifted' now; restore"),
+                         ({"shuffle_window": 0}, "shuffle_window: 8 in the checkpoint, 0 now; restore")]:
         with pytest.raises(IncompatibleState) as err:
             Loader(config.replace(**change), backend="inline").load_state_dict(state)
         assert says in str(err.value) and "None" not in str(err.value)

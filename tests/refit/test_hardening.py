@@ -171,7 +171,7 @@ def test_record_loaded_without_weights_file_is_verified_once(tmp_path: Path) -> 
     run(go)
 
 
-def test_a_record_the_state_does_not_hold_is_dropped_when_the_pull_cannot_rebuild(tmp_path: Path) -> None:
+def test_a_record_the_state_does_not_hold_is_not_its_version_when_the_pull_cannot_rebuild(tmp_path: Path) -> None:
     # a restarted rollout process: fresh weights, the old record file (version 3), and the keyframe gone.
     # The pull failed saying "the state stays at version 3", and subscriber.version said 3 over random weights
     store, states = MemoryStore(), [model(3), step(model(3), 4, frac=0.3), step(model(3), 5, frac=0.3)]
@@ -189,10 +189,14 @@ def test_a_record_the_state_does_not_hold_is_dropped_when_the_pull_cannot_rebuil
         notes = " ".join(getattr(err.value, "__notes__", []))
         assert "holds none of the versions it could build on" in notes and "stays at version 3" not in notes
         assert sub.version == 0
-        assert Subscriber("p/", store=store, record=tmp_path / "rec").version == 0  # the file says so too
-        with pytest.raises(ObjectNotFound) as err:
-            await sub.pull(fresh)  # now a joiner's pull: it names what is gone
+        with pytest.raises(Exception, match="would have digest"):
+            await sub.pull(fresh)  # the record stays (its chunks that match still save a joiner's whole read)
+        assert sub.version == 0
+        with pytest.raises(ObjectNotFound) as err:  # a joiner names what is gone
+            await Subscriber("p/", store=store).pull(zeros_like(states[0]))
         assert "deleted by hand" in " ".join(err.value.__notes__)
+        sub2 = Subscriber("p/", store=store, record=tmp_path / "rec")
+        assert await sub2.pull(states[2]) == 3 and sub2.version == 3  # the state it names: trusted again
 
     run(go)
 

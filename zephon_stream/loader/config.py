@@ -17,7 +17,7 @@ import os
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 from urllib.parse import unquote, urlsplit
 
 import msgspec
@@ -491,6 +491,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
             order["piece_tokens"] = self.piece_tokens
         order["tokenizer_sha256"] = tokenizer_sha
         return order
+
+    #: Order data that goes with another setting (packing's two with packing = "best_fit" or "none",
+    #: the window's fill with shuffle_window > 0): named as changed only where both sides hold it,
+    #: since the setting it goes with says the rest.
+    ORDER_DEPENDENT: ClassVar[frozenset[str]] = frozenset({"packing_window", "truncate", "shuffle_fill"})
 
     @staticmethod
     def order_default(key: str) -> Any:

@@ -381,7 +381,8 @@ class Loader:
             ours, default = self.order_settings, Config.order_default  # a setting left out is at its default
             changed = [f"{k}: {head.order.get(k, default(k))!r} in the checkpoint, {ours.get(k, default(k))!r} now"
                        for k in sorted(set(head.order) | set(ours))
-                       if head.order.get(k, default(k)) != ours.get(k, default(k))]
+                       if head.order.get(k, default(k)) != ours.get(k, default(k))
+                       and (k not in Config.ORDER_DEPENDENT or (k in head.order and k in ours))]
             what = "; ".join(changed) if head.order else (
                 "seed, lanes, seq_len, sources, weights, tokenizer, shuffle_window, max_epochs, split_bytes or "
                 "global_batch_size changed")

@@ -220,13 +220,16 @@ class Subscriber(StoreOwner):
         self.module, self.name_map = module, name_map
         self._views: tuple[object, dict[str, torch.Tensor | Placed]] | None = None  # (what they were made from, views)
         self._busy = anyio.Lock()  # one pull or prefetch at a time
+        self._unheld = False  # a pull found the state not at the record's version, and none completed since
 
     def __repr__(self) -> str:
-        return f"Subscriber({self.uri!r}, version={self.record.version}, sharding={self.sharding})"
+        return f"Subscriber({self.uri!r}, version={self.version}, sharding={self.sharding})"
 
     @property
     def version(self) -> int:
-        return self.record.version
+        """The version the state holds: the record's, or 0 once a pull has found (re-hashing a record
+        it could not trust) that the state does not hold it, until a pull completes."""
+        return 0 if self._unheld else self.record.version
 
     # -- record ---------------------------------------------------------------------------
 
@@ -300,7 +303,8 @@ class Subscriber(StoreOwner):
 
         Pulls (and prefetches) of one subscriber run one at a time: a second task's `pull()`
         waits for the one in progress, then pulls what is newer (usually nothing). Two at once
-        applied the same deltas side by side.
+        applied the same deltas side by side. So `sync` must not pull or prefetch with this
+        subscriber: it runs inside the pull, which would wait for it forever.
         """
         async with self._busy:
             return await self._pull(state, sync)
@@ -331,8 +335,7 @@ class Subscriber(StoreOwner):
             try:
                 await job.verify()
             except Exception:
-                if doubt and rec.version and job.fresh - job.blank:  # the record's version is not what the state holds
-                    await self._save(LocalRecord(prefix=self._where))
+                self._unheld = self._unheld or job.unheld
                 raise
             await self._save(msgspec.structs.replace(rec, target=latest, file=None))  # unbound until applied
             await job.apply()
@@ -355,7 +358,7 @@ class Subscriber(StoreOwner):
         identity = FileIdentity.of(self.weights) if self.weights is not None else None  # after our own writes
         await self._save(LocalRecord(latest, None, geometry(m), [c.plain for c in m.chunks], m.model_digest,
                                      self._where, identity))
-        self._trusted = True
+        self._trusted, self._unheld = True, False
         self._drop_ahead()
         return latest
 
@@ -546,7 +549,7 @@ class _Pull:
         self.budget = sub.staged_bytes
         self.key: int | None = None
         self.fresh: set[int] = set()  # chunks that hold no version now: loaded from a keyframe in one pass
-        self.blank: set[int] = set()  # those of them a record of no version left so (a joiner's)
+        self.unheld = False  # verify failed on a chunk that re-hashed to none of the versions the record names
 
     # -- planning -------------------------------------------------------------------------
 
@@ -591,7 +594,6 @@ class _Pull:
         rehash = torn or (same and self.doubt)
         known = await self._known(chain, torn) if rehash else []
         blank = rec.version == 0  # a joiner, or one killed while joining: its state holds no version
-        self.blank = set(self.todo) if blank else set()
         for i in self.todo:
             routes: list[Route] = []
             owned = self.plans[i].owned
@@ -838,6 +840,7 @@ class _Pull:
                 first.add_note("the local record was not trusted as it stood (its weights file or prefix changed, or "
                                "no weights file was named to check it), so each chunk was re-verified first")
             if i in self.fresh and self.rec.version and self.doubt:
+                self.unheld = True
                 first.add_note(f"version {self.target} refused: nothing was applied; re-hashed, chunk {i} of the state "
                                f"holds none of the versions it could build on (not version {self.rec.version}, "
                                "which the record names), so only a keyframe can rebuild it: the state holds no "

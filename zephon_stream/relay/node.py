@@ -63,6 +63,8 @@ __all__ = ["Relay"]
 
 log = logging.getLogger(__name__)
 
+_GONE_CHECK_S = 1.0  # how often an idle poll also checks that the newest version seen is still there
+
 
 @dataclass(frozen=True)
 class _Jobs:
@@ -121,6 +123,7 @@ class Relay:
         self._tally = Tally()
         self._stack = AsyncExitStack()
         self._open: _Jobs | None = None
+        self._gone_checked = -math.inf  # when an idle poll last checked the newest version seen (see `_news`)
 
     def __repr__(self) -> str:
         return f"Relay({self.parent.name!r} -> {[c.name for c in self.child_prefixes]})"
@@ -188,19 +191,24 @@ class Relay:
         """One request: a publisher's next version exists once its MANIFEST does. With
         `stream_ahead`, a LIST of the next version, whose objects are copied as they appear.
 
-        Without a next version, a second request: is the parent's newest version as the relay
-        last saw it still there? A publisher that published and collected past it between two
-        polls (fast versions, a small `keep_versions`) has taken the next one away too, and only
-        a sync (LATEST) finds the newer ones: the children jump to its newest keyframe now, not
-        at the next resync (`resync_interval`, a minute), which a relay polling for `latest + 1`
-        alone waited for, saying it was healthy and had no lag. A parent started again
-        (versions from 1 again) is found the same way."""
+        Without a next version, at most once every `_GONE_CHECK_S` seconds, a second request: is
+        the parent's newest version as the relay last saw it still there? A publisher that
+        published and collected past it between two polls (fast versions, a small `keep_versions`)
+        has taken the next one away too, and only a sync (LATEST) finds the newer ones: the
+        children jump to its newest keyframe within a second, not at the next resync
+        (`resync_interval`, a minute), which a relay polling for `latest + 1` alone waited for,
+        saying it was healthy and had no lag. So is a parent started again, once its new run has
+        collected the version of that number."""
         parent, ahead = self._jobs.parent, self._jobs.ahead
         self._tally.polls += 1
         try:
             if await (ahead.poll(parent.latest + 1) if self.stream_ahead else parent.exists(parent.latest + 1)):
                 return True
-            return parent.latest > 0 and not await parent.exists(parent.latest)
+            now = time.monotonic()
+            if parent.latest == 0 or now < self._gone_checked + _GONE_CHECK_S:
+                return False
+            self._gone_checked = now  # at most once a second: a relay polling every 10 ms makes 1% more requests
+            return not await parent.exists(parent.latest)
         except ConnectorError as exc:
             self._tally.error("poll", exc)
             return False
