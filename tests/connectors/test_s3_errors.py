@@ -72,8 +72,11 @@ async def test_no_credentials_at_all(s3, monkeypatch: pytest.MonkeyPatch, tmp_pa
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     async with S3Store(s3.bucket, endpoint_url=s3.options["endpoint_url"]) as store:
-        with pytest.raises(AccessDenied, match="no AWS credentials found"):
+        with pytest.raises(AccessDenied, match="no AWS credentials found") as err:
             await store.read("k")
+    # it named --to-profile alone, a flag of zephon relay, to users of zephon stream
+    said = str(err.value)
+    assert "`profile` in a loader source" in said and "`--from-profile`/`--to-profile` of zephon relay" in said
 
 
 @pytest.mark.parametrize("given", ["option", "env"])

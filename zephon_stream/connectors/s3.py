@@ -285,7 +285,8 @@ def translate_error(
     if isinstance(exc, NoCredentialsError):
         return AccessDenied(
             f"{operation} {where}: no AWS credentials found; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
-            "AWS_PROFILE, or name a profile (a source's `profile`, `--to-profile`, or profile= in Python)"
+            "AWS_PROFILE, or name a profile (`profile` in a loader source, `--profile` of zephon refit and zephon "
+            "shard, `--from-profile`/`--to-profile` of zephon relay, or profile= in Python)"
         )
     if not isinstance(exc, ClientError):
         return ConnectorError(
