@@ -21,6 +21,7 @@ from zephon_stream.connectors import MemoryStore
 from zephon_stream.connectors.base import ServerSideCopy, Store
 from zephon_stream.refit import Publisher, Subscriber
 from zephon_stream.relay import Prefix, Relay
+from zephon_stream.testing.stores import WrappedStore
 
 
 async def _publish(pub: Publisher, w: dict, versions: range, models: dict) -> dict:
@@ -357,6 +358,36 @@ def test_a_daemon_jumps_at_once_when_the_parent_collected_past_its_next_version(
         replica = zeros_like(w)
         assert await Subscriber("c/", store=child).pull(replica) == 9
         assert_same(models[9], replica)
+
+    anyio.run(main)
+
+
+def test_an_idle_relay_checks_its_newest_version_at_most_once_a_second() -> None:
+    # the check above made every idle poll two HEADs: 200 a second at 10 ms polls
+    class Counting(WrappedStore):
+        heads: list[str] = []
+
+        async def head(self, key: str):  # type: ignore[no-untyped-def]
+            self.heads.append(key)
+            return await super().head(key)
+
+    async def main() -> None:
+        parent, child = MemoryStore(), MemoryStore()
+        async with Publisher("p/", store=parent, chunk_bytes=256) as pub:
+            await _publish(pub, model(5), range(1, 3), {})
+        watched = Counting(parent)
+        async with Relay(Prefix("p/", store=watched), [Prefix("c/", store=child)], workers=2,
+                         poll_interval=0.01) as relay, anyio.create_task_group() as tg:
+            stop = anyio.Event()
+            tg.start_soon(relay.run, stop)
+            await until(lambda: _child_has(child, [1, 2]), timeout=10)
+            watched.heads.clear()
+            polls = relay.statistics().polls
+            await anyio.sleep(1.5)
+            stop.set()
+        polls = relay.statistics().polls - polls
+        newest = sum(k.startswith("p/v2/") for k in watched.heads)
+        assert polls >= 20 and 1 <= newest <= 2, (polls, newest)
 
     anyio.run(main)
 
