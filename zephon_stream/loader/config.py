@@ -117,7 +117,10 @@ class TransformStep(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                'must be an import path "pkg.module:function"')
 
 
-_CHAT_DEFAULTS: dict[str, Any] = {"chat_template": None, "loss_on": "assistant"}  # SourceConfig's, checked there
+def _field_default(struct: type[msgspec.Struct], name: str) -> Any:
+    """The default a msgspec struct declares for field `name` (a fresh one where it has a factory)."""
+    field = next(f for f in msgspec.structs.fields(struct) if f.name == name)
+    return field.default_factory() if field.default is msgspec.NODEFAULT else field.default
 
 
 class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -171,7 +174,7 @@ class SourceConfig(msgspec.Struct, forbid_unknown_fields=True):
                    "a source is a chat source or an image+text source, not both: unset image_field")
         if self.messages_field is None:  # a chat setting on a text source was ignored: it trained on all of `text`
             for field, value in (("chat_template", self.chat_template), ("loss_on", self.loss_on)):
-                _check(value == _CHAT_DEFAULTS[field], f"{where}.{field}", value,
+                _check(value == _field_default(SourceConfig, field), f"{where}.{field}", value,
                        "is for chat sources: set messages_field too (the field that holds the conversation)")
         if self.chat_template_kwargs:
             _check(self.messages_field is not None, f"{where}.chat_template_kwargs", self.chat_template_kwargs,
@@ -501,10 +504,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     def order_default(key: str) -> Any:
         """The value of order setting `key` that `order_settings` leaves out (at its default, so that
         older checkpoints keep their digest), or None for a setting it always holds."""
-        if key not in _ORDER_OMITTED:
-            return None
-        field = next(f for f in msgspec.structs.fields(Config) if f.name == key)
-        return field.default_factory() if field.default is msgspec.NODEFAULT else field.default
+        return _field_default(Config, key) if key in _ORDER_OMITTED else None
 
     def order_digest(self, tokenizer_sha: str) -> str:
         """Digest of `order_settings`: equal digests, equal sample sequences on equal data."""
