@@ -23,6 +23,7 @@ from typing import Any
 
 import anyio.from_thread
 
+from tests.core.test_error_order import first_errors
 from tests.core.test_worker_restarts import sigkill_and_wait
 from tests.distributed._launch import loopback_up
 from zephon_stream import Config, ConfigError, Loader, ZephonError
@@ -134,7 +135,7 @@ class Out(dict):
         os.replace(part, self.path)
 
 
-def cases(text: Config, vision: Config, transforms: Config, steps: int, out: Out) -> None:
+def cases(text: Config, vision: Config, transforms: Config, errors: Config, steps: int, out: Out) -> None:
     """Each case's records into `out`. Lane actors start slowly on a loaded 2-core host (seconds
     each), so the cases are chosen to start few: 9 for the matrix, 1 for the transforms, 11 for the
     kills, 1 for the refusal."""
@@ -159,6 +160,10 @@ def cases(text: Config, vision: Config, transforms: Config, steps: int, out: Out
     cuts = set(random.Random(15).sample(range(7, 2 * steps - 8), 10)) | {5, 6}
     timed(out, "kills", lambda: killed_run(text.replace(max_restarts=len(cuts)), 2 * steps, cuts, seed=15))
     timed(out, "max_restarts", lambda: refused_after_max_restarts(one))
+    # bad records in several lanes: the same error after the same batches as in-process (test_error_order.py)
+    timed(out, "errors", lambda: {"inline": first_errors(errors, backend="inline"),
+                                  "ray": first_errors(errors.replace(ray_actors=2), backend="ray",
+                                                      wrap_store=WithLatency(seed=6, max_ms=3))})
 
 
 def timed(out: Out, case: str, run: Callable[[], Any]) -> None:
@@ -172,7 +177,8 @@ def timed(out: Out, case: str, run: Callable[[], Any]) -> None:
 def main(spec_path: str, out_path: str) -> None:
     loopback_up()
     spec = json.loads(Path(spec_path).read_text())
-    text, vision, transforms = (Config.from_toml(spec[name]) for name in ("text", "vision", "transforms"))
+    text, vision, transforms, errors = (Config.from_toml(spec[name])
+                                        for name in ("text", "vision", "transforms", "errors"))
     result = Out(Path(out_path))
     idle, threads.IDLE_SECONDS = threads.IDLE_SECONDS, 0.5  # the thread that starts Ray would end at once
     with anyio.from_thread.start_blocking_portal() as portal:
@@ -190,7 +196,7 @@ def main(spec_path: str, out_path: str) -> None:
                 result.save()
                 result["outlives_idle_threads"] = ray_outlives_idle_threads()
                 threads.IDLE_SECONDS = idle
-                cases(text, vision, transforms, spec["steps"], result)
+                cases(text, vision, transforms, errors, spec["steps"], result)
                 result["node_ip"] = ray.util.get_node_ip_address()
             finally:
                 session.__exit__(None, None, None)

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from tests.core.test_error_order import bad_text_config
 from tests.core.test_transforms import bangs, ray_transforms_config
 from zephon_stream.loader.config import Config
 from zephon_stream.testing.determinism import real, run_world
@@ -78,7 +79,8 @@ class RayChild:
         return self.results
 
     def _run(self, text: Config, vision: Config) -> ChildResults:
-        configs = {"text": text, "vision": vision, "transforms": ray_transforms_config(text)}
+        configs = {"text": text, "vision": vision, "transforms": ray_transforms_config(text),
+                   "errors": bad_text_config(text, self.tmp)}
         for name, cfg in configs.items():
             (self.tmp / f"{name}.toml").write_text(cfg.to_toml())
         spec = self.tmp / "spec.json"
@@ -189,6 +191,15 @@ def test_actors_killed_at_random_points(results, config):
     assert [tuple(r) for r in kills["records"]] == baseline(config, 2 * STEPS)
     assert kills["restarts"] == kills["killed"] >= 10
     assert kills["peak"] <= kills["capacity"] + 1
+
+
+def test_the_same_error_after_the_same_batches_on_ray(results):
+    """Bad records in several lanes (tests/core/test_error_order.py): on two actors, under injected
+    latency, the same DataError after the same batches as the inline run (in the child: the
+    message names the data's path)."""
+    inline, ray = results["errors"]["inline"], results["errors"]["ray"]
+    assert inline[0][1] is not None and inline[0][0] > 0
+    assert ray == inline
 
 
 def test_fails_after_max_restarts_naming_the_lanes(results):

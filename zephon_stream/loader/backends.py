@@ -52,7 +52,7 @@ from zephon_stream.loader.restarts import Supervision, supervised
 from zephon_stream.loader.state import LaneState
 from zephon_stream.operators.read import RecordCounts
 from zephon_stream.operators.tokenize import Tokenize
-from zephon_stream.operators.types import Sample
+from zephon_stream.operators.types import LaneFailure, Sample
 
 __all__ = ["NO_MAIN_GUARD", "check_spawn_allowed", "cpu_policy", "run_lanes"]
 
@@ -206,6 +206,7 @@ class _Msg(msgspec.Struct, array_like=True):
     samples: list[tuple[int, bytes, bytes, bytes, list[int], int, LaneState, list[_Image], bytes, list[int]]] = []
     error: tuple[str, str] = ("", "")
     counts: RecordCounts = RecordCounts()  # "batch", "end": the worker's records skipped and filtered so far
+    failed: tuple[str, str, int] = ("", "", -1)  # "batch": then the lane's LaneFailure (class, text, index)
 
 
 _enc = msgspec.msgpack.Encoder()
@@ -214,21 +215,29 @@ _dec = msgspec.msgpack.Decoder(_Msg)
 
 def _pack(lane: int, batch: list[Sample], counts: RecordCounts | None = None) -> bytes:
     """A batch of a lane's samples as one message, with the worker's bad-record counts (one message
-    a batch: each costs a thread hand-off on both sides)."""
+    a batch: each costs a thread hand-off on both sides). A lane's failure (a batch's last item)
+    goes as its error's class and text."""
+    failed = ("", "", -1)
+    if batch and isinstance(last := batch[-1], LaneFailure):
+        err = _exceptions.root_error(last.error)
+        failed, batch = (type(err).__name__, str(err), last.index), batch[:-1]
     return _enc.encode(_Msg("batch", lane, [
         (s.index, s.input_ids.tobytes(), s.labels.tobytes(), s.position_ids.tobytes(), s.segments, s.num_tokens,
          s.state, [_Image(np.ascontiguousarray(im).data.cast("B"), im.shape[0], im.shape[1], g)
                    for im, g in zip(s.images, s.grids)],
          s.token_types.tobytes() if s.token_types is not None else b"", s.sources)
-        for s in batch], counts=counts or RecordCounts()))
+        for s in batch], counts=counts or RecordCounts(), failed=failed))
 
 
 def _unpack(msg: _Msg) -> list[Sample]:
-    return [Sample(np.frombuffer(ids, np.uint32), np.frombuffer(lab, np.int32), np.frombuffer(pos, np.int32),
-                   segs, n, msg.lane, index, state,
-                   [np.frombuffer(im.pixels, np.uint8).reshape(im.height, im.width, -1) for im in images],
-                   [tuple(im.grid) for im in images], np.frombuffer(types, np.uint8) if types else None, sources)
-            for index, ids, lab, pos, segs, n, state, images, types, sources in msg.samples]
+    out = [Sample(np.frombuffer(ids, np.uint32), np.frombuffer(lab, np.int32), np.frombuffer(pos, np.int32),
+                  segs, n, msg.lane, index, state,
+                  [np.frombuffer(im.pixels, np.uint8).reshape(im.height, im.width, -1) for im in images],
+                  [tuple(im.grid) for im in images], np.frombuffer(types, np.uint8) if types else None, sources)
+           for index, ids, lab, pos, segs, n, state, images, types, sources in msg.samples]
+    if msg.failed[0]:
+        out.append(LaneFailure(_worker_error(*msg.failed[:2]), msg.lane, msg.failed[2]))  # type: ignore[arg-type]
+    return out
 
 
 @asynccontextmanager

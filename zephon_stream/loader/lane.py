@@ -29,6 +29,7 @@ and the check never changes what a lane yields.
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -56,7 +57,7 @@ from zephon_stream.operators.shuffle import Shuffle, ShuffleState
 from zephon_stream.operators.single import SinglePack
 from zephon_stream.operators.sources import make_parser, make_reader
 from zephon_stream.operators.tokenize import Tokenize
-from zephon_stream.operators.types import Doc, Sample
+from zephon_stream.operators.types import Doc, LaneFailure, Sample
 
 __all__ = ["Lanes", "TextLane"]
 
@@ -213,6 +214,25 @@ class Lanes:
         records = self.parsers[source].parse(reader, pos, block)
         return [((source, position, off, n), text) for off, n, text in records]
 
+    def decode_before(self, source: int, position: int, reader: Any, pos: int, block: bytes,
+                      error: DataError) -> list[Doc]:
+        """The documents of `block` before its bad record, the one `decode` raised `error` for (error
+        mode): the block decoded again with the bad records skipped, uncounted, and cut at the
+        error's offset. So the documents that go out before the error do not depend on where the
+        block starts (a resumed run's first block starts at its cursor). None where the error has
+        no offset in the block's records."""
+        if error.offset < 0:
+            return []
+        parser = self.parsers[source]
+        cut = parser.record_offset(reader, error) if hasattr(parser, "record_offset") else error.offset
+        again = copy.copy(reader)  # the reader, with a policy of its own: same epoch (transforms' seeds)
+        again.bad = BadRecords("skip").at(getattr(reader.bad, "epoch", 0))
+        try:
+            docs = self.decode(source, position, again, pos, block)
+        except DataError:
+            return []
+        return [doc for doc in docs if doc[0][2] < cut]
+
     def tokenize(self, source: int, docs: list[Doc], key: str, bad: Any = None,
                  where: Callable[[int], str] | None = None) -> list[Doc]:
         """Tokenize documents of `source` read from shard `key` (images: decode, resize and tokenize;
@@ -281,25 +301,28 @@ class TextLane:
         stack = AsyncExitStack()
         stack.callback(gate.leave, self.lane)  # also when it ends or fails before its first step
         async with out, stack, anyio.create_task_group() as tg:
-            await self._restore(st)  # before read-ahead starts, so the two do not compete for CPU
-            for feed in self.sources:
-                stack.enter_context(feed.start(tg.start_soon))
             index, batch, held, first = st.samples, [], 0, self._first_handoff(st.samples)
-            while not st.done:
-                self.mix.enter((index * cfg.lanes + self.lane) // cfg.global_batch_size)  # the sample's step
-                sample = await self.pack.next()
-                if sample is None:
-                    break
-                sample.lane, sample.index = self.lane, index
-                index += 1
-                sample.state = self._snapshot(index)
-                batch.append(sample)
-                held += sample.nbytes
-                if len(batch) == cfg.sample_batch or held >= HANDOFF_BYTES or index == first:
-                    await out.send(batch)
-                    batch, held = [], 0
-                    if index == first:
-                        await gate.passed(self.lane)
+            try:
+                await self._restore(st)  # before read-ahead starts, so the two do not compete for CPU
+                for feed in self.sources:
+                    stack.enter_context(feed.start(tg.start_soon))
+                while not st.done:
+                    self.mix.enter((index * cfg.lanes + self.lane) // cfg.global_batch_size)  # the sample's step
+                    sample = await self.pack.next()
+                    if sample is None:
+                        break
+                    sample.lane, sample.index = self.lane, index
+                    index += 1
+                    sample.state = self._snapshot(index)
+                    batch.append(sample)
+                    held += sample.nbytes
+                    if len(batch) == cfg.sample_batch or held >= HANDOFF_BYTES or index == first:
+                        await out.send(batch)
+                        batch, held = [], 0
+                        if index == first:
+                            await gate.passed(self.lane)
+            except DataError as exc:  # raised where the order reaches this sample, not now (see `_read_source`)
+                batch.append(LaneFailure(exc, self.lane, index))
             if batch:
                 await out.send(batch)
             tg.cancel_scope.cancel()
@@ -373,34 +396,53 @@ class TextLane:
         takes, see `operators.feed`), so the lane's first documents come after a short call. While
         the read-ahead would take more documents than the blocks decoded so far hold, the next
         block of the split is decoded first: a call takes up to a whole `tokenize_batch` of the
-        split, not only what one block (a zstd frame: about 35 documents) holds."""
+        split, not only what one block (a zstd frame: about 35 documents) holds.
+
+        A DataError (a bad record in error mode, a source with no document) ends the feed in band
+        (`FeedSender.fail`), after every document before the bad record: the lane raises it when it
+        takes the document after those, and hands it to the sequencer in place of that sample
+        (`LaneFailure`). So the error comes at a place in the order, whatever the read-ahead's and
+        the tokenizer calls' sizes or the lanes' speeds (raised at once, the first lane to meet its
+        bad record stopped the run, and two identical runs could name different records)."""
         src = self.shared.plan.sources[source]
-        with in_source(src.name, src.uri):
-            await self._read_from(source, position, offset, piece, send)
+        async with send:
+            try:
+                with in_source(src.name, src.uri):
+                    await self._read_from(source, position, offset, piece, send)
+            except DataError as exc:
+                await send.fail(exc)
 
     async def _read_from(self, source: int, position: int, offset: int, piece: int, send: FeedSender) -> None:
         shared = self.shared
         first = (position, offset) if piece else None  # the document the cursor is inside
         empty = 0  # positions in a row that gave no document
-        async with send:
-            while (reader := shared.reader(source, self.lane, position)) is not None:
-                found = False
-                pending: list[Doc] = []  # decoded, not tokenized yet
+        while (reader := shared.reader(source, self.lane, position)) is not None:
+            found = False
+            pending: list[Doc] = []  # decoded, not tokenized yet
+            try:
                 try:
                     async for pos, block in reader.blocks(offset):
-                        pending += await shared.run_cpu(shared.decode, source, position, reader, pos, block)
+                        try:
+                            pending += await shared.run_cpu(shared.decode, source, position, reader, pos, block)
+                        except DataError as exc:  # error mode: the block's records before the bad one still go
+                            pending += await shared.run_cpu(shared.decode_before, source, position, reader, pos,
+                                                            block, exc)
+                            raise
                         more, first = await self._hand_out(source, reader, pending, send, False, first, piece)
                         found = found or more
-                    more, first = await self._hand_out(source, reader, pending, send, True, first, piece)
-                    found = found or more
-                except IncompatibleState as exc:  # the cursor is not a record start, or not a piece start
-                    raise self._refused(f"sources[{source}] = {(position, offset, piece)}: {exc}") from None
-                empty = 0 if found else empty + 1
-                if empty >= min(_EMPTY_RUN, len(shared.plan.sources[source].splits)):
-                    await shared.check_source(source)
-                position, offset = position + 1, 0
-            if empty:  # the last epoch (max_epochs) ended this lane's share in a run shorter than _EMPTY_RUN
+                except DataError:  # a bad record or frame: what was read before it goes out first
+                    await self._hand_out(source, reader, pending, send, True, first, piece)
+                    raise
+                more, first = await self._hand_out(source, reader, pending, send, True, first, piece)
+                found = found or more
+            except IncompatibleState as exc:  # the cursor is not a record start, or not a piece start
+                raise self._refused(f"sources[{source}] = {(position, offset, piece)}: {exc}") from None
+            empty = 0 if found else empty + 1
+            if empty >= min(_EMPTY_RUN, len(shared.plan.sources[source].splits)):
                 await shared.check_source(source)
+            position, offset = position + 1, 0
+        if empty:  # the last epoch (max_epochs) ended this lane's share in a run shorter than _EMPTY_RUN
+            await shared.check_source(source)
 
     async def _hand_out(self, source: int, reader: SplitReader, pending: list[Doc], send: FeedSender, final: bool,
                         first: tuple[int, int] | None, piece: int) -> tuple[bool, tuple[int, int] | None]:
@@ -414,11 +456,34 @@ class TextLane:
             size = await send.room(min(batch, len(pending)))
             docs = pending[:size]
             del pending[:size]
-            tokens = await shared.run_tokenize(source, docs, reader.key, reader.bad, reader.where)
+            tokens, failed = await self._tokenized(source, reader, docs)
+            if failed is not None and not tokens:
+                raise failed
             found = found or bool(tokens)  # a bad image or conversation skipped is no document
             if first is not None and (not tokens or tuple(tokens[0][0][1:3]) != first):
                 refuse("piece", piece, "no document starts at the cursor to take pieces from")
             if pieces:
                 tokens, first = cut(tokens, pieces, piece if first else 0), None
             await send.send(tokens)
+            if failed is not None:
+                raise failed
         return found, first
+
+    async def _tokenized(self, source: int, reader: SplitReader, docs: list[Doc]) -> tuple[list[Doc], DataError | None]:
+        """`docs` tokenized, and None; or, where the call raised a DataError in error mode (a bad
+        image or conversation), the documents before the bad one and its error: tokenized again one
+        at a time, so that what goes out before the error does not depend on the call's size."""
+        run = self.shared.run_tokenize
+        try:
+            return await run(source, docs, reader.key, reader.bad, reader.where), None
+        except DataError as exc:
+            if reader.bad.skipping or len(docs) == 1:
+                raise
+            error = exc
+        good: list[Doc] = []
+        for doc in docs:
+            try:
+                good += await run(source, [doc], reader.key, reader.bad, reader.where)
+            except DataError as exc:
+                return good, exc
+        return good, error  # each alone passed: the call's own error, after all of them

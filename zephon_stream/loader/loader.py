@@ -33,7 +33,7 @@ from zephon_stream.operators.mix import Schedule
 from zephon_stream.operators.read import RecordCounts
 from zephon_stream.operators.tokenize import Tokenize
 from zephon_stream.operators.transforms import Transform, check_transforms, with_transforms
-from zephon_stream.operators.types import Sample
+from zephon_stream.operators.types import LaneFailure, Sample
 
 __all__ = ["BatchStream", "Frontier", "Loader", "LoaderStatistics"]
 
@@ -722,8 +722,9 @@ class BatchStream:
                 self.pending[sample.lane].appendleft(sample)
         self.taken = []
         self.forget()
-        for lane in self.streams:
-            kept = [s for s in self.pending[lane] if (s.index * cfg.lanes + lane) // cfg.global_batch_size < step]
+        for lane in self.streams:  # a lane's failure is not kept: the lane run again meets it again
+            kept = [s for s in self.pending[lane] if (s.index * cfg.lanes + lane) // cfg.global_batch_size < step
+                    and not isinstance(s, LaneFailure)]
             self.pending[lane] = collections.deque(kept)
             states[lane] = kept[-1].state if kept else self.frontier.lanes[lane]
         assert self.relaunch is not None
@@ -762,6 +763,8 @@ class BatchStream:
                 s.statistics().current_buffer_used for s in self.streams.values()))
         if not queue:
             return padding_sample(self.config.seq_len, self.pad_id, lane, index)
+        if isinstance(queue[0], LaneFailure):  # the lane could not make this sample: its error, here in the order
+            raise queue[0].error
         sample = queue.popleft()
         if sample.index != index:
             raise ZephonError(f"internal error: lane {lane} produced sample {sample.index}, sequencer expected "

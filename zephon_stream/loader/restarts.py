@@ -49,8 +49,9 @@ class Supervision:
         self._skipped_before = [RecordCounts() for _ in groups]  # the dead ones'
 
     def received(self, lane: int, samples: list[Sample]) -> None:
-        if samples:
-            self.last[lane] = samples[-1].state
+        state = next((s.state for s in reversed(samples) if s.state is not None), None)  # not a LaneFailure's
+        if state is not None:
+            self.last[lane] = state
         self.outstanding[lane] += 1
 
     def credited(self, lane: int) -> None:

@@ -84,6 +84,11 @@ class FeedSender:
         self._feed._sent += len(docs)
         await self._stream.send(docs)
 
+    async def fail(self, error: BaseException) -> None:
+        """End the feed with `error`, after the documents sent so far: the lane's `next` raises it
+        once it has taken them (see `TextLane._read_source`)."""
+        await self._stream.send(error)  # type: ignore[arg-type]
+
 
 class Feed:
     def __init__(self, produce: Produce, buffer: int, piece_tokens: int = 0) -> None:
@@ -98,6 +103,7 @@ class Feed:
         self._most = 1  # what the waiting producer's call may take
         self._lean: Callable[[], bool] | None = None  # while it says so: no read-ahead (see the module docstring)
         self._wanted = False  # the lane waits in `next` for a document not sent yet
+        self._failed: BaseException | None = None  # what the producer failed with, after its last document
 
     def __repr__(self) -> str:
         return f"Feed(cursor={self.cursor}, buffer={self.buffer})"
@@ -142,15 +148,21 @@ class Feed:
         return min(most, room)
 
     async def next(self) -> Doc | None:
+        if self._failed is not None:
+            raise self._failed
         while self._i >= len(self._batch):
             self._wanted = True
             self._wake()  # a lean producer makes a document now
             try:
-                self._batch, self._i = await self._recv.receive(), 0
+                got = await self._recv.receive()
             except anyio.EndOfStream:
                 return None
             finally:
                 self._wanted = False
+            if isinstance(got, BaseException):  # the producer failed here (`FeedSender.fail`)
+                self._failed = got
+                raise got
+            self._batch, self._i = got, 0
         doc = self._batch[self._i]
         self._i += 1
         self.taken += 1

@@ -136,6 +136,11 @@ class ImageParser:
     def __repr__(self) -> str:
         return f"ImageParser(text_field={self.text_field!r}, image={';'.join(self.image_exts)!r})"
 
+    @staticmethod
+    def record_offset(reader: TarSplitReader, error: DataError) -> int:
+        """The offset of `parse`'s records that a bad sample's error names (its offset in the shard)."""
+        return error.offset - reader.base
+
     def parse(self, reader: TarSplitReader, block_pos: int, block: bytes) -> list[tuple[int, int, ImageRecord]]:
         from zephon_stream.formats.tar import parse_samples
 

@@ -7,8 +7,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["IGNORE", "ChatDoc", "Conversation", "Doc", "DocRef", "ImageDoc", "Sample", "field", "located",
-           "trained_mask"]
+__all__ = ["IGNORE", "ChatDoc", "Conversation", "Doc", "DocRef", "ImageDoc", "LaneFailure", "Sample", "field",
+           "located", "trained_mask"]
 
 # (source, split position in the lane, decoded offset, length in bytes), and with `piece_tokens` a fifth
 # element for a piece of a longer document: its first token. Four or five ints (states check the length).
@@ -126,6 +126,22 @@ class Sample:
         """The bytes of its arrays: ids, labels, positions, token types and images."""
         arrays = [self.input_ids, self.labels, self.position_ids, *self.images]
         return sum(a.nbytes for a in arrays) + (0 if self.token_types is None else self.token_types.nbytes)
+
+
+class LaneFailure:
+    """What a lane sends in place of its sample `index` when making it raised a DataError (a bad
+    record with `on_bad_record = "error"`, a source with no document): the sequencer raises
+    `error` when the order reaches that sample. Which bad record a run names then follows the
+    order, not which lane's thread got there first, and a bad record past the last batch taken
+    is never raised. `state` is None: a failure is never part of a checkpoint."""
+
+    __slots__ = ("error", "lane", "index", "state")
+
+    def __init__(self, error: BaseException, lane: int = -1, index: int = -1) -> None:
+        self.error, self.lane, self.index, self.state = error, lane, index, None
+
+    def __repr__(self) -> str:
+        return f"LaneFailure(lane={self.lane}, index={self.index}, {self.error!r})"
 
 
 def located(where: Callable[[int], str] | None, pos: int) -> str:

@@ -1,0 +1,188 @@
+"""With `on_bad_record = "error"`, which bad record a run raises, and at which batch, is a function
+of (config, seed, data), like the order: not of which lane's thread met its bad record first.
+
+Several lanes each meet bad records (text: malformed JSON lines, a corrupt zstd frame; images:
+a corrupt image and a caption missing). Every run, whatever the backend, buffer sizes, tokenizer
+and decode calls' sizes, injected read latency, or resume, raises the same DataError after the
+same number of batches. Before, the first lane to reach its bad record stopped the run, so the
+record named changed between identical runs."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+import zstandard
+
+from zephon_stream import DataError
+from zephon_stream.formats.tar import write_tar_shards
+from zephon_stream.loader.config import SourceConfig
+from zephon_stream.loader.loader import BatchStream, Loader
+from zephon_stream.operators.types import LaneFailure
+from zephon_stream.testing.stores import WithLatency
+
+from .conftest import make_docs, make_image
+
+
+def _line(text: str) -> bytes:
+    return msgspec.json.encode({"text": text}) + b"\n"
+
+
+def _text_shards(root, rng: random.Random) -> None:
+    """Eight shards of 60 documents; six of them hold a bad record somewhere past their middle."""
+    root.mkdir()
+    for k in range(8):
+        lines = [_line(t) for t in make_docs(rng, 60, 40)]
+        if k in (1, 2, 4, 5):
+            lines.insert(rng.randrange(30, 60), b'{"text": "unterminated\n')
+        if k == 3:
+            lines.insert(rng.randrange(30, 60), b'{"body": "no text field"}\n')
+        if k == 6:  # a corrupt frame: its records and the ones after it in the shard are not read
+            c = zstandard.ZstdCompressor(write_checksum=True)
+            frames = [c.compress(b"".join(lines[i:i + 7])) for i in range(0, len(lines), 7)]
+            frames[6] = frames[6][:-1] + bytes([frames[6][-1] ^ 0xFF])
+            (root / f"s{k}.jsonl.zst").write_bytes(b"".join(frames))
+            continue
+        (root / f"s{k}.jsonl").write_bytes(b"".join(lines))
+
+
+def bad_text_config(config, root):
+    """`config` over the bad text shards, written under `root` (also the Ray child's error case)."""
+    _text_shards(root / "bad", random.Random(5))
+    return config.replace(sources=[SourceConfig(name="bad", uri=f"file://{root}/bad/")], lanes=6,
+                          global_batch_size=6, shuffle_window=4, split_bytes=2048, max_epochs=1)
+
+
+@pytest.fixture()
+def text_config(config, tmp_path):
+    return bad_text_config(config, tmp_path)
+
+
+def first_errors(cfg, *, backend="threads", dp_size=1, wrap_store=None, resume_at=None):
+    """(batches each rank made before its error, that error's text), the world's ranks one after another;
+    with `resume_at`, rank 0 alone stops after that many batches and a new loader goes on from its state."""
+    out = []
+    for rank in range(dp_size):
+        loader, made = Loader(cfg, dp_rank=rank, dp_size=dp_size, backend=backend, wrap_store=wrap_store), 0
+        try:
+            for _ in loader:
+                made += 1
+                if resume_at is not None and made == resume_at:
+                    state = loader.state_dict()
+                    loader.close()
+                    loader = Loader(cfg, backend=backend, wrap_store=wrap_store)
+                    loader.load_state_dict(state)
+                    for _ in loader:
+                        made += 1
+                    break
+        except DataError as exc:
+            out.append((made, str(exc)))
+            continue
+        out.append((made, None))
+    return out
+
+
+def _variants(cfg):
+    tiny = cfg.replace(sample_buffer=1, doc_buffer=1, sample_batch=1, tokenize_batch=1, cpu_threads=1)
+    large = cfg.replace(sample_buffer=16, doc_buffer=16, sample_batch=8, tokenize_batch=512, cpu_threads=4)
+    return [
+        dict(cfg=cfg, backend="inline"),
+        dict(cfg=tiny, backend="threads", wrap_store=WithLatency(seed=1, max_ms=3)),
+        dict(cfg=large, backend="threads", wrap_store=WithLatency(seed=2, max_ms=3)),
+        dict(cfg=cfg, backend="threads", wrap_store=WithLatency(seed=3, max_ms=6)),
+        dict(cfg=cfg, backend="processes", wrap_store=WithLatency(seed=4, max_ms=3)),
+    ]
+
+
+def test_text_the_same_error_after_the_same_batches(text_config):
+    reference = first_errors(text_config, backend="inline")
+    made, message = reference[0]
+    assert message is not None and made > 0, reference  # an error, after some batches
+    for variant in _variants(text_config):
+        cfg = variant.pop("cfg")
+        assert first_errors(cfg, **variant) == reference, variant
+    assert first_errors(text_config, resume_at=made // 2) == reference  # resumed before it: the same error, same batch
+
+
+def test_text_ranks_raise_their_first_error_in_the_order(text_config):
+    """Each rank raises the first bad sample in its own slots; the earliest of them is the world's."""
+    (made, message), = first_errors(text_config, backend="inline")
+    ranks = first_errors(text_config, dp_size=3)
+    assert min(ranks)[0] == made and (made, message) in ranks, ranks
+    assert first_errors(text_config, dp_size=3, backend="processes") == ranks
+
+
+def test_skip_mode_is_unchanged_and_runs_to_the_end(text_config):
+    """Skipping, the same data runs to its end (the in-band error is error mode's alone)."""
+    cfg = text_config.replace(on_bad_record="skip")
+    loader = Loader(cfg)
+    assert sum(1 for _ in loader) > 0
+    assert loader.statistics().skipped_records >= 5
+
+
+def _bad_png() -> bytes:
+    good = make_image(random.Random(1))
+    return good[:len(good) // 2]  # truncated: a corrupt image, found by the decode (the tokenize step)
+
+
+@pytest.fixture()
+def image_config(vision_config, tmp_path):
+    """Four tar shards of 40 images and captions; three hold a truncated PNG, one a sample without a caption."""
+    rng = random.Random(7)
+    captions = make_docs(rng, 160, 20)
+    root = tmp_path / "img"
+    root.mkdir()
+    for s in range(4):
+        samples = []
+        for i in range(40):
+            key, members = f"{s:02d}{i:04d}", {"png": make_image(rng), "txt": captions[s * 40 + i].encode()}
+            if i == 25 + 4 * s and s != 2:
+                members["png"] = _bad_png()
+            if s == 2 and i == 31:
+                del members["txt"]
+            samples.append((key, members))
+        write_tar_shards(samples, root, prefix=f"img{s}")
+    src = msgspec.structs.replace(vision_config.sources[0], uri=f"file://{root}/", weight=1.0)
+    return vision_config.replace(sources=[src], lanes=4, global_batch_size=4, shuffle_window=2, split_bytes=4096,
+                                 max_epochs=1)
+
+
+def test_images_the_same_error_after_the_same_batches(image_config):
+    reference = first_errors(image_config, backend="inline")
+    made, message = reference[0]
+    assert message is not None and made > 0, reference
+    vision = image_config.vision
+    variants = [
+        (image_config.replace(vision=msgspec.structs.replace(vision, decode_batch=1, decode_ahead=1)), "threads", 1),
+        (image_config.replace(vision=msgspec.structs.replace(vision, decode_batch=16, decode_ahead=64)), "threads", 2),
+        (image_config, "processes", 3),
+    ]
+    for cfg, backend, seed in variants:
+        latency = WithLatency(seed=seed, max_ms=4)
+        assert first_errors(cfg, backend=backend, wrap_store=latency) == reference, (backend, seed)
+
+
+def test_a_failure_is_not_kept_by_set_weights_rewinding(text_config, monkeypatch):
+    """set_weights for a step after the one a lane's failure waits at rewinds the lanes to their
+    states there: the failure, received already, is dropped (it holds no state to go on from),
+    and the lane, run again from its last sample, meets the record again."""
+    cfg = text_config.replace(sample_batch=8)  # the failure comes behind samples: it waits in the sequencer
+    reference = first_errors(cfg, backend="inline")
+    made, message = reference[0]
+    pending = []
+    rewind = BatchStream._rewind
+
+    async def counting(self, step):
+        pending.append(sum(isinstance(s, LaneFailure) for queue in self.pending.values() for s in queue))
+        return await rewind(self, step)
+
+    monkeypatch.setattr(BatchStream, "_rewind", counting)
+    loader, got = Loader(cfg), 0
+    with pytest.raises(DataError) as caught:
+        for _ in loader:
+            got += 1
+            if got == made:
+                loader.set_weights({"bad": 1.0}, at_step=got + 2)
+    assert (got, str(caught.value)) == (made, message)
+    assert pending == [1]  # the rewind found the failure waiting, and dropped it
