@@ -87,7 +87,8 @@ def test_help_says_steps_is_the_global_step_to_stop_at(capsys) -> None:
 def test_negative_or_malformed_numbers_refused(capsys, cfg, argv) -> None:
     argv = [str(cfg) if a == "C" else a for a in argv]
     err = _usage_error(capsys, argv)
-    assert "is negative: give a step >= 0" in err or "is not a whole number" in err, err
+    noun = "rank" if "--dp-rank" in argv else "step"  # the option's own word, not always "step"
+    assert f"is negative: give a {noun} >= 0" in err or "is not a whole number" in err, err
 
 
 def test_a_usage_error_is_one_line_in_every_command(capsys) -> None:

@@ -215,7 +215,7 @@ def test_a_decision_for_a_consumed_step_is_refused(config):
 
 
 @pytest.mark.parametrize(("weights", "step", "match"), [
-    ({"a": 1.0}, 3, r"must give a weight to each source, by name: \['a', 'b'\]"),
+    ({"a": 1.0}, 3, r"must give a weight to each source, by name: \['a', 'b'\] \(no weight for 'b': 0 pauses"),
     ({"a": 1.0, "b": 1.0, "c": 1.0}, 3, "must give a weight to each source"),
     ({"a": 1.0, "c": 1.0}, 3, r"must give a weight to each source, by name: \['a', 'b'\] \('c' is not one\)"),
     ({"a": 0.0, "b": 0.0}, 3, r"weights = \{'a': 0.0, 'b': 0.0\}: one source needs a weight > 0"),

@@ -87,15 +87,19 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _count(text: str) -> int:
-    """An argparse type: an integer >= 0 (a step, a count)."""
+def _count(text: str, what: str = "step") -> int:
+    """An argparse type: an integer >= 0 (a step; `_rank` for a rank)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative: give a step >= 0")
+        raise argparse.ArgumentTypeError(f"{value} is negative: give a {what} >= 0")
     return value
+
+
+def _rank(text: str) -> int:
+    return _count(text, "rank")
 
 
 _BACKEND_HELP = "where the lanes run (default: the config's backend, threads unless set)"
@@ -116,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the global step to stop at: stop once N global batches have been consumed, counted "
                         "from the start of training (after --resume from step 20, --steps 40 streams 20 more); "
                         "default: until the data ends")
-    p.add_argument("--dp-rank", type=_count, default=0, metavar="R", help="this data-parallel rank (default 0)")
+    p.add_argument("--dp-rank", type=_rank, default=0, metavar="R", help="this data-parallel rank (default 0)")
     p.add_argument("--dp-size", type=int, default=1, metavar="N",
                    help="data-parallel ranks in all; must divide lanes and global_batch_size (default 1)")
     p.add_argument("--backend", choices=["inline", "threads", "processes", "ray"], default=None, help=_BACKEND_HELP)

@@ -358,10 +358,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         names every source exactly once with a finite weight >= 0, one of them > 0."""
         names = [s.name for s in self.sources]
         unknown = sorted(set(weights) - set(names)) if isinstance(weights, dict) else []
+        missing = [n for n in names if n not in weights] if isinstance(weights, dict) else []
         _check(isinstance(weights, dict) and set(weights) == set(names), where, weights,
                f"must give a weight to each source, by name: {names}"
                + (f" ({', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not one)"
-                  if unknown else ""))
+                  if unknown else "")
+               + (f" (no weight for {', '.join(map(repr, missing))}: 0 pauses a source)" if missing else ""))
         assert isinstance(weights, dict)
         for name, w in weights.items():
             _check(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 and math.isfinite(w),
