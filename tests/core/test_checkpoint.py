@@ -116,6 +116,20 @@ def test_refuses_changed_data_or_config(config, dataset, tmp_path):
         with pytest.raises(IncompatibleState) as err:
             Loader(config.replace(**change), backend="inline").load_state_dict(state)
         assert says in str(err.value) and "None" not in str(err.value)
+    # a source's setting is named by source and setting (the whole list of sources was printed twice)
+    a, b = config.sources
+    for sources, says in [
+        ([msgspec.structs.replace(a, weight=0.5), b],
+         "sources: weight of 'a': 0.6 in the checkpoint, 0.5 now (to change a run's weights from a step on, "
+         "resume with the config as it was and call Loader.set_weights"),
+        ([a, msgspec.structs.replace(b, text_field="body")], "sources: text_field of 'b': 'text' in the checkpoint, "
+         "'body' now; restore"),
+        ([a, msgspec.structs.replace(b, name="c")], "sources: source 'b' is gone; source 'c' is new; restore"),
+        ([b, a], "sources: the sources' order: ['a', 'b'] in the checkpoint, ['b', 'a'] now; restore"),
+    ]:
+        with pytest.raises(IncompatibleState) as err:
+            Loader(config.replace(sources=sources), backend="inline").load_state_dict(state)
+        assert says in str(err.value), str(err.value)
     root, _ = dataset
     moved = tmp_path / "a"
     shutil.copytree(root / "a", moved)

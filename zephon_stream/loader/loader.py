@@ -379,7 +379,8 @@ class Loader:
         cfg, head = self.config, st.header
         if head.order_digest != self.order_digest:
             ours, default = self.order_settings, Config.order_default  # a setting left out is at its default
-            changed = [f"{k}: {head.order.get(k, default(k))!r} in the checkpoint, {ours.get(k, default(k))!r} now"
+            changed = [_sources_change(head.order[k], ours[k]) if k == "sources" and k in head.order and k in ours
+                       else f"{k}: {head.order.get(k, default(k))!r} in the checkpoint, {ours.get(k, default(k))!r} now"
                        for k in sorted(set(head.order) | set(ours))
                        if head.order.get(k, default(k)) != ours.get(k, default(k))
                        and (k not in Config.ORDER_DEPENDENT or (k in head.order and k in ours))]
@@ -944,6 +945,25 @@ def _check_not_in_torch_worker() -> None:
             f"a Loader iterated in torch DataLoader worker {info.id} of {info.num_workers} would hand every worker "
             "the same batches: use DataLoader(loader, batch_size=None, num_workers=0); the loader batches and "
             'runs its own workers (backend = "processes", workers = N)')
+
+
+def _sources_change(was: list[list[Any]], now: list[list[Any]]) -> str:
+    """What changed in `order_settings()["sources"]` ([name, weight, text_field, ...] each), by
+    source and setting, where a dump of both lists hid a weight's change among every setting."""
+    before, after = {s[0]: s for s in was}, {s[0]: s for s in now}
+    out = ([f"source {n!r} is gone" for n in before if n not in after]
+           + [f"source {n!r} is new" for n in after if n not in before])
+    for name in [n for n in after if n in before and before[n] != after[n]]:
+        (_, w0, f0, *rest0), (_, w1, f1, *rest1) = before[name], after[name]
+        out += ([f"weight of {name!r}: {w0!r} in the checkpoint, {w1!r} now"] if w0 != w1 else []) + (
+            [f"text_field of {name!r}: {f0!r} in the checkpoint, {f1!r} now"] if f0 != f1 else []) + (
+            [f"the image, chat or transforms settings of {name!r}"] if rest0 != rest1 else [])
+    if not out:  # the same sources and settings in another order
+        out.append(f"the sources' order: {[s[0] for s in was]} in the checkpoint, {[s[0] for s in now]} now")
+    weights_only = all(x.startswith("weight of") for x in out)
+    return "sources: " + "; ".join(out) + (
+        " (to change a run's weights from a step on, resume with the config as it was and call "
+        "Loader.set_weights, or pass zephon stream --set-weights STEP:NAME=W,...)" if weights_only else "")
 
 
 def _tokenizer(config: Config) -> Tokenize:
