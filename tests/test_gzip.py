@@ -174,3 +174,20 @@ def test_single_member_is_one_split_and_members_split():
 
     for key, splits in by_key.items():  # the splits own every line once, members cut lines anywhere
         assert b"".join(anyio.run(read, s) for s in splits) == lines, key
+
+
+def test_a_place_in_a_gzip_shard_is_named_after_its_member_not_a_frame():
+    """zstd has frames, gzip members: an error's place says which (a new-user trial read 'frame')."""
+    members = [gzip.compress(b'{"text": "a"}\n' * 50, mtime=0) for _ in range(3)]
+    store, plan = _plan({"a.jsonl.gz": b"".join(members), "b.jsonl.zst": zstd_frames(b'{"text": "b"}\n', 3)})
+    where = {plan.shards[s.shard].key: SplitReader(store, plan.shards[s.shard], s, 1 << 20).where(7)
+             for s in plan.splits}
+    assert where["a.jsonl.gz"].startswith("decompressed byte 7 after the gzip member at compressed byte ")
+    assert where["b.jsonl.zst"].startswith("decompressed byte 7 after the frame at compressed byte ")
+
+
+def zstd_frames(line: bytes, n: int) -> bytes:
+    import zstandard
+
+    c = zstandard.ZstdCompressor()
+    return b"".join(c.compress(line * 20) for _ in range(n))

@@ -474,7 +474,8 @@ class _Job:
         taken = [o.key for o in await store.list(prefix + self.name + "-")]
         if taken:
             raise ConfigError(f"shard: {dst} already holds {taken[0]!r} ({len(taken)} objects named {self.name}-*): "
-                              "remove them or choose another name")
+                              "remove them to shard again, or write to another folder (another name adds a second "
+                              "set of shards beside these, and a source over the folder reads both)")
 
     def _items(self, store: Store, obj: ObjectInfo) -> AsyncIterator[Any]:
         if obj.key.endswith(PARQUET_SUFFIXES):
@@ -536,6 +537,9 @@ class _Job:
                 what = ("is not an object" if not isinstance(record, dict) else f"has no field {self.text_field!r}"
                         if value is None else f"has {type(value).__name__} in field {self.text_field!r}, not a string")
                 hint = "" if self.bad.skipping else ' (set on_bad_record = "skip" to skip such records)'
+                if isinstance(record, dict) and value is None:  # likely the setting: name the fields there are
+                    shown = ", ".join(repr(f) for f in list(record)[:8]) + (", ..." if len(record) > 8 else "")
+                    hint = f"; its fields are {shown or 'none'}: set text_field to one of them"
                 self.bad(DataError(f"bad record in {obj.key!r}: record {i} of its JSON array {what}{hint}",
                                    key=obj.key, offset=i))
                 continue

@@ -520,6 +520,11 @@ def test_bad_records_of_a_json_array_name_their_place_or_are_counted(tmp_path):
     (tmp_path / "in" / "a.json").write_text('[{"text": "ok"}, {"text": ')
     with pytest.raises(DataError, match=r"'a.json' starts as a JSON array but is not one: Input data was truncated"):
         shard(str(tmp_path / "in"), str(tmp_path / "out3"), progress=False)
+    # an Alpaca-style array and the default text field: the fields there are, not "skip them" (all of them)
+    (tmp_path / "in" / "a.json").write_text(json.dumps([{"instruction": "i", "input": "", "output": "o"}]))
+    with pytest.raises(DataError, match=r"record 0 of its JSON array has no field 'text'; its fields are "
+                                        r"'instruction', 'input', 'output': set text_field to one of them$"):
+        shard(str(tmp_path / "in"), str(tmp_path / "out4"), progress=False)
 
 
 def test_a_source_of_json_files_names_what_it_holds_and_the_fix(config, tmp_path):
@@ -565,7 +570,9 @@ def test_bad_records_name_the_object_or_are_counted(tmp_path):
 def test_refuses_to_overwrite_and_bad_settings(dataset, tmp_path):
     root, _ = dataset
     shard(str(root / "a"), str(tmp_path / "out"), progress=False)
-    with pytest.raises(ConfigError, match="already holds 'shard-00000.jsonl.zst'"):
+    # the fix it gives is not "another name" (a new-user trial followed that into a folder of both copies)
+    with pytest.raises(ConfigError, match=r"already holds 'shard-00000.jsonl.zst' .*: remove them to shard again, "
+                                          r"or write to another folder \(another name adds a second set"):
         shard(str(root / "a"), str(tmp_path / "out"), progress=False)
     with pytest.raises(ConfigError, match=r"shard: \S+nothing does not exist$"):  # it said "looked for *.txt *.md"
         shard(str(tmp_path / "nothing"), str(tmp_path / "o"), progress=False)

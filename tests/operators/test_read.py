@@ -170,6 +170,12 @@ def test_shards_are_planned_overlapped_and_errors_come_in_key_order(caplog):
     with pytest.raises(DataError, match=r"every shard under memory://x/ is empty or corrupt: \['00.jsonl.zst', .*\]; "
                                         r"the first: .*'00.jsonl.zst'"):
         anyio.run(plan, "skip")
+    for i in range(60):  # skipping already, the cause does not advise to skip (a new-user trial)
+        store.objects[f"{i:02d}.jsonl.zst"] = b""
+    with pytest.raises(DataError, match=r"the first: empty shard '00.jsonl.zst' \(0 bytes\): remove it$"):
+        anyio.run(plan, "skip")
+    with pytest.raises(DataError, match=r"empty shard '00.jsonl.zst' \(0 bytes\): remove it or set on_bad_record"):
+        anyio.run(plan, "error")
 
 
 def test_bad_inputs_name_object_and_offset():

@@ -153,7 +153,7 @@ async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field
             raise got  # the first bad shard in key order, however the plans overlapped
         else:
             skipped.append(obj.key)
-            causes.append(str(got))
+            causes.append(_SKIP_ADVICE.sub("", str(got)))  # "or set on_bad_record = skip": it is set
 
     causes: list[str] = []
     # Each plan is a request or two (a seek table, a footer) or a scan: overlapped, so a source of
@@ -324,6 +324,10 @@ def _check_key(source: str, key: str) -> None:
         raw = key.encode("utf-8", "surrogateescape")
         raise DataError(f"source {source!r}: shard name {raw!r} is not valid UTF-8 (byte {exc.start}): rename "
                         "the file", key=ascii(key)) from None
+
+
+#: The advice that an error-mode planning error gives, left out where the shard is skipped already.
+_SKIP_ADVICE = re.compile(r' \(?or set on_bad_record = "skip"(?: to leave it out\))?')
 
 
 async def plan_shard(store: Store, obj: ObjectInfo) -> ShardPlan:
@@ -806,7 +810,8 @@ class SplitReader:
     def where(self, pos: int) -> str:
         """Human location of decoded offset `pos`, for error messages."""
         if self.shard.frames:
-            return f"decompressed byte {pos} after the frame at compressed byte {self.shard.frames[self.split.start]}"
+            frame = "gzip member" if self.key.endswith(GZIP_SUFFIXES) else "frame"
+            return f"decompressed byte {pos} after the {frame} at compressed byte {self.shard.frames[self.split.start]}"
         return f"byte {self.split.start + pos}"
 
     async def _starts_at_record(self) -> bool:
