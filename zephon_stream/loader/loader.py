@@ -45,7 +45,9 @@ log = logging.getLogger("zephon_stream.loader")
 class LoaderStatistics(msgspec.Struct, frozen=True):
     """A snapshot of the loader's progress and buffers (see `Loader.statistics()`)."""
 
-    step: int
+    step: int  # the global position: restored with a state (`load_state_dict`)
+    # samples and real tokens this Loader object handed out (like source_tokens and source_shares: they
+    # start at 0 in a resumed run; add up the runs', or `--digests`' lines, for a whole training run)
     samples: int
     tokens: int
     # bad records skipped (on_bad_record = "skip"), each once per epoch that read it. Counted as the lanes
