@@ -186,3 +186,113 @@ def test_a_failure_is_not_kept_by_set_weights_rewinding(text_config, monkeypatch
                 loader.set_weights({"bad": 1.0}, at_step=got + 2)
     assert (got, str(caught.value)) == (made, message)
     assert pending == [1]  # the rewind found the failure waiting, and dropped it
+
+
+# ---- one split read in many parts: the records before the error do not follow the read sizes -------
+
+
+def _one_split_config(config, root, files, **more):
+    """One lane over `files` (name -> bytes) in one split, samples one at a time."""
+    root.mkdir()
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    return config.replace(sources=[SourceConfig(name="one", uri=f"file://{root}/", **more)], lanes=1,
+                          global_batch_size=1, shuffle_window=0, split_bytes=1 << 20, sample_batch=1, max_epochs=1)
+
+
+def _reads(cfg):
+    """The runs that read the split in parts of other sizes: local, and read ahead 1, 2 and 16 requests."""
+    yield dict(cfg=cfg)
+    for ahead in (1, 2, 16):
+        yield dict(cfg=cfg.replace(read_ahead=ahead), wrap_store=WithLatency(seed=ahead, max_ms=0))
+
+
+def _frames(lines: list[bytes], per: int, compress) -> list[bytes]:
+    return [compress(b"".join(lines[i:i + per])) for i in range(0, len(lines), per)]
+
+
+@pytest.mark.parametrize("kind", ["zst", "gz"])
+def test_a_corrupt_frame_after_many_gives_the_same_batches_whatever_the_read_sizes(config, tmp_path, kind):
+    """A decoder that raised at a corrupt frame dropped the frames decoded before it in the same
+    call, whose size follows the read sizes: 0, 162 or 220 batches before the error."""
+    import gzip
+
+    lines = [_line(t) for t in make_docs(random.Random(3), 420, 30)]
+    if kind == "zst":
+        c = zstandard.ZstdCompressor(write_checksum=True)
+        frames = _frames(lines, 7, c.compress)
+        frames[40] = frames[40][:-1] + bytes([frames[40][-1] ^ 0xFF])
+    else:
+        frames = _frames(lines, 7, lambda b: gzip.compress(b, mtime=0))
+        frames[40] = frames[40][:20] + bytes(8) + frames[40][28:]
+    cfg = _one_split_config(config, tmp_path / "one", {f"s.jsonl.{kind}": b"".join(frames)})
+    runs = {str(v.get("wrap_store") and v["cfg"].read_ahead): first_errors(**v) for v in _reads(cfg)}
+    assert len(set(map(str, runs.values()))) == 1, runs
+    (made, message), = runs["None"]
+    assert message is not None and made > 100, runs  # the 280 documents of the 40 frames before it are packed
+
+
+def test_a_transform_error_gives_the_same_batches_whatever_the_read_sizes(config, tmp_path):
+    """A transform's error (raised in any mode) dropped the block's earlier records: 0 or 119 batches."""
+    from tests.core.transform_fns import raises_on_boom
+    from zephon_stream.operators.transforms import Map
+
+    docs = make_docs(random.Random(4), 300, 40)
+    lines = [_line(t + (" BOOM" if i == 150 else "")) for i, t in enumerate(docs)]
+    cfg = _one_split_config(config, tmp_path / "one", {"s.jsonl": b"".join(lines)})
+    runs = []
+    for variant in _reads(cfg):
+        loader, made = Loader(variant["cfg"], transforms={"one": [Map(raises_on_boom)]},
+                              wrap_store=variant.get("wrap_store")), 0
+        with pytest.raises(DataError) as caught:
+            for _ in loader:
+                made += 1
+        runs.append((made, str(caught.value)))
+    assert len(set(runs)) == 1 and runs[0][0] > 50, runs
+
+
+def test_a_parquet_string_that_is_not_utf8_is_named_by_its_row(config, tmp_path):
+    """A string page with bytes that are not UTF-8 named the block's first row, and the rows before
+    the bad one were lost with it (a resumed run, whose block starts at its cursor, lost fewer)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    raw = [t.encode() for t in make_docs(random.Random(3), 200, 40)]
+    raw[150] = b"bad \xff text"
+    root = tmp_path / "p"
+    root.mkdir()
+    pq.write_table(pa.table({"text": pa.array(raw, pa.binary()).view(pa.string())}), root / "a.parquet",
+                   row_group_size=200, compression="none")
+    cfg = _one_split_config(config, tmp_path / "unused", {}).replace(
+        sources=[SourceConfig(name="one", uri=f"file://{root}/")])
+    (made, message), = first_errors(cfg)
+    assert "row 150 of row group 0 holds a string that is not UTF-8" in message and made > 50, message
+    assert first_errors(cfg, resume_at=made // 2) == [(made, message)]
+
+
+def test_images_two_bad_in_one_decode_call_name_the_first(image_config, tmp_path):
+    """A bad image's decode call handed out the documents after it too: the second bad image was named."""
+    rng = random.Random(9)
+    captions = make_docs(rng, 60, 20)
+    samples = [(f"{i:05d}", {"png": _bad_png() if i in (10, 30) else make_image(rng), "txt": captions[i].encode()})
+               for i in range(60)]
+    root = tmp_path / "two"
+    root.mkdir()
+    write_tar_shards(samples, root, prefix="two")
+    src = msgspec.structs.replace(image_config.sources[0], uri=f"file://{root}/")
+    cfg = image_config.replace(sources=[src], lanes=1, global_batch_size=1, split_bytes=1 << 24, sample_batch=1)
+    runs = [first_errors(cfg.replace(vision=msgspec.structs.replace(cfg.vision, decode_batch=n)))
+            for n in (1, 3, 8, 32)]
+    assert len({str(r) for r in runs}) == 1, runs
+    assert "'00010.png'" in runs[0][0][1], runs
+
+
+def test_statistics_while_a_failure_waits(text_config):
+    """A failure held in the sequencer's queue or a lane's buffer: statistics() (zephon stream calls it
+    every batch) raised AttributeError on it."""
+    loader, made = Loader(text_config.replace(sample_batch=8)), 0
+    with pytest.raises(DataError):
+        for _ in loader:
+            made += 1
+            assert loader.statistics().buffered_bytes >= 0
+    assert made == first_errors(text_config.replace(sample_batch=8), backend="inline")[0][0]

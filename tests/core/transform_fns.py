@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["NOT_CALLABLE", "at_least_words", "drop_bang", "drop_bang_numpy", "is_async", "keep_some", "nested_lang_en",
-           "raises", "returns_list", "returns_none", "returns_str", "seeded_word", "shout", "to_messages"]
+           "raises", "raises_on_boom", "returns_list", "returns_none", "returns_str", "seeded_word", "shout",
+           "to_messages"]
 
 NOT_CALLABLE = 3
 
@@ -79,4 +80,10 @@ async def is_async(record: dict[str, Any]) -> bool:
 def raises(record: dict[str, Any]) -> dict[str, Any]:
     if record["text"].endswith("?\n"):
         raise KeyError("no such thing")
+    return record
+
+
+def raises_on_boom(record: dict[str, Any]) -> dict[str, Any]:
+    if "BOOM" in record["text"]:
+        raise ValueError("a record the function cannot take")
     return record

@@ -216,22 +216,26 @@ class Lanes:
 
     def decode_before(self, source: int, position: int, reader: Any, pos: int, block: bytes,
                       error: DataError) -> list[Doc]:
-        """The documents of `block` before its bad record, the one `decode` raised `error` for (error
-        mode): the block decoded again with the bad records skipped, uncounted, and cut at the
-        error's offset. So the documents that go out before the error do not depend on where the
-        block starts (a resumed run's first block starts at its cursor). None where the error has
-        no offset in the block's records."""
+        """The documents of `block` before its bad record, the one `decode` raised `error` for: the
+        block's part before the error's offset (bytes, or a table's rows), decoded again. So the
+        documents that go out before the error do not depend on where the block starts (the read
+        sizes; a resumed run's first block starts at its cursor). None where the error has no
+        offset in the block. What the first decode counted (records skipped, filtered) is not
+        counted again: the reader's policy here is one of its own, of the same epoch (transforms'
+        per-record seeds depend on it)."""
         if error.offset < 0:
             return []
         parser = self.parsers[source]
-        cut = parser.record_offset(reader, error) if hasattr(parser, "record_offset") else error.offset
-        again = copy.copy(reader)  # the reader, with a policy of its own: same epoch (transforms' seeds)
+        n = (parser.record_offset(reader, error) if hasattr(parser, "record_offset") else error.offset) - pos
+        table = hasattr(block, "num_rows")  # Parquet: a table of rows; else bytes
+        if not 0 < n <= (block.num_rows if table else len(block)):
+            return []
+        again = copy.copy(reader)
         again.bad = BadRecords("skip").at(getattr(reader.bad, "epoch", 0))
         try:
-            docs = self.decode(source, position, again, pos, block)
+            return self.decode(source, position, again, pos, block.slice(0, n) if table else block[:n])
         except DataError:
             return []
-        return [doc for doc in docs if doc[0][2] < cut]
 
     def tokenize(self, source: int, docs: list[Doc], key: str, bad: Any = None,
                  where: Callable[[int], str] | None = None) -> list[Doc]:
@@ -249,6 +253,15 @@ class Lanes:
         if self.vision is not None:  # beside images: a text that holds the image token's text is a bad record
             out = self.vision.clean(out, bad or self.parsers[source].bad, key, where)
         return out
+
+
+class _HandedOut(Exception):
+    """A document that the producer was handing out is bad (`error`): raised past the handler that
+    hands out the documents read before a bad record, since those come after this one."""
+
+    def __init__(self, error: DataError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _packer(cfg: Config, pad: int, upstream: Operator[Doc]) -> Operator[Sample]:
@@ -322,7 +335,7 @@ class TextLane:
                         if index == first:
                             await gate.passed(self.lane)
             except DataError as exc:  # raised where the order reaches this sample, not now (see `_read_source`)
-                batch.append(LaneFailure(exc, self.lane, index))
+                batch.append(LaneFailure(exc.with_traceback(None), self.lane, index))
             if batch:
                 await out.send(batch)
             tg.cancel_scope.cancel()
@@ -410,7 +423,9 @@ class TextLane:
                 with in_source(src.name, src.uri):
                     await self._read_from(source, position, offset, piece, send)
             except DataError as exc:
-                await send.fail(exc)
+                await send.fail(exc.with_traceback(None))  # held until raised: not the producer's locals
+            except _HandedOut as out:
+                await send.fail(out.error.of_source(src.name, src.uri).with_traceback(None))
 
     async def _read_from(self, source: int, position: int, offset: int, piece: int, send: FeedSender) -> None:
         shared = self.shared
@@ -430,9 +445,9 @@ class TextLane:
                             raise
                         more, first = await self._hand_out(source, reader, pending, send, False, first, piece)
                         found = found or more
-                except DataError:  # a bad record or frame: what was read before it goes out first
+                except DataError:  # a bad record or frame read: what was read before it goes out first
                     await self._hand_out(source, reader, pending, send, True, first, piece)
-                    raise
+                    raise  # (a bad document among those is raised instead, as `_HandedOut`: it comes first)
                 more, first = await self._hand_out(source, reader, pending, send, True, first, piece)
                 found = found or more
             except IncompatibleState as exc:  # the cursor is not a record start, or not a piece start
@@ -458,7 +473,7 @@ class TextLane:
             del pending[:size]
             tokens, failed = await self._tokenized(source, reader, docs)
             if failed is not None and not tokens:
-                raise failed
+                raise _HandedOut(failed)
             found = found or bool(tokens)  # a bad image or conversation skipped is no document
             if first is not None and (not tokens or tuple(tokens[0][0][1:3]) != first):
                 refuse("piece", piece, "no document starts at the cursor to take pieces from")
@@ -466,19 +481,19 @@ class TextLane:
                 tokens, first = cut(tokens, pieces, piece if first else 0), None
             await send.send(tokens)
             if failed is not None:
-                raise failed
+                raise _HandedOut(failed)
         return found, first
 
     async def _tokenized(self, source: int, reader: SplitReader, docs: list[Doc]) -> tuple[list[Doc], DataError | None]:
-        """`docs` tokenized, and None; or, where the call raised a DataError in error mode (a bad
+        """`docs` tokenized, and None; or, where the call raised a DataError (in error mode: a bad
         image or conversation), the documents before the bad one and its error: tokenized again one
         at a time, so that what goes out before the error does not depend on the call's size."""
         run = self.shared.run_tokenize
         try:
             return await run(source, docs, reader.key, reader.bad, reader.where), None
         except DataError as exc:
-            if reader.bad.skipping or len(docs) == 1:
-                raise
+            if reader.bad.skipping or len(docs) == 1:  # skipping, bad records do not raise: not theirs
+                return [], exc
             error = exc
         good: list[Doc] = []
         for doc in docs:

@@ -767,6 +767,9 @@ class BatchStream:
         if not queue:
             return padding_sample(self.config.seq_len, self.pad_id, lane, index)
         if isinstance(queue[0], LaneFailure):  # the lane could not make this sample: its error, here in the order
+            if queue[0].index != index:
+                raise ZephonError(f"internal error: lane {lane} failed at sample {queue[0].index}, sequencer expected "
+                                  f"{index}; please report this with your config") from queue[0].error
             raise queue[0].error
         sample = queue.popleft()
         if sample.index != index:

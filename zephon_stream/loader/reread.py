@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 import anyio
 
-from zephon_stream.errors import IncompatibleState
+from zephon_stream.errors import DataError, IncompatibleState, in_source
 from zephon_stream.operators.read import SplitReader
 from zephon_stream.operators.shuffle import Deferred
 from zephon_stream.operators.types import Doc, DocRef
@@ -149,10 +149,14 @@ class _Lanes(Protocol):
     """What `Documents` needs of the lanes' shared parts (`loader.lane.Lanes`)."""
 
     run_cpu: Callable[..., Awaitable[Any]]
+    plan: Any  # the DataPlan: its sources' names, for errors
 
     def reader(self, source: int, lane: int, position: int, counting: bool = True) -> Any: ...
 
     def decode(self, source: int, position: int, reader: Any, pos: int, block: bytes) -> list[Doc]: ...
+
+    def decode_before(self, source: int, position: int, reader: Any, pos: int, block: Any,
+                      error: DataError) -> list[Doc]: ...
 
 
 Found = dict[int, tuple[int, Any]]  # decoded offset -> (length, record)
@@ -200,6 +204,11 @@ class Documents:
         return out
 
     async def _split(self, split: tuple[int, int], want: dict[int, int], out: dict[DocRef, Any]) -> None:
+        src = self._lanes.plan.sources[split[0]]
+        with in_source(src.name, src.uri):
+            await self._split_of(split, want, out)
+
+    async def _split_of(self, split: tuple[int, int], want: dict[int, int], out: dict[DocRef, Any]) -> None:
         source, position = split
         left = self._left.setdefault(split, {})
         reader = self._reader(source, position)
@@ -238,14 +247,21 @@ class Documents:
         self.scans += 1
         found: Found = {}
         last = max(offsets)
+        lanes = self._lanes
         try:
             async for pos, block in reader.blocks(min(offsets)):
-                for (_, _, at, length), record in await self._lanes.run_cpu(self._lanes.decode, source, position,
-                                                                             reader, pos, block):
+                try:
+                    docs, ended = await lanes.run_cpu(lanes.decode, source, position, reader, pos, block), False
+                except DataError as exc:  # a bad record (or a transform's, a page's error) beside the documents
+                    docs = await lanes.run_cpu(lanes.decode_before, source, position, reader, pos, block, exc)
+                    ended = True  # wanted: they come before it, as the feed handed them out before it; the
+                    # lane's feed raises it (or skips it) where it reaches it, not the restore
+                for (_, _, at, length), record in docs:
                     if at in offsets:
                         found[at] = (length, record)
-                if pos + len(block) > last:
+                if ended or pos + len(block) > last:
                     break
         except IncompatibleState as exc:  # a reference in mid-record
             raise self._refused(f"of a document of source {source}: {exc}") from None
         return found
+

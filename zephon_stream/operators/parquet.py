@@ -168,8 +168,9 @@ class ParquetParser:
         try:
             return self._parse(reader, block_pos, block)
         except UnicodeDecodeError as exc:  # pyarrow reads string pages without checking them: a corrupt page
-            raise DataError(f"corrupt Parquet file {reader.key!r}: {reader.where(block_pos)} holds a string that is "
-                            f"not UTF-8 ({exc.reason})", key=reader.key, offset=block_pos) from exc
+            row = _first_bad_row(block)  # named, and the rows before it still go out (in error mode)
+            raise DataError(f"corrupt Parquet file {reader.key!r}: {reader.where(block_pos + row)} holds a string "
+                            f"that is not UTF-8 ({exc.reason})", key=reader.key, offset=block_pos + row) from exc
 
     def _parse(self, reader: ParquetSplitReader, block_pos: int, block: Any) -> list[tuple[int, int, Any]]:
         if self.records is not None:
@@ -282,3 +283,18 @@ def _image_values(block: Any, name: str) -> tuple[list[bytes | None], list[str |
     names = [f.name for f in arr.type]
     paths = pc.struct_field(arr, ["path"]).to_pylist() if "path" in names else None
     return pc.struct_field(arr, ["bytes"]).to_pylist(), paths
+
+
+def _first_bad_row(block: Any) -> int:
+    """The first row of `block` (a table of the columns read) whose strings are not all UTF-8, by
+    halving (a row is found in log2(rows) conversions of at most half the table each)."""
+    lo, hi = 0, block.num_rows  # the first bad row is in [lo, hi): halve, converting the first half
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            block.slice(lo, mid - lo).to_pylist()
+        except UnicodeDecodeError:
+            hi = mid
+        else:
+            lo = mid
+    return lo

@@ -892,9 +892,14 @@ class SplitReader:
         stream.expect_end(end)
 
     def _stream(self, first: int) -> ZstdStream | GzipStream:
-        """A decoder of the shard's frames (gzip members) from frame `first` on."""
+        """A decoder of the shard's frames (gzip members) from frame `first` on.
+
+        A corrupt frame comes back as a piece after the output decoded before it, in either mode:
+        `_blocks` raises it (`self.bad`) in error mode, once the lines before it have gone out. A
+        decoder that raised it instead dropped the earlier frames of the same call, whose size
+        follows the read sizes (`read_ahead`), and the records before the error with them."""
         kind = GzipStream if self.key.endswith(GZIP_SUFFIXES) else ZstdStream
-        return kind(self.key, self.shard.frames[first], self.shard.frames, first, skip_corrupt=self.bad.skipping)
+        return kind(self.key, self.shard.frames[first], self.shard.frames, first, skip_corrupt=True)
 
     async def _decode(self, stream: ZstdStream | GzipStream, data: bytes) -> AsyncIterator[Piece]:
         """Feed `data` to `stream`; its output in pieces of about DECODE_PIECE, and any corrupt frame."""

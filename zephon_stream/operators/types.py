@@ -136,6 +136,7 @@ class LaneFailure:
     is never raised. `state` is None: a failure is never part of a checkpoint."""
 
     __slots__ = ("error", "lane", "index", "state")
+    nbytes = 0  # what it holds of the lanes' buffers (`Loader.statistics().buffered_bytes`): no arrays
 
     def __init__(self, error: BaseException, lane: int = -1, index: int = -1) -> None:
         self.error, self.lane, self.index, self.state = error, lane, index, None
