@@ -241,14 +241,14 @@ def test_subscriber_killed_mid_apply_recovers(make_store, monkeypatch, tmp_path)
     go(make_store, body)
 
 
-async def _run_twice(store: Store, prefix: str, seeds: tuple[int, int], versions: tuple[int, int]):
+async def _run_twice(store: Store, prefix: str, seeds: tuple[int, int], versions: tuple[int, int], **options):
     """Two trainer runs on one prefix, the second after the prefix was wiped: their models."""
     runs = []
     for seed, n in zip(seeds, versions):
         for info in await store.list(prefix):
             await store.delete(info.key)
         state, states = model(seed), []
-        async with Publisher(prefix, store=store) as pub:
+        async with Publisher(prefix, store=store, **options) as pub:
             for v in range(n):
                 state = step(state, seed * 100 + v) if v else state
                 await pub.publish(state)
@@ -283,6 +283,27 @@ def test_a_prefix_started_again_is_pulled_not_taken_for_the_old_run(make_store, 
                 await pub.publish(nxt)
             assert await sub.pull(replica) == 4
             assert_same(replica, nxt)
+
+    anyio.run(go)
+
+
+def test_a_prefix_started_again_past_the_version_pulled_is_pulled(make_store, tmp_path, caplog):
+    """The second run has published past the subscriber's version and collected it (keep 4 of 8):
+    only the version after it says it is another run's (a delta from another model). Every pull
+    was refused ("refusing the chain"), though a keyframe was there (a new-user trial)."""
+
+    async def go():
+        async with make_store() as (store, prefix):
+            replica = zeros_like(model(1))
+            async for runs in _run_twice(store, prefix, (1, 2), (4, 8), keyframe_every=4, keep_versions=4):
+                if len(runs) == 1:
+                    assert await Subscriber(prefix, store=store, record=tmp_path / "rec").pull(replica) == 4
+            sub = Subscriber(prefix, store=store, record=tmp_path / "rec")
+            with caplog.at_level("WARNING", logger="zephon_stream.refit.subscriber"):
+                assert await sub.pull(replica) == 8
+            assert_same(replica, runs[1][-1])
+            assert any("was started again (its version 5 is a delta from another model" in r.getMessage()
+                       for r in caplog.records), caplog.records
 
     anyio.run(go)
 

@@ -470,6 +470,13 @@ class Subscriber(StoreOwner):
             if m is not None and m.model_digest != rec.model_digest:
                 why = (f"its version {rec.version} is another model (digest {m.model_digest:016x}) than the one this "
                        f"subscriber pulled as {rec.version} ({rec.model_digest:016x})")
+            elif m is None and rec.version < latest:  # collected: the version after it says what it was
+                after = await self._maybe_manifest(rec.version + 1)
+                if (after is not None and after.base_version == rec.version
+                        and after.base_model_digest != rec.model_digest):
+                    why = (f"its version {rec.version + 1} is a delta from another model (digest "
+                           f"{after.base_model_digest:016x}) than the one this subscriber pulled as {rec.version} "
+                           f"({rec.model_digest:016x}), and its version {rec.version} is collected")
         if why is not None:
             self._manifests.clear()
             self._tags.clear()
