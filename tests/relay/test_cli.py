@@ -32,6 +32,12 @@ def test_endpoint_options_follow_their_prefix() -> None:
     assert (cfg.poll_interval, cfg.metrics_port) == (0.5, 9464)
 
 
+def test_a_negative_grace_is_refused() -> None:
+    """--grace -1 was taken (while --poll-interval 0 and --workers 0 are refused)."""
+    with pytest.raises(ConfigError, match=r"grace=-1.0: give the seconds a running sync may take to finish"):
+        load_config(parse("--from", "s3://t/p/", "--to", "s3://a/p/", "--grace", "-1"))
+
+
 def test_option_before_its_prefix_refused(capsys) -> None:
     with pytest.raises(SystemExit):
         parse("--to-endpoint", "http://x:1", "--to", "s3://a/")

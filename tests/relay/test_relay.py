@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import anyio
 import pytest
 
@@ -77,6 +79,28 @@ class _Dies:
         if self.after < 0:
             raise Killed(key)
         await self.inner.put(key, data, if_none_match=if_none_match)
+
+
+def test_a_new_child_starts_at_the_keyframe_without_a_warning(caplog) -> None:
+    """Every new, empty child starts at the parent's newest keyframe: that logged 'child behind the
+    parent's garbage collection' at WARNING on each first sync (a trial's alerts would fire)."""
+    async def main() -> None:
+        parent, child, lagging = MemoryStore(), MemoryStore(), MemoryStore()
+        async with Publisher("p/", store=parent, chunk_bytes=256, keyframe_every=3, keep_versions=2) as pub:
+            w = await _publish(pub, model(5), range(1, 3), {})
+            async with Relay(Prefix("p/", store=parent), [Prefix("l/", store=lagging)]) as relay:
+                assert (await relay.sync()).ok
+            await _publish(pub, w, range(3, 6), {})  # keyframe 4; keeps 4, 5
+        with caplog.at_level(logging.INFO, logger="zephon_stream.relay"):
+            async with Relay(Prefix("p/", store=parent), [Prefix("c/", store=child), Prefix("l/", store=lagging)]) \
+                    as relay:
+                assert (await relay.sync()).committed == {"c/": [4, 5], "l/": [4, 5]}
+        said = {(r.levelname, r.getMessage().split(":")[0], getattr(r, "child", None)) for r in caplog.records
+                if getattr(r, "event", None) in ("child_jump", "child_start")}
+        assert said == {("INFO", "new child", "c/"),
+                        ("WARNING", "child behind the parent's garbage collection", "l/")}, said
+
+    anyio.run(main)
 
 
 @pytest.mark.parametrize("after", [0, 3, 7, 12])
@@ -157,6 +181,30 @@ def test_child_fed_by_another_tree_is_refused() -> None:
     anyio.run(main)
 
 
+def test_child_fed_by_another_run_is_refused_after_the_parent_collected_its_version() -> None:
+    """The parent no longer holds the child's newest version number (collected): the check above has
+    nothing to compare, and the relay grafted the other run's next versions onto the child, exit 0
+    (a new-user trial: a wiped prefix, keep 4). Its next version's base model says so."""
+    async def main() -> None:
+        parent, child = MemoryStore(), MemoryStore()
+        async with Publisher("p/", store=parent, chunk_bytes=256, keyframe_every=4, keep_versions=4) as pub:
+            await _publish(pub, model(9), range(1, 5), {})
+        async with Relay(Prefix("p/", store=parent), [Prefix("c/", store=child)]) as relay:
+            assert (await relay.sync()).ok
+        for key in list(parent.objects):  # the trainer starts again on a wiped prefix
+            await parent.delete(key)
+        async with Publisher("p/", store=parent, chunk_bytes=256, keyframe_every=4, keep_versions=4) as pub:
+            await _publish(pub, model(10), range(1, 9), {})
+        assert await committed(parent, "p/") == [5, 6, 7, 8]
+        async with Relay(Prefix("p/", store=parent), [Prefix("c/", store=child)]) as relay:
+            report = await relay.sync()
+        assert not report.ok and isinstance(report.errors[0], RefitError)
+        assert "version 5 at the parent p/ is a delta from another model" in str(report.errors[0]), report.errors
+        assert await committed(child, "c/") == [1, 2, 3, 4]
+
+    anyio.run(main)
+
+
 def test_child_key_with_leading_zero_is_not_a_version() -> None:
     """A stray `v01/MANIFEST` at a child (a user's copy, another tool) is not version 1 there: the
     relay still copies version 1, and leaves the stranger's key alone."""
@@ -223,9 +271,9 @@ def test_bad_settings_refused() -> None:
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
 def test_metrics_endpoint(host) -> None:
     """On 127.0.0.1 by default; --metrics-host (here ::1, the other loopback) for other listeners."""
-    async def get(port: int, path: str) -> tuple[str, str]:
+    async def get(port: int, path: str, method: str = "GET") -> tuple[str, str]:
         async with await anyio.connect_tcp(host, port) as s:
-            await s.send(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            await s.send(f"{method} {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
             data = b""
             try:
                 while True:
@@ -252,6 +300,9 @@ def test_metrics_endpoint(host) -> None:
                 assert "zephon_relay_up 1" in body
                 assert await get(port, "/healthz") == ("HTTP/1.1 200 OK", "ok\n")
                 assert (await get(port, "/nope"))[0] == "HTTP/1.1 404 Not Found"
+                # HEAD, as some load balancers' health checks send it: the status alone (it was 405)
+                assert await get(port, "/healthz", "HEAD") == ("HTTP/1.1 200 OK", "")
+                assert (await get(port, "/healthz", "POST"))[0] == "HTTP/1.1 405 Method Not Allowed"
                 tg.cancel_scope.cancel()
 
     anyio.run(main)
@@ -390,6 +441,57 @@ def test_an_idle_relay_checks_its_newest_version_at_most_once_a_second() -> None
         assert polls >= 20 and 1 <= newest <= 2, (polls, newest)
 
     anyio.run(main)
+
+
+def test_a_parent_that_fails_or_stalls_its_polls_makes_the_relay_unhealthy_at_once(monkeypatch) -> None:
+    # /healthz said ok for 4 minutes while the parent was down: a poll's error did not count, and a poll
+    # whose requests retried (up to retry_deadline) held the loop until the next sync gave up
+    from zephon_stream.errors import ConnectorError
+    from zephon_stream.relay import node
+
+    class Flaky(WrappedStore):
+        mode = "ok"
+
+        async def head(self, key: str):  # type: ignore[no-untyped-def]
+            if self.mode == "down":
+                raise ConnectorError("connection refused (test)")
+            while self.mode == "stalled":
+                await anyio.sleep(0.01)
+            return await super().head(key)
+
+    monkeypatch.setattr(node, "POLL_STALL_S", 0.3)
+
+    async def main() -> None:
+        parent, child = MemoryStore(), MemoryStore()
+        async with Publisher("p/", store=parent, chunk_bytes=256) as pub:
+            await _publish(pub, model(5), range(1, 3), {})
+        flaky = Flaky(parent)
+        async with Relay(Prefix("p/", store=flaky), [Prefix("c/", store=child)], poll_interval=0.01,
+                         resync_interval=1000.0) as relay, anyio.create_task_group() as tg:
+            stop = anyio.Event()
+            tg.start_soon(relay.run, stop)
+            await until(lambda: _child_has(child, [1, 2]), timeout=10)
+            assert relay.statistics().healthy
+            flaky.mode = "down"
+            await until(lambda: _unhealthy(relay, "connection refused (test)"), timeout=5)
+            flaky.mode = "ok"
+            await until(lambda: _healthy(relay), timeout=5)  # answered again: healthy without a sync
+            flaky.mode = "stalled"
+            await until(lambda: _unhealthy(relay, "has not answered a poll for"), timeout=5)
+            flaky.mode = "ok"
+            await until(lambda: _healthy(relay), timeout=5)
+            stop.set()
+
+    anyio.run(main)
+
+
+async def _unhealthy(relay: Relay, says: str) -> bool:
+    stats = relay.statistics()
+    return not stats.healthy and says in stats.last_error
+
+
+async def _healthy(relay: Relay) -> bool:
+    return relay.statistics().healthy
 
 
 async def _child_has(store: Store, versions: list[int]) -> bool:

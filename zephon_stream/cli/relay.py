@@ -22,9 +22,9 @@ config file names them, literally or by environment variable (keep such a file p
 
 Logs are JSON lines on stderr (`--log-format text` for people). With `--metrics-port`, GET
 http://127.0.0.1:P/metrics serves Prometheus text and /healthz says whether the last sync was
-clean (`--metrics-host 0.0.0.0`, or `metrics_host`, serves them to other hosts too). SIGTERM or
-SIGINT stops the daemon between syncs (a sync still running after `--grace` seconds is cancelled:
-every write it left is invisible or complete).
+clean and the parent answers polls (`--metrics-host 0.0.0.0`, or `metrics_host`, serves them to
+other hosts too). SIGTERM or SIGINT stops the daemon between syncs (a sync still running after
+`--grace` seconds is cancelled: every write it left is invisible or complete).
 """
 
 from __future__ import annotations
@@ -205,6 +205,8 @@ def load_config(args: argparse.Namespace) -> RelayConfig:
         raise ConfigError(f"{args.config or 'command line'}: invalid relay config: {exc}{hint}") from exc
     if cfg.parent is None or not cfg.to:
         raise ConfigError("a relay needs a parent (--from URI) and at least one child (--to URI)")
+    if not cfg.grace >= 0:  # -1 was taken: a SIGTERM then cut a running sync at once
+        raise ConfigError(f"grace={cfg.grace}: give the seconds a running sync may take to finish on SIGTERM, >= 0")
     if args.once and args.metrics_port is not None:  # a config file's port is the daemon's: no error for it
         raise ConfigError("--metrics-port serves a daemon's /metrics and /healthz; --once syncs once and serves "
                           "nothing: leave out one of them")
@@ -323,7 +325,7 @@ def _respond(relay: Relay, line: str) -> bytes:
     parts = line.split()
     path = parts[1].split("?", 1)[0] if len(parts) >= 2 else ""
     stats = relay.statistics()
-    if parts[:1] != ["GET"]:
+    if parts[:1] not in (["GET"], ["HEAD"]):  # HEAD: what some load balancers' health checks send
         status, body, ctype = "405 Method Not Allowed", "use GET\n", "text/plain"
     elif path == "/metrics":
         status, body, ctype = "200 OK", prometheus_text(stats), "text/plain; version=0.0.4"
@@ -335,7 +337,7 @@ def _respond(relay: Relay, line: str) -> bytes:
         status, body, ctype = "404 Not Found", "try /metrics or /healthz\n", "text/plain"
     data = body.encode()
     head = f"HTTP/1.1 {status}\r\nContent-Type: {ctype}; charset=utf-8\r\nContent-Length: {len(data)}\r\n"
-    return (head + "Connection: close\r\n\r\n").encode() + data
+    return (head + "Connection: close\r\n\r\n").encode() + (b"" if parts[:1] == ["HEAD"] else data)
 
 
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}

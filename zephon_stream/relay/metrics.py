@@ -42,7 +42,7 @@ class RelayStatistics(msgspec.Struct, frozen=True):
 
     parent: str
     parent_latest: int
-    healthy: bool  # the last sync met no error
+    healthy: bool  # the last sync met no error, and the parent answers polls (none failed or waits 15 s)
     polls: int
     syncs: int
     versions_relayed: int
@@ -116,7 +116,7 @@ def prometheus_text(s: RelayStatistics) -> str:
         out.extend(f"zephon_relay_{name}{labels} {_number(value)}" for labels, value in samples)
 
     parent = f'{{parent="{_label(s.parent)}"}}'
-    metric("up", "gauge", "1 when the last sync met no error", [("", int(s.healthy))])
+    metric("up", "gauge", "1 when the last sync met no error and the parent answers its polls", [("", int(s.healthy))])
     metric("parent_latest_version", "gauge", "newest version at the parent", [(parent, s.parent_latest)])
     metric("polls_total", "counter", "polls of the parent for a new version", [("", s.polls)])
     metric("syncs_total", "counter", "syncs run", [("", s.syncs)])

@@ -50,7 +50,8 @@ import anyio
 from zephon_stream.engine.cpu import CpuPolicy, default_threads
 from zephon_stream.engine.ordered import resolve_workers
 from zephon_stream.errors import ConfigError, ConnectorError, ObjectNotFound, RefitError, ZephonError, root_error
-from zephon_stream.refit.versions import find_latest, read_manifest_bytes, version_prefix
+from zephon_stream.refit.manifest import decode_manifest
+from zephon_stream.refit.versions import find_latest, manifest_key, read_manifest_bytes, version_prefix
 from zephon_stream.relay.ahead import StreamAhead
 from zephon_stream.relay.child import Child
 from zephon_stream.relay.copy import Copier, Version
@@ -64,6 +65,9 @@ __all__ = ["Relay"]
 log = logging.getLogger(__name__)
 
 _GONE_CHECK_S = 1.0  # how often an idle poll also checks that the newest version seen is still there
+#: A poll of the parent unanswered this long (its requests retrying, up to retry_deadline) makes the relay
+#: unhealthy until one is answered: /healthz said "ok" for minutes while the parent was down.
+POLL_STALL_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,8 @@ class Relay:
         self._stack = AsyncExitStack()
         self._open: _Jobs | None = None
         self._gone_checked = -math.inf  # when an idle poll last checked the newest version seen (see `_news`)
+        self._polling_since: float | None = None  # when the poll under way began (None: none is)
+        self._poll_failed = False  # the last poll failed: unhealthy until one is answered (or a sync succeeds)
 
     def __repr__(self) -> str:
         return f"Relay({self.parent.name!r} -> {[c.name for c in self.child_prefixes]})"
@@ -199,19 +205,28 @@ class Relay:
         (`resync_interval`, a minute), which a relay polling for `latest + 1` alone waited for,
         saying it was healthy and had no lag. So is a parent started again, once its new run has
         collected the version of that number."""
-        parent, ahead = self._jobs.parent, self._jobs.ahead
         self._tally.polls += 1
+        self._polling_since = time.monotonic()
         try:
-            if await (ahead.poll(parent.latest + 1) if self.stream_ahead else parent.exists(parent.latest + 1)):
-                return True
-            now = time.monotonic()
-            if parent.latest == 0 or now < self._gone_checked + _GONE_CHECK_S:
-                return False
-            self._gone_checked = now  # at most once a second: a relay polling every 10 ms makes 1% more requests
-            return not await parent.exists(parent.latest)
+            news = await self._poll()
         except ConnectorError as exc:
+            self._poll_failed = True  # the parent is unreachable: say so now, not at the next resync
             self._tally.error("poll", exc)
             return False
+        finally:
+            self._polling_since = None
+        self._poll_failed = False
+        return news
+
+    async def _poll(self) -> bool:
+        parent, ahead = self._jobs.parent, self._jobs.ahead
+        if await (ahead.poll(parent.latest + 1) if self.stream_ahead else parent.exists(parent.latest + 1)):
+            return True
+        now = time.monotonic()
+        if parent.latest == 0 or now < self._gone_checked + _GONE_CHECK_S:
+            return False
+        self._gone_checked = now  # at most once a second: a relay polling every 10 ms makes 1% more requests
+        return not await parent.exists(parent.latest)
 
     def forget(self) -> None:
         """Drop what the relay believes about the children's newest versions, so the next sync asks."""
@@ -247,6 +262,7 @@ class Relay:
         self._tally.healthy = report.ok
         if report.ok:
             self._tally.last_success = time.time()
+            self._poll_failed = False
         report.parent_latest = jobs.parent.latest
         return report
 
@@ -308,6 +324,19 @@ class Relay:
                               f"({parent.name}): the parent was started again (a trainer restarted on a wiped "
                               "prefix), or another tree feeds the child; to follow the parent's new run, empty "
                               "the child prefix, else give each tree its own prefix"))
+        elif ours is None:  # the parent collected it: its next version says which model it builds on
+            try:
+                after = await parent.manifest(latest + 1)
+                mine = decode_manifest(theirs, manifest_key(c.key, latest))[0].model_digest
+            except BAD_MANIFEST:
+                return  # an unusable one waits in the copy plan, which reports it
+            if after is not None and after[1].base_version == latest and after[1].base_model_digest != mine:
+                c.fail(RefitError(f"version {latest + 1} at the parent {parent.name} is a delta from another model "
+                                  f"(digest {after[1].base_model_digest:016x}) than version {latest} at child "
+                                  f"{c.name} ({mine:016x}), which the parent has collected: the parent was started "
+                                  "again (a trainer restarted on a wiped prefix), or another tree feeds the child; "
+                                  "to follow the parent's new run, empty the child prefix, else give each tree its "
+                                  "own prefix"))
 
     async def _start(self, c: Child, latest: int) -> int | None:
         """The first version the child takes: the next one, or the parent's newest keyframe."""
@@ -330,8 +359,12 @@ class Relay:
         except BAD_MANIFEST:
             return have + 1  # there but bad: `_plan` stops at it and reports it
         key = await parent.newest_keyframe(latest)
-        log.warning("child behind the parent's garbage collection: restarting it at the newest keyframe",
-                    extra={"event": "child_jump", "child": c.name, "child_latest": have, "keyframe": key})
+        if have:  # an empty child starting at the keyframe is every new child's first sync: not a warning
+            log.warning("child behind the parent's garbage collection: restarting it at the newest keyframe",
+                        extra={"event": "child_jump", "child": c.name, "child_latest": have, "keyframe": key})
+        else:
+            log.info("new child: starting it at the parent's newest keyframe",
+                     extra={"event": "child_start", "child": c.name, "keyframe": key})
         c.oldest = None  # sweep the versions left below the gap
         return key
 
@@ -367,8 +400,15 @@ class Relay:
     # -- statistics --------------------------------------------------------------------------
 
     def statistics(self) -> RelayStatistics:
+        """The relay's counters now. `healthy`: the last sync met no error, and the parent answers its
+        polls (the last one did not fail, and none has waited `POLL_STALL_S` for an answer)."""
         t, now, jobs = self._tally, time.monotonic(), self._open
         latest = jobs.parent.latest if jobs is not None else 0
         children = [c.statistics(jobs.parent, now) for c in jobs.children] if jobs is not None else []
-        return RelayStatistics(self.parent.name, latest, t.healthy, t.polls, t.syncs, t.versions, t.objects,
-                               t.bytes, t.ahead, dict(t.errors), t.last_error, t.last_success, children)
+        waited = now - self._polling_since if self._polling_since is not None else 0.0
+        stalled = waited > POLL_STALL_S
+        last_error = (f"the parent {self.parent.name} has not answered a poll for {waited:.0f} s (retrying)"
+                      if stalled else t.last_error)
+        return RelayStatistics(self.parent.name, latest, t.healthy and not self._poll_failed and not stalled,
+                               t.polls, t.syncs, t.versions, t.objects, t.bytes, t.ahead, dict(t.errors), last_error,
+                               t.last_success, children)
