@@ -50,7 +50,8 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     pub.add_argument("--keyframe-every", type=int, default=10, metavar="K",
                      help="publish a full keyframe every K versions, deltas between (default 10)")
     pub.add_argument("--keep-versions", type=int, default=8, metavar="N",
-                     help="versions kept under the prefix; older ones are deleted (default 8)")
+                     help="versions kept under the prefix, and every version since the newest keyframe older "
+                          "than those (a subscriber needs it); older ones are deleted (default 8)")
     pub.add_argument("--chunk-bytes", type=parse_size, default=4 << 20, metavar="SIZE",
                      help="bytes per chunk, the unit of upload and digest (default 4 MiB)")
     pub.add_argument("--overwrite", action="store_true", help="also publish overwrite objects (for retries)")

@@ -103,7 +103,8 @@ _METRICS = [
     ("child_errors_total", "counter", "errors writing to a child", "errors"),
     ("child_latest_version", "gauge", "newest version committed at a child", "latest"),
     ("lag_versions", "gauge", "versions the child is behind its parent", "lag_versions"),
-    ("lag_seconds", "gauge", "age of the oldest version the child still lacks", "lag_seconds"),
+    ("lag_seconds", "gauge", "seconds since this relay process first saw the oldest version the child still lacks "
+     "(a restarted relay counts from its start)", "lag_seconds"),
 ]
 
 
