@@ -130,15 +130,21 @@ PROGRESS_S = 5.0  # a publish or pull that runs longer says how far it is, every
 
 
 @contextlib.asynccontextmanager
-async def _progress(command: str, verb: str, done: Callable[[], int]) -> AsyncIterator[None]:
+async def _progress(command: str, store: Callable[[], Any], written: bool) -> AsyncIterator[None]:
     """A line on stderr every PROGRESS_S seconds while the block runs (none for a short one): the
-    bytes the store has `verb` so far and the time. A multi-GB model is minutes of work."""
+    bytes the store has read (and `written`) so far, its requests tried again, and the time. A
+    multi-GB model is minutes of work. (A publish reads the version it builds on first: counting
+    writes alone, it said "0.0 MB written" for the seconds it read, as a stuck endpoint does.)"""
     start = time.monotonic()
 
     async def report() -> None:
         while True:
             await anyio.sleep(PROGRESS_S)
-            print(f"zephon refit {command}: {done() / 1e6:,.1f} MB {verb} in {time.monotonic() - start:.0f} s",
+            st = store().statistics()
+            moved = f"{st.bytes_read / 1e6:,.1f} MB read" + (f", {st.bytes_written / 1e6:,.1f} MB written"
+                                                             if written else "")
+            again = f" ({st.retries} requests tried again)" if st.retries else ""
+            print(f"zephon refit {command}: {moved}{again} in {time.monotonic() - start:.0f} s",
                   file=sys.stderr, flush=True)
 
     with unwrap_groups():  # the block's own error, not a group of one
@@ -177,7 +183,7 @@ async def _publish(args: argparse.Namespace) -> int:
               "the command exits (file:// or s3:// keep it)", file=sys.stderr)
     async with Publisher(args.prefix, keyframe_every=args.keyframe_every, keep_versions=args.keep_versions,
                          chunk_bytes=args.chunk_bytes, overwrite=args.overwrite, workers=args.workers) as pub:
-        async with _progress("publish", "written", lambda: pub.store.statistics().bytes_written):
+        async with _progress("publish", lambda: pub.store, written=True):
             info = await pub.publish(state)
     kind = "keyframe" if info.keyframe else "delta"
     print(f"version {info.version} digest {info.model_digest:016x} {kind} delta_bytes {info.delta_bytes} "
@@ -204,7 +210,7 @@ async def _pull(args: argparse.Namespace) -> int:
         try:
             async with Subscriber(args.prefix, record=record, weights=state.files or loaded,
                                   workers=args.workers) as sub:
-                async with _progress("pull", "read", lambda: sub.store.statistics().bytes_read):
+                async with _progress("pull", lambda: sub.store, written=False):
                     version = await sub.pull(state, sync=state.flush)
                 if made:  # complete: it takes its name(s), and the record is bound to the file(s) under them
                     del state
