@@ -485,6 +485,47 @@ def test_a_parent_that_fails_or_stalls_its_polls_makes_the_relay_unhealthy_at_on
     anyio.run(main)
 
 
+def test_stop_cuts_a_poll_that_waits_for_the_parent() -> None:
+    # SIGTERM while a poll's requests retried an unreachable parent waited out the whole --grace
+    class Stalled(WrappedStore):
+        stalled = False
+
+        async def head(self, key: str):  # type: ignore[no-untyped-def]
+            while self.stalled:
+                await anyio.sleep(0.01)
+            return await super().head(key)
+
+    async def main() -> None:
+        parent, child = MemoryStore(), MemoryStore()
+        async with Publisher("p/", store=parent, chunk_bytes=256) as pub:
+            await _publish(pub, model(5), range(1, 2), {})
+        store = Stalled(parent)
+        async with Relay(Prefix("p/", store=store), [Prefix("c/", store=child)], poll_interval=0.01,
+                         resync_interval=1000.0) as relay, anyio.create_task_group() as tg:
+            stop, ended = anyio.Event(), anyio.Event()
+
+            async def running() -> None:
+                await relay.run(stop)
+                ended.set()
+
+            tg.start_soon(running)
+            await until(lambda: _child_has(child, [1]), timeout=10)
+            store.stalled = True
+            polls = relay.statistics().polls
+            await until(lambda: _polled_since(relay, polls), timeout=5)  # a poll waits for the parent now
+            await anyio.sleep(0.1)
+            with anyio.fail_after(2):  # run() returns: the poll is cut, not waited for
+                stop.set()
+                await ended.wait()
+            tg.cancel_scope.cancel()
+
+    anyio.run(main)
+
+
+async def _polled_since(relay: Relay, polls: int) -> bool:
+    return relay.statistics().polls > polls
+
+
 async def _unhealthy(relay: Relay, says: str) -> bool:
     stats = relay.statistics()
     return not stats.healthy and says in stats.last_error

@@ -285,6 +285,9 @@ async def _on_signal(stop: anyio.Event, scope: anyio.CancelScope, grace: float) 
             stop.set()
             break
     await anyio.sleep(grace)  # the sync in progress had its chance: what it wrote is safe to cut
+    log.warning("the sync under way did not end within the grace: cancelled (each version it was writing is "
+                "left invisible, never half-visible; the next run copies it)",
+                extra={"event": "sync_cancelled", "grace_s": grace})
     scope.cancel()
 
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
@@ -188,7 +188,7 @@ class Relay:
                     continue
                 with anyio.move_on_after(self.poll_interval):
                     await stop.wait()
-                if not stop.is_set() and await self._news():
+                if not stop.is_set() and await _unless_set(stop, self._news):
                     due = 0.0
             ahead.attach(None)
             group.cancel_scope.cancel()
@@ -412,3 +412,18 @@ class Relay:
         return RelayStatistics(self.parent.name, latest, t.healthy and not self._poll_failed and not stalled,
                                t.polls, t.syncs, t.versions, t.objects, t.bytes, t.ahead, dict(t.errors), last_error,
                                t.last_success, children)
+
+
+async def _unless_set(stop: anyio.Event, call: Callable[[], Awaitable[bool]]) -> bool | None:
+    """`await call()`, cancelled (None) once `stop` is set: a poll reads only, and one retrying an
+    unreachable parent (up to retry_deadline) held a SIGTERM for the whole grace."""
+    result = None
+    async with anyio.create_task_group() as tg:
+        async def watch() -> None:
+            await stop.wait()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        result = await call()
+        tg.cancel_scope.cancel()
+    return result
