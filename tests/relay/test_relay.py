@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, NamedTuple
 
 import anyio
 import pytest
@@ -413,6 +416,35 @@ def test_a_daemon_jumps_at_once_when_the_parent_collected_past_its_next_version(
     anyio.run(main)
 
 
+class _Daemon(NamedTuple):
+    relay: Relay
+    store: WrappedStore  # the parent as the relay sees it
+    stop: anyio.Event
+    ended: anyio.Event  # run() returned
+
+
+@asynccontextmanager
+async def _daemon(wrap: type[WrappedStore], versions: int, **options: Any) -> AsyncIterator[_Daemon]:
+    """A relay daemon (`run`) from a parent of `versions` versions, read through `wrap`, to a child
+    that holds them all when the block starts; stopped at its end."""
+    parent, child = MemoryStore(), MemoryStore()
+    async with Publisher("p/", store=parent, chunk_bytes=256) as pub:
+        await _publish(pub, model(5), range(1, versions + 1), {})
+    store = wrap(parent)
+    async with Relay(Prefix("p/", store=store), [Prefix("c/", store=child)], **options) as relay, \
+            anyio.create_task_group() as tg:
+        daemon = _Daemon(relay, store, anyio.Event(), anyio.Event())
+
+        async def running() -> None:
+            await relay.run(daemon.stop)
+            daemon.ended.set()
+
+        tg.start_soon(running)
+        await until(lambda: _child_has(child, list(range(1, versions + 1))), timeout=10)
+        yield daemon
+        daemon.stop.set()
+
+
 def test_an_idle_relay_checks_its_newest_version_at_most_once_a_second() -> None:
     # the check above made every idle poll two HEADs: 200 a second at 10 ms polls
     class Counting(WrappedStore):
@@ -423,21 +455,12 @@ def test_an_idle_relay_checks_its_newest_version_at_most_once_a_second() -> None
             return await super().head(key)
 
     async def main() -> None:
-        parent, child = MemoryStore(), MemoryStore()
-        async with Publisher("p/", store=parent, chunk_bytes=256) as pub:
-            await _publish(pub, model(5), range(1, 3), {})
-        watched = Counting(parent)
-        async with Relay(Prefix("p/", store=watched), [Prefix("c/", store=child)], workers=2,
-                         poll_interval=0.01) as relay, anyio.create_task_group() as tg:
-            stop = anyio.Event()
-            tg.start_soon(relay.run, stop)
-            await until(lambda: _child_has(child, [1, 2]), timeout=10)
-            watched.heads.clear()
-            polls = relay.statistics().polls
+        async with _daemon(Counting, 2, workers=2, poll_interval=0.01) as daemon:
+            daemon.store.heads.clear()
+            polls = daemon.relay.statistics().polls
             await anyio.sleep(1.5)
-            stop.set()
-        polls = relay.statistics().polls - polls
-        newest = sum(k.startswith("p/v2/") for k in watched.heads)
+        polls = daemon.relay.statistics().polls - polls
+        newest = sum(k.startswith("p/v2/") for k in daemon.store.heads)
         assert polls >= 20 and 1 <= newest <= 2, (polls, newest)
 
     anyio.run(main)
@@ -462,15 +485,8 @@ def test_a_parent_that_fails_or_stalls_its_polls_makes_the_relay_unhealthy_at_on
     monkeypatch.setattr(node, "POLL_STALL_S", 0.3)
 
     async def main() -> None:
-        parent, child = MemoryStore(), MemoryStore()
-        async with Publisher("p/", store=parent, chunk_bytes=256) as pub:
-            await _publish(pub, model(5), range(1, 3), {})
-        flaky = Flaky(parent)
-        async with Relay(Prefix("p/", store=flaky), [Prefix("c/", store=child)], poll_interval=0.01,
-                         resync_interval=1000.0) as relay, anyio.create_task_group() as tg:
-            stop = anyio.Event()
-            tg.start_soon(relay.run, stop)
-            await until(lambda: _child_has(child, [1, 2]), timeout=10)
+        async with _daemon(Flaky, 2, poll_interval=0.01, resync_interval=1000.0) as daemon:
+            relay, flaky = daemon.relay, daemon.store
             assert relay.statistics().healthy
             flaky.mode = "down"
             await until(lambda: _unhealthy(relay, "connection refused (test)"), timeout=5)
@@ -480,7 +496,6 @@ def test_a_parent_that_fails_or_stalls_its_polls_makes_the_relay_unhealthy_at_on
             await until(lambda: _unhealthy(relay, "has not answered a poll for"), timeout=5)
             flaky.mode = "ok"
             await until(lambda: _healthy(relay), timeout=5)
-            stop.set()
 
     anyio.run(main)
 
@@ -496,28 +511,14 @@ def test_stop_cuts_a_poll_that_waits_for_the_parent() -> None:
             return await super().head(key)
 
     async def main() -> None:
-        parent, child = MemoryStore(), MemoryStore()
-        async with Publisher("p/", store=parent, chunk_bytes=256) as pub:
-            await _publish(pub, model(5), range(1, 2), {})
-        store = Stalled(parent)
-        async with Relay(Prefix("p/", store=store), [Prefix("c/", store=child)], poll_interval=0.01,
-                         resync_interval=1000.0) as relay, anyio.create_task_group() as tg:
-            stop, ended = anyio.Event(), anyio.Event()
-
-            async def running() -> None:
-                await relay.run(stop)
-                ended.set()
-
-            tg.start_soon(running)
-            await until(lambda: _child_has(child, [1]), timeout=10)
-            store.stalled = True
-            polls = relay.statistics().polls
-            await until(lambda: _polled_since(relay, polls), timeout=5)  # a poll waits for the parent now
+        async with _daemon(Stalled, 1, poll_interval=0.01, resync_interval=1000.0) as daemon:
+            daemon.store.stalled = True
+            polls = daemon.relay.statistics().polls
+            await until(lambda: _polled_since(daemon.relay, polls), timeout=5)  # a poll waits for the parent now
             await anyio.sleep(0.1)
             with anyio.fail_after(2):  # run() returns: the poll is cut, not waited for
-                stop.set()
-                await ended.wait()
-            tg.cancel_scope.cancel()
+                daemon.stop.set()
+                await daemon.ended.wait()
 
     anyio.run(main)
 
