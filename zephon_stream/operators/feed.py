@@ -34,6 +34,10 @@ waits in `next` for it. A lane's first batch then costs the CPU threads only the
 takes, and the documents other lanes still wait for are not queued behind read-ahead (after a
 restore at step 10 on the bench data read-ahead had been half the tokens tokenized before the
 first batch). Again, what the feed hands out does not change.
+
+A producer that meets a DataError (a bad record in error mode) ends the feed with it, after the
+documents before it (`FeedSender.fail`): `next` raises it once the lane has taken those, so the
+error comes where the lane's order reaches the bad record, not when the read-ahead met it.
 """
 
 from __future__ import annotations
