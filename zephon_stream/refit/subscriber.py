@@ -461,9 +461,12 @@ class Subscriber(StoreOwner):
         if rec.version == 0 or rec.prefix != self._where or not rec.model_digest:
             return None
         why = None
+        tag = await self._tag(rec.version) if rec.version in self._tags else None
+        if rec.version in self._tags and tag is None:  # collected: a copy read before says nothing of it now
+            self._manifests.pop(rec.version, None)
         if rec.version > latest:
             why = f"its newest version is {latest}, behind version {rec.version} that this subscriber pulled"
-        elif rec.version in self._tags and await self._tag(rec.version) not in (None, self._tags[rec.version]):
+        elif tag is not None and tag != self._tags[rec.version]:
             why = f"its version {rec.version} was written again since this subscriber read it"
         else:
             m = await self._maybe_manifest(rec.version)
