@@ -184,23 +184,31 @@ def test_child_fed_by_another_tree_is_refused() -> None:
     anyio.run(main)
 
 
-def test_child_fed_by_another_run_is_refused_after_the_parent_collected_its_version() -> None:
+@pytest.mark.parametrize("relay_kept", ["new", "same", "same, after a resync"])
+def test_child_fed_by_another_run_is_refused_after_the_parent_collected_its_version(relay_kept: str) -> None:
     """The parent no longer holds the child's newest version number (collected): the check above has
     nothing to compare, and the relay grafted the other run's next versions onto the child, exit 0
-    (a new-user trial: a wiped prefix, keep 4). Its next version's base model says so."""
+    (a new-user trial: a wiped prefix, keep 4). Its next version's base model says so: for a new
+    relay (--once), and for a daemon's, which knew its child's version and kept the old run's
+    manifest of that number (a review)."""
     async def main() -> None:
         parent, child = MemoryStore(), MemoryStore()
         async with Publisher("p/", store=parent, chunk_bytes=256, keyframe_every=4, keep_versions=4) as pub:
             await _publish(pub, model(9), range(1, 5), {})
-        async with Relay(Prefix("p/", store=parent), [Prefix("c/", store=child)]) as relay:
-            assert (await relay.sync()).ok
-        for key in list(parent.objects):  # the trainer starts again on a wiped prefix
-            await parent.delete(key)
-        async with Publisher("p/", store=parent, chunk_bytes=256, keyframe_every=4, keep_versions=4) as pub:
-            await _publish(pub, model(10), range(1, 9), {})
-        assert await committed(parent, "p/") == [5, 6, 7, 8]
-        async with Relay(Prefix("p/", store=parent), [Prefix("c/", store=child)]) as relay:
-            report = await relay.sync()
+        async with Relay(Prefix("p/", store=parent), [Prefix("c/", store=child)]) as first:
+            assert (await first.sync()).ok
+            for key in list(parent.objects):  # the trainer starts again on a wiped prefix
+                await parent.delete(key)
+            async with Publisher("p/", store=parent, chunk_bytes=256, keyframe_every=4, keep_versions=4) as pub:
+                await _publish(pub, model(10), range(1, 9), {})
+            assert await committed(parent, "p/") == [5, 6, 7, 8]
+            if relay_kept == "new":
+                async with Relay(Prefix("p/", store=parent), [Prefix("c/", store=child)]) as relay:
+                    report = await relay.sync()
+            else:
+                if relay_kept.endswith("resync"):
+                    first.forget()
+                report = await first.sync()
         assert not report.ok and isinstance(report.errors[0], RefitError)
         assert "version 5 at the parent p/ is a delta from another model" in str(report.errors[0]), report.errors
         assert await committed(child, "c/") == [1, 2, 3, 4]

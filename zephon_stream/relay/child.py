@@ -35,6 +35,7 @@ class Child:
         self._server_copy: ServerSideCopy | None = store if other and store.copies_from(self._source) else None
         self.server_side = store is self._source or self._server_copy is not None
         self.latest: int | None = None  # None: not known yet (find it on the next sync)
+        self.digest: int | None = None  # the model digest of version `latest` there, where known
         self.oldest: int | None = None  # None: sweep by listing before the next collection
         self.failed: ZephonError | None = None  # in this sync: skip the rest
         self.versions = self.objects = self.skipped = self.copies = self.bytes = 0
@@ -54,7 +55,7 @@ class Child:
             self.failed = exc
             self.errors += 1
             self.last_error = str(exc)
-            self.latest = None  # ask it again next time
+            self.latest = self.digest = None  # ask it again next time
             self.tally.error(f"child:{error_kind(exc)}", exc, child=self.name)
 
     async def call(self, call: Awaitable[T]) -> T | None:

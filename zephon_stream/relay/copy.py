@@ -148,7 +148,7 @@ class Copier:
         except ZephonError as exc:
             c.fail(exc)
             return
-        c.latest = ver.version
+        c.latest, c.digest = ver.version, ver.manifest.model_digest
         c.versions += 1
         self.tally.versions += 1
         report.committed[c.name].append(ver.version)

@@ -50,7 +50,7 @@ import anyio
 from zephon_stream.engine.cpu import CpuPolicy, default_threads
 from zephon_stream.engine.ordered import resolve_workers
 from zephon_stream.errors import ConfigError, ConnectorError, ObjectNotFound, RefitError, ZephonError, root_error
-from zephon_stream.refit.manifest import decode_manifest
+from zephon_stream.refit.manifest import Manifest, decode_manifest
 from zephon_stream.refit.versions import find_latest, manifest_key, read_manifest_bytes, version_prefix
 from zephon_stream.relay.ahead import StreamAhead
 from zephon_stream.relay.child import Child
@@ -231,7 +231,7 @@ class Relay:
     def forget(self) -> None:
         """Drop what the relay believes about the children's newest versions, so the next sync asks."""
         for c in self._open.children if self._open is not None else ():
-            c.latest = None
+            c.latest = c.digest = None
 
     # -- one sync ----------------------------------------------------------------------------
 
@@ -318,25 +318,30 @@ class Relay:
         except ZephonError as exc:  # unreachable, or oversized: this child's problem alone
             c.fail(exc)
             return
+        try:
+            c.digest = decode_manifest(theirs, manifest_key(c.key, latest))[0].model_digest  # checked in `_start`
+        except BAD_MANIFEST:
+            c.digest = None
         ours = await parent.manifest(latest)
         if ours is not None and ours[0] != theirs:
             c.fail(RefitError(f"version {latest} at child {c.name} is not the parent's version {latest} "
                               f"({parent.name}): the parent was started again (a trainer restarted on a wiped "
                               "prefix), or another tree feeds the child; to follow the parent's new run, empty "
                               "the child prefix, else give each tree its own prefix"))
-        elif ours is None:  # the parent collected it: its next version says which model it builds on
-            try:
-                after = await parent.manifest(latest + 1)
-                mine = decode_manifest(theirs, manifest_key(c.key, latest))[0].model_digest
-            except BAD_MANIFEST:
-                return  # an unusable one waits in the copy plan, which reports it
-            if after is not None and after[1].base_version == latest and after[1].base_model_digest != mine:
-                c.fail(RefitError(f"version {latest + 1} at the parent {parent.name} is a delta from another model "
-                                  f"(digest {after[1].base_model_digest:016x}) than version {latest} at child "
-                                  f"{c.name} ({mine:016x}), which the parent has collected: the parent was started "
-                                  "again (a trainer restarted on a wiped prefix), or another tree feeds the child; "
-                                  "to follow the parent's new run, empty the child prefix, else give each tree its "
-                                  "own prefix"))
+
+    def _continues(self, c: Child, after: Manifest) -> bool:
+        """Whether the parent's version after the child's newest builds on the child's model (a delta
+        from it, as far as the digests say). Checked at every pass, not only when the child is looked
+        up: a daemon knows its child's version, and the parent may have started again since, and
+        collected the version of that number (then nothing else tells)."""
+        if c.digest is None or after.base_version != c.latest or after.base_model_digest == c.digest:
+            return True
+        c.fail(RefitError(f"version {after.version} at the parent {self._jobs.parent.name} is a delta from "
+                          f"another model (digest {after.base_model_digest:016x}) than version {c.latest} at child "
+                          f"{c.name} ({c.digest:016x}): the parent was started again (a trainer restarted on a "
+                          "wiped prefix), or another tree feeds the child; to follow the parent's new run, empty "
+                          "the child prefix, else give each tree its own prefix"))
+        return False
 
     async def _start(self, c: Child, latest: int) -> int | None:
         """The first version the child takes: the next one, or the parent's newest keyframe."""
@@ -354,8 +359,9 @@ class Relay:
             c.oldest = None
             return key
         try:
-            if await parent.manifest(have + 1) is not None:
-                return have + 1  # the parent's versions are contiguous: the chain have+1..latest is intact
+            if (after := await parent.manifest(have + 1)) is not None:
+                # the parent's versions are contiguous: the chain have+1..latest is intact, if it goes on from here
+                return have + 1 if not have or self._continues(c, after[1]) else None
         except BAD_MANIFEST:
             return have + 1  # there but bad: `_plan` stops at it and reports it
         key = await parent.newest_keyframe(latest)
