@@ -270,6 +270,34 @@ def test_a_parquet_string_that_is_not_utf8_is_named_by_its_row(config, tmp_path)
     assert first_errors(cfg, resume_at=made // 2) == [(made, message)]
 
 
+def test_a_bad_parquet_row_before_a_string_that_is_not_utf8_comes_first(config, tmp_path):
+    """The page's error came before the rows' own checks: a null row 40 before a bad string at row 70
+    was dropped unsaid (error mode: row 70 named, rows 41-69 handed out; skip mode: row 40 uncounted)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def write(root, utf8_bad):
+        raw = [t.encode() for t in make_docs(random.Random(3), 120, 30)]
+        raw[40] = None
+        if utf8_bad:
+            raw[70] = b"bad \xff text"
+        root.mkdir()
+        pq.write_table(pa.table({"text": pa.array(raw, pa.binary()).view(pa.string())}), root / "a.parquet",
+                       row_group_size=120, compression="none")
+        return _one_split_config(config, root.with_name(root.name + "-unused"), {}).replace(
+            sources=[SourceConfig(name="one", uri=f"file://{root}/")])
+
+    (made, message), = first_errors(write(tmp_path / "null", False))
+    assert "row 40 of row group 0: the value is null" in message
+    (made_too, message_too), = first_errors(write(tmp_path / "both", True))
+    assert made_too == made and message_too.replace("/both/", "/null/") == message
+    loader = Loader(write(tmp_path / "skip", True).replace(on_bad_record="skip"))
+    with pytest.raises(DataError, match="row 70 of row group 0 holds a string that is not UTF-8"):
+        for _ in loader:
+            pass
+    assert loader.statistics().skipped_records == 1  # row 40, counted before the page's error
+
+
 def test_images_two_bad_in_one_decode_call_name_the_first(image_config, tmp_path):
     """A bad image's decode call handed out the documents after it too: the second bad image was named."""
     rng = random.Random(9)

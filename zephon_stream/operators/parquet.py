@@ -169,6 +169,8 @@ class ParquetParser:
             return self._parse(reader, block_pos, block)
         except UnicodeDecodeError as exc:  # pyarrow reads string pages without checking them: a corrupt page
             row = _first_bad_row(block)  # named, and the rows before it still go out (in error mode)
+            if row:  # the rows before it under the reader's policy: an earlier bad row raises (or counts) first
+                self._parse(reader, block_pos, block.slice(0, row))
             raise DataError(f"corrupt Parquet file {reader.key!r}: {reader.where(block_pos + row)} holds a string "
                             f"that is not UTF-8 ({exc.reason})", key=reader.key, offset=block_pos + row) from exc
 
