@@ -283,15 +283,7 @@ def test_bad_settings_refused() -> None:
 def test_metrics_endpoint(host) -> None:
     """On 127.0.0.1 by default; --metrics-host (here ::1, the other loopback) for other listeners."""
     async def get(port: int, path: str, method: str = "GET") -> tuple[str, str]:
-        async with await anyio.connect_tcp(host, port) as s:
-            await s.send(f"{method} {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-            data = b""
-            try:
-                while True:
-                    data += await s.receive()
-            except (anyio.EndOfStream, anyio.BrokenResourceError):
-                pass
-        head, _, body = data.decode().partition("\r\n\r\n")
+        head, body = await _request(host, port, path, method)
         return head.split("\r\n")[0], body
 
     async def main() -> None:
@@ -314,6 +306,7 @@ def test_metrics_endpoint(host) -> None:
                 # HEAD, as some load balancers' health checks send it: the status alone (it was 405)
                 assert await get(port, "/healthz", "HEAD") == ("HTTP/1.1 200 OK", "")
                 assert (await get(port, "/healthz", "POST"))[0] == "HTTP/1.1 405 Method Not Allowed"
+                assert "Allow: GET, HEAD" in (await _request(host, port, "/healthz", "POST"))[0], "a 405 says so"
                 tg.cancel_scope.cancel()
 
     anyio.run(main)
@@ -529,6 +522,20 @@ def test_stop_cuts_a_poll_that_waits_for_the_parent() -> None:
                 await daemon.ended.wait()
 
     anyio.run(main)
+
+
+async def _request(host: str, port: int, path: str, method: str = "GET") -> tuple[str, str]:
+    """(status line and headers, body) of `method path` to the metrics server."""
+    async with await anyio.connect_tcp(host, port) as s:
+        await s.send(f"{method} {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        data = b""
+        try:
+            while True:
+                data += await s.receive()
+        except (anyio.EndOfStream, anyio.BrokenResourceError):
+            pass
+    head, _, body = data.decode().partition("\r\n\r\n")
+    return head, body
 
 
 async def _polled_since(relay: Relay, polls: int) -> bool:

@@ -340,6 +340,8 @@ def _respond(relay: Relay, line: str) -> bytes:
         status, body, ctype = "404 Not Found", "try /metrics or /healthz\n", "text/plain"
     data = body.encode()
     head = f"HTTP/1.1 {status}\r\nContent-Type: {ctype}; charset=utf-8\r\nContent-Length: {len(data)}\r\n"
+    if status.startswith("405"):
+        head += "Allow: GET, HEAD\r\n"
     return (head + "Connection: close\r\n\r\n").encode() + (b"" if parts[:1] == ["HEAD"] else data)
 
 
