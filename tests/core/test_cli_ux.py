@@ -157,8 +157,11 @@ def test_a_save_that_fails_keeps_the_state_it_resumed_from(capsys, cfg, tmp_path
     assert _digests(capsys, ["stream", str(cfg), "--steps", "4", "--resume", str(saved)]) == whole[2 * 24:]
 
 
-def test_ctrl_c_says_where_it_stopped_and_saves_the_state_there(cfg, tmp_path, capsys) -> None:
-    """The state saved on Ctrl-C is that of the last batch handed out: a resumed run goes on from it."""
+@pytest.mark.parametrize(("sent", "code", "said"), [(signal.SIGINT, 130, "interrupted"),
+                                                    (signal.SIGTERM, 143, "terminated \\(SIGTERM\\)")])
+def test_ctrl_c_says_where_it_stopped_and_saves_the_state_there(cfg, tmp_path, capsys, sent, code, said) -> None:
+    """The state saved on Ctrl-C is that of the last batch handed out: a resumed run goes on from it.
+    So on SIGTERM, a scheduler's preemption (SLURM, Kubernetes): the process ended at once, no state."""
     saved = tmp_path / "ctrl-c.state"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     run = subprocess.Popen([sys.executable, "-m", "zephon_stream.cli", "stream", str(cfg), "--save-state", str(saved),
@@ -166,10 +169,10 @@ def test_ctrl_c_says_where_it_stopped_and_saves_the_state_there(cfg, tmp_path, c
                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # not ignored under &
     for _ in range(24 * 3):  # three batches out
         assert run.stdout.readline()
-    run.send_signal(signal.SIGINT)
+    run.send_signal(sent)
     _, err = run.communicate(timeout=120)
-    assert run.returncode == 130, err
-    m = re.search(r"zephon stream: interrupted at global step (\d+); its state is in '.*ctrl-c.state' "
+    assert run.returncode == code, err
+    m = re.search(rf"zephon stream: {said} at global step (\d+); its state is in '.*ctrl-c.state' "
                   r"\(--resume it to go on\)\n$", err)
     assert m, err
     step = int(m.group(1))

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        return 130
+        return 143 if _TERMINATED else 130  # 128 + the signal, as a shell reports it
     except BrokenPipeError:  # `zephon ... | head`: the reader left; that is not an error
         import os
 
@@ -243,15 +243,43 @@ def _save_state(loader: Any, path: Path, step: int | None = None) -> None:
 
 
 def _stream(args: argparse.Namespace) -> int:
-    if not args.digests:
-        return _stream_to(args, sys.stdout)
-    # stdout is the digests': anything else this process prints goes to stderr (a library's print,
-    # such as Ray's notice of a worker that died, made the lines no longer JSON lines)
-    data, sys.stdout = sys.stdout, sys.stderr
+    with _sigterm_as_ctrl_c():
+        if not args.digests:
+            return _stream_to(args, sys.stdout)
+        # stdout is the digests': anything else this process prints goes to stderr (a library's print,
+        # such as Ray's notice of a worker that died, made the lines no longer JSON lines)
+        data, sys.stdout = sys.stdout, sys.stderr
+        try:
+            return _stream_to(args, data)
+        finally:
+            sys.stdout = data
+
+
+_TERMINATED: list[int] = []  # SIGTERM came (`_sigterm_as_ctrl_c`): `main` exits 143, not 130
+
+
+@contextmanager
+def _sigterm_as_ctrl_c() -> Iterator[None]:
+    """While the block runs, SIGTERM (a scheduler's preemption: SLURM, Kubernetes) stops the stream as
+    Ctrl-C does: the state is saved where the output stopped (`--save-state`). It was the default
+    action: the process ended at once, and the state file was never written. It is raised as SIGINT,
+    so a write that `ctrl_c_after` holds together stays whole."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        _TERMINATED.append(signum)
+        signal.raise_signal(signal.SIGINT)
+
+    previous = signal.signal(signal.SIGTERM, handler)
     try:
-        return _stream_to(args, data)
+        yield
     finally:
-        sys.stdout = data
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _stream_to(args: argparse.Namespace, out: Any) -> int:
@@ -291,7 +319,7 @@ def _stream_to(args: argparse.Namespace, out: Any) -> int:
     except KeyboardInterrupt:  # it may land after a batch was taken and before its lines were written
         if progress:
             progress.close()
-        where = f"zephon stream: interrupted at global step {done}"
+        where = f"zephon stream: {'terminated (SIGTERM)' if _TERMINATED else 'interrupted'} at global step {done}"
         if at_the_end:  # the batches whose output is out, and no more
             _save_state(loader, args.save_state, done)
             where += f"; its state is in {str(args.save_state)!r} (--resume it to go on)"
