@@ -666,9 +666,14 @@ def test_cli_errors_name_its_flags_not_the_config_keys(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "'a.png' takes 208 bytes, more than --max-record-bytes 100 (pass --on-bad-record skip" in err, err
     assert main(["shard", str(tmp_path / "img"), str(tmp_path / "o4"), "--image-field", "png",
-                 "--max-record-bytes", "100", "--on-bad-record", "skip"]) == 0
-    out = capsys.readouterr().out
+                 "--max-record-bytes", "100", "--on-bad-record", "skip"]) == 2  # nothing written: not a success
+    out, err = capsys.readouterr()
     assert "0 documents from 1 input (208 bytes) into 0 shards (0 bytes), 1 bad record skipped" in out, out
+    assert "error: no document to write from" in err and "every record was bad and skipped" in err, err
+    (tmp_path / "none").mkdir()  # a file of no rows: exit 0 and no folder, which a source then said did not exist
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "none" / "a.parquet")
+    assert main(["shard", str(tmp_path / "none"), str(tmp_path / "o7")]) == 2
+    assert "they hold no record (empty, or no rows)" in capsys.readouterr().err
     (tmp_path / "in" / "b.jsonl.gz").write_bytes(b"")
     (tmp_path / "in" / "a.jsonl").write_bytes(b'{"text": "ok"}\n')
     assert main(["shard", str(tmp_path / "in"), str(tmp_path / "o5")]) == 2

@@ -96,6 +96,11 @@ def _run(args: argparse.Namespace) -> int:
     skipped = f", {_count(report.skipped, 'bad record')} skipped" if report.skipped else ""
     print(f"{_count(report.documents, 'document')} from {_count(report.inputs, 'input')} ({report.bytes_in} bytes) "
           f"into {_count(len(report.shards), 'shard')} ({report.bytes_out} bytes){skipped}")
+    if not report.documents:  # exit 0 and no folder made: a source over it failed later, as "does not exist"
+        why = "every record was bad and skipped" if report.skipped else "they hold no record (empty, or no rows)"
+        print(f"zephon shard: error: no document to write from {args.src}: {why}; {args.dst} was not written",
+              file=sys.stderr)
+        return 2
     return 0
 
 
