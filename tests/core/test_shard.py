@@ -674,6 +674,10 @@ def test_cli_errors_name_its_flags_not_the_config_keys(tmp_path, capsys):
     pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "none" / "a.parquet")
     assert main(["shard", str(tmp_path / "none"), str(tmp_path / "o7")]) == 2
     assert "they hold no record (empty, or no rows)" in capsys.readouterr().err
+    pq.write_table(pa.table({"text": []}), tmp_path / "none" / "a.parquet")  # from an empty list: a null column
+    assert main(["shard", str(tmp_path / "none"), str(tmp_path / "o8")]) == 2
+    err = capsys.readouterr().err  # it said "is null, not a string: name a text column", of the column named
+    assert "column 'text' of Parquet file 'a.parquet' is of type null: it holds no value" in err, err
     (tmp_path / "in" / "b.jsonl.gz").write_bytes(b"")
     (tmp_path / "in" / "a.jsonl").write_bytes(b'{"text": "ok"}\n')
     assert main(["shard", str(tmp_path / "in"), str(tmp_path / "o5")]) == 2

@@ -197,6 +197,10 @@ def _check_type(file: str, key: str, name: str, dtype: Any, kind: str) -> None:
                 "documents": "a list of documents, or a JSON string of one"}.get(
             kind, "binary, or a struct<bytes: binary, path: string> (HF Image)")
         shown = str(shown) if str(shown).isprintable() else repr(str(shown))
+        if str(dtype) == "null":  # no value in the whole file: what pyarrow writes for a column made of []
+            raise DataError(f"column {name!r} of {file} is of type null: it holds no value in the whole file (a "
+                            f"table made from an empty list has no rows), so it can be no {kind} column; leave the "
+                            "file out, or write it with a typed column", key=key, offset=0)
         raise DataError(f"column {name!r} of {file} is {shown}, not {want}: name a {kind} column ({_SETTING[kind]})",
                         key=key, offset=0)
 
