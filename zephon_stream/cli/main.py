@@ -21,13 +21,14 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(build_parser(), _glued(sys.argv[1:] if argv is None else argv))
+    prog = f"zephon {args.command}"  # as a usage error, `zephon shard` and `zephon refit` say
     try:
         return args.func(args)
     except ZephonError as exc:
-        print(f"zephon: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     except MemoryError:
-        print("zephon: error: out of memory: the config asks for more than this machine has; lower seq_len, "
+        print(f"{prog}: error: out of memory: the config asks for more than this machine has; lower seq_len, "
               "global_batch_size, lanes, or the buffer settings (sample_buffer, sample_batch, doc_buffer)",
               file=sys.stderr)
         return 2
