@@ -439,7 +439,7 @@ class TextLane:
                     async for pos, block in reader.blocks(offset):
                         try:
                             pending += await shared.run_cpu(shared.decode, source, position, reader, pos, block)
-                        except DataError as exc:  # error mode: the block's records before the bad one still go
+                        except DataError as exc:  # the block's records before the bad one still go out
                             pending += await shared.run_cpu(shared.decode_before, source, position, reader, pos,
                                                             block, exc)
                             raise
