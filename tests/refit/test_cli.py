@@ -162,6 +162,24 @@ def test_a_file_that_is_not_safetensors_and_a_changed_layout_say_what_to_do(tmp_
     assert_same(grown, dict(safetensors.load(rollout)))
 
 
+def test_an_interrupted_pull_or_publish_says_so(tmp_path, capsys, monkeypatch) -> None:
+    """Ctrl-C exited 130 with nothing said (a trial), where `zephon stream` says where it stopped.
+    (asyncio's runner turns SIGINT into KeyboardInterrupt out of `anyio.run`: simulated there.)"""
+    import zephon_stream.cli.refit as cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    prefix = f"file://{tmp_path}/store/"
+    safetensors.save(tmp_path / "t.safetensors", model(6))
+    monkeypatch.setattr(cli.anyio, "run", interrupted)
+    for command, says in [("pull", "weights pulled in place may be part-way to the version"),
+                          ("publish", "a version is visible once whole or not at all")]:
+        with pytest.raises(KeyboardInterrupt):  # `zephon`'s main turns it into exit status 130
+            zephon("refit", command, "--prefix", prefix, "--weights", str(tmp_path / "t.safetensors"))
+        assert f"zephon refit {command}: interrupted; {says}" in capsys.readouterr().err
+
+
 def test_a_long_publish_or_pull_says_how_far_it_is(tmp_path, capsys, monkeypatch) -> None:
     """A 200 MB model took 5-6 s of silence each way; a multi-GB one, minutes."""
     import zephon_stream.cli.refit as cli

@@ -122,6 +122,13 @@ def _guard(fn: Any) -> Any:
             for note in getattr(exc, "__notes__", []):
                 print(f"  {note}", file=sys.stderr)
             return 2 if isinstance(exc, ConfigError) else 1
+        except KeyboardInterrupt:  # as `zephon stream` says where it stopped: exit 130 alone said nothing
+            what = {"pull": "weights pulled in place may be part-way to the version: their record says so, and "
+                            "the next pull finishes them (a new --weights file is not made)",
+                    "publish": "a version is visible once whole or not at all: `zephon refit status` lists them"
+                    }.get(args.refit_command, "nothing was changed")
+            print(f"zephon refit {args.refit_command}: interrupted; {what}", file=sys.stderr)
+            raise
 
     return run
 
