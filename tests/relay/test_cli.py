@@ -192,6 +192,7 @@ def test_a_daemon_started_misconfigured_exits(tmp_path: Path) -> None:
     assert got.returncode == 2, got.stderr
     assert "AWS profile 'region-b'" in got.stderr and "kind=config" in got.stderr
     assert "event=fatal" in got.stderr
+    assert got.stderr.count("AWS profile 'region-b'") == 1, got.stderr  # logged once, then "exiting on the error above"
     once = subprocess.run([*got.args, "--once"], capture_output=True, text=True, timeout=60, env=env)
     assert once.returncode == 2, once.stderr  # a mistake, as in every command: not 1, a failed copy
     assert "zephon relay: error: AWS profile 'region-b'" in once.stderr

@@ -240,7 +240,10 @@ def main(args: argparse.Namespace) -> int:
         with unwrap_groups():  # a failure in the daemon's task group is one error, not a group
             return anyio.run(_once if args.once else _daemon, relay, cfg)
     except ZephonError as exc:
-        log.error("%s", exc, extra={"event": "fatal"})
+        if str(exc) == relay.statistics().last_error:  # the first sync's error, logged as it came (a trial
+            log.error("exiting on the error above", extra={"event": "fatal"})  # saw the line twice)
+        else:
+            log.error("%s", exc, extra={"event": "fatal"})
         return 2
 
 
