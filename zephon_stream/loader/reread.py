@@ -264,4 +264,3 @@ class Documents:
         except IncompatibleState as exc:  # a reference in mid-record
             raise self._refused(f"of a document of source {source}: {exc}") from None
         return found
-

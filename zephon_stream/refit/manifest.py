@@ -78,6 +78,11 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     def sharding(self, rank: int) -> Sharding:
         return Sharding(rank=rank, world_size=self.world_size, dims=dict(self.split_dims))
 
+    def follows_another(self, version: int, model_digest: int) -> bool:
+        """Whether this is a delta from `version` of another model than `model_digest`: the prefix
+        holding it was started again (or another tree writes it) since that version was read."""
+        return self.base_version == version and self.base_model_digest != model_digest
+
 
 class Part(msgspec.Struct, frozen=True):
     """One publisher rank's share of a version, written before the MANIFEST."""

@@ -475,8 +475,7 @@ class Subscriber(StoreOwner):
                        f"subscriber pulled as {rec.version} ({rec.model_digest:016x})")
             elif m is None and rec.version < latest:  # collected: the version after it says what it was
                 after = await self._maybe_manifest(rec.version + 1)
-                if (after is not None and after.base_version == rec.version
-                        and after.base_model_digest != rec.model_digest):
+                if after is not None and after.follows_another(rec.version, rec.model_digest):
                     why = (f"its version {rec.version + 1} is a delta from another model (digest "
                            f"{after.base_model_digest:016x}) than the one this subscriber pulled as {rec.version} "
                            f"({rec.model_digest:016x}), and its version {rec.version} is collected")

@@ -334,7 +334,7 @@ class Relay:
         from it, as far as the digests say). Checked at every pass, not only when the child is looked
         up: a daemon knows its child's version, and the parent may have started again since, and
         collected the version of that number (then nothing else tells)."""
-        if c.digest is None or after.base_version != c.latest or after.base_model_digest == c.digest:
+        if c.digest is None or c.latest is None or not after.follows_another(c.latest, c.digest):
             return True
         c.fail(RefitError(f"version {after.version} at the parent {self._jobs.parent.name} is a delta from "
                           f"another model (digest {after.base_model_digest:016x}) than version {c.latest} at child "
