@@ -20,11 +20,11 @@ ROOT = Path(zephon_stream.__file__).parent
 REPO = ROOT.parent
 
 TOP_LEVEL = {
-    "AccessDenied", "AlreadyExists", "BaseVersionMismatch", "BatchStream", "CheckpointError", "Config",
-    "ConfigError", "ConnectorError", "DataError", "DigestMismatch", "IncompatibleState", "LaneState", "Loader",
-    "LoaderState", "LoaderStatistics", "ObjectNotFound", "Publisher", "RefitError", "ScheduleEntry", "Sharding",
-    "SourceConfig", "StateHeader", "Subscriber", "Throttled", "VersionConflict", "VisionConfig", "ZephonError",
-    "state_from_bytes", "state_to_bytes", "Map", "Filter", "TransformStep",
+    "AccessDenied", "AlreadyExists", "BaseVersionMismatch", "BatchStream", "BucketNotFound", "CheckpointError",
+    "Config", "ConfigError", "ConnectorError", "DataError", "DigestMismatch", "IncompatibleState", "LaneState",
+    "Loader", "LoaderState", "LoaderStatistics", "ObjectNotFound", "Publisher", "RefitError", "ScheduleEntry",
+    "Sharding", "SourceConfig", "StateHeader", "Subscriber", "Throttled", "VersionConflict", "VisionConfig",
+    "ZephonError", "state_from_bytes", "state_to_bytes", "Map", "Filter", "TransformStep",
 }
 
 

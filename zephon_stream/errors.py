@@ -4,7 +4,8 @@
 ZephonError
 ├── ConfigError                 a setting is invalid or cannot keep a guarantee
 ├── ConnectorError              an object store refused or failed a request
-│   ├── ObjectNotFound          NoSuchKey / NoSuchBucket / missing file
+│   ├── ObjectNotFound          NoSuchKey / missing file
+│   │   └── BucketNotFound      NoSuchBucket: the bucket name, endpoint or region is wrong
 │   ├── AccessDenied            AccessDenied / InvalidAccessKeyId / key escapes the root
 │   ├── AlreadyExists           a conditional put lost: the object is there
 │   └── Throttled               SlowDown / 503 after every retry
@@ -32,7 +33,7 @@ import anyio
 import msgspec
 
 __all__ = [
-    "AccessDenied", "AlreadyExists", "BaseVersionMismatch", "CheckpointError", "ConfigError",
+    "AccessDenied", "AlreadyExists", "BaseVersionMismatch", "BucketNotFound", "CheckpointError", "ConfigError",
     "ConnectorError", "DataError", "DigestMismatch", "IncompatibleState", "ObjectNotFound", "RefitError",
     "Throttled", "ZephonError", "closest_key", "in_source", "root_error", "unwrap_groups",
 ]
@@ -52,6 +53,11 @@ class ConnectorError(ZephonError):
 
 class ObjectNotFound(ConnectorError):
     """The object (or bucket) does not exist."""
+
+
+class BucketNotFound(ObjectNotFound):
+    """The bucket does not exist: a setting (bucket name, endpoint, region) is wrong, and retrying
+    cannot mend it; a missing object or prefix may still appear (a publisher's first version)."""
 
 
 class AccessDenied(ConnectorError):

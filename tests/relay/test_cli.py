@@ -173,6 +173,35 @@ def test_rejected_credentials_never_printed(regions, tmp_path, capsys) -> None:
     assert secret not in out + err
 
 
+@pytest.mark.s3
+@pytest.mark.parametrize("missing", ["child", "parent"])
+def test_a_daemon_whose_bucket_does_not_exist_exits(regions, tmp_path: Path, missing: str) -> None:
+    """A bucket that does not exist is a wrong name, endpoint or region: the daemon's first sync
+    raises it and the process exits 2 (it retried with backoff for ever), and `--once` exits 2 as
+    for any mistake. A prefix that does not exist yet is no mistake: see the local parent's warning."""
+    import os
+    import subprocess
+    import sys
+
+    region = regions("r", proxy=False)
+    endpoint, gone = region.options["endpoint_url"], "s3://zr-no-such-bucket/p/"
+    (tmp_path / "root").mkdir()
+    src, dst = (f"file://{tmp_path}/root/", gone) if missing == "child" else (gone, region.uri("p/"))
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": region.options["access_key_id"],
+           "AWS_SECRET_ACCESS_KEY": region.options["secret_access_key"]}
+    cmd = [sys.executable, "-m", "zephon_stream.cli", "relay", "--from", src, "--to", dst, "--to-endpoint", endpoint,
+           "--poll-interval", "0.1", "--log-format", "text"]
+    if missing == "parent":  # else the parent is a local folder
+        cmd += ["--from-endpoint", endpoint]
+    got = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert got.returncode == 2, got.stderr
+    assert got.stderr.count("bucket 'zr-no-such-bucket' does not exist") == 1, got.stderr
+    assert "exiting on the error above" in got.stderr and "event=fatal" in got.stderr
+    once = subprocess.run([*cmd, "--once"], capture_output=True, text=True, timeout=60, env=env)
+    assert once.returncode == 2, once.stderr
+    assert "zephon relay: error: " in once.stderr and "bucket 'zr-no-such-bucket' does not exist" in once.stderr
+
+
 def test_a_daemon_started_misconfigured_exits(tmp_path: Path) -> None:
     """A child's profile that no AWS file holds cannot mend by retrying: the daemon's first sync
     raises it and the process exits 2, instead of running unhealthy and logging it forever."""

@@ -46,6 +46,7 @@ import msgspec
 from zephon_stream.connectors import folder_uri, missing_locally
 from zephon_stream.errors import ConfigError, ZephonError, closest_key, unwrap_groups
 from zephon_stream.relay import Prefix, Relay, prometheus_text
+from zephon_stream.relay.node import is_mistake
 
 __all__ = ["PrefixConfig", "RelayConfig", "add_subparser", "serve_metrics"]
 
@@ -262,8 +263,8 @@ async def _once(relay: Relay, cfg: RelayConfig) -> int:
         print(f"{name}: relayed {len(versions)} version(s) {versions}; parent at {report.parent_latest}")
     for exc in report.errors:
         print(f"zephon relay: error: {exc}", file=sys.stderr)
-    if any(isinstance(exc, ConfigError) for exc in report.errors):
-        return 2  # a mistake in the command or its config, as every command says one
+    if any(is_mistake(exc) for exc in report.errors):
+        return 2  # a mistake in the command or its config (a missing bucket too), as every command says one
     return 0 if report.ok else 1
 
 

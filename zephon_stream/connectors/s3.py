@@ -84,6 +84,7 @@ from zephon_stream.engine.window import ReadWindow
 from zephon_stream.errors import (
     AccessDenied,
     AlreadyExists,
+    BucketNotFound,
     ConfigError,
     ConnectorError,
     ObjectNotFound,
@@ -298,7 +299,7 @@ def translate_error(
     attempts = exc.response.get("ResponseMetadata", {}).get("RetryAttempts", 0) + 1
     detail = f"(HTTP {status})" if code == str(status) else f"({code}, HTTP {status})"
     if code == "NoSuchBucket":
-        return ObjectNotFound(f"{operation} {where}: bucket {bucket!r} does not exist{at} {detail}; "
+        return BucketNotFound(f"{operation} {where}: bucket {bucket!r} does not exist{at} {detail}; "
                               "check the bucket name, endpoint_url and region")
     if code in _NOT_FOUND:
         return ObjectNotFound(f"{operation} {where}: no such object{at} {detail}; check the key, the prefix "

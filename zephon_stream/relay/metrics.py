@@ -12,7 +12,15 @@ from typing import Any
 
 import msgspec
 
-from zephon_stream.errors import ConfigError, ConnectorError, DataError, DigestMismatch, ObjectNotFound, ZephonError
+from zephon_stream.errors import (
+    BucketNotFound,
+    ConfigError,
+    ConnectorError,
+    DataError,
+    DigestMismatch,
+    ObjectNotFound,
+    ZephonError,
+)
 
 __all__ = ["ChildStatistics", "RelayStatistics", "SyncReport", "Tally", "error_kind", "prometheus_text"]
 
@@ -88,7 +96,8 @@ class Tally:
 
 
 def error_kind(exc: BaseException) -> str:
-    return {DigestMismatch: "digest", DataError: "data", ObjectNotFound: "not_found", ConfigError: "config"}.get(
+    return {DigestMismatch: "digest", DataError: "data", ObjectNotFound: "not_found", BucketNotFound: "not_found",
+            ConfigError: "config"}.get(
         type(exc), "connector" if isinstance(exc, ConnectorError) else "refit")
 
 

@@ -49,7 +49,15 @@ import anyio
 
 from zephon_stream.engine.cpu import CpuPolicy, default_threads
 from zephon_stream.engine.ordered import resolve_workers
-from zephon_stream.errors import ConfigError, ConnectorError, ObjectNotFound, RefitError, ZephonError, root_error
+from zephon_stream.errors import (
+    BucketNotFound,
+    ConfigError,
+    ConnectorError,
+    ObjectNotFound,
+    RefitError,
+    ZephonError,
+    root_error,
+)
 from zephon_stream.refit.manifest import Manifest, decode_manifest
 from zephon_stream.refit.versions import find_latest, manifest_key, read_manifest_bytes, version_prefix
 from zephon_stream.relay.ahead import StreamAhead
@@ -60,7 +68,7 @@ from zephon_stream.relay.parent import BAD_MANIFEST, Parent
 from zephon_stream.relay.prefix import Prefix, check_disjoint, open_stores
 from zephon_stream.relay.retention import Retention
 
-__all__ = ["Relay"]
+__all__ = ["Relay", "is_mistake"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +88,13 @@ class _Jobs:
     copier: Copier
     retention: Retention
 
+
+
+def is_mistake(exc: BaseException) -> bool:
+    """Whether a relay error is a mistake in its settings that retrying cannot mend: a ConfigError
+    (a profile that no AWS file holds, an option a store refuses) or a bucket that does not exist
+    (its name, endpoint or region is wrong; a missing prefix is not one: a publisher makes it)."""
+    return isinstance(exc, (ConfigError, BucketNotFound))
 
 class Relay:
     """Copy the versions of `parent` into every child, in order. An async context manager.
@@ -164,9 +179,10 @@ class Relay:
         after an error (with exponential backoff) and every `resync_interval`. Returns once
         `stop` is set (between syncs; cancel the caller's scope to stop mid-sync).
 
-        Errors are counted and retried, except a ConfigError in the first sync (a profile that no
-        AWS file holds, an option a store refuses...): it is raised, since retrying cannot mend it
-        and a relay that starts misconfigured should fail its deployment, not run unhealthy."""
+        Errors are counted and retried, except a mistake in the first sync (`is_mistake`: a profile
+        that no AWS file holds, an option a store refuses, a bucket that does not exist): it is
+        raised, since retrying cannot mend it and a relay that starts misconfigured should fail its
+        deployment, not run unhealthy."""
         stop = stop or anyio.Event()
         ahead = self._jobs.ahead
         backoff, due, full_at, first = self.poll_interval, 0.0, 0.0, True
@@ -180,7 +196,7 @@ class Relay:
                         full_at = now + self.resync_interval
                     await ahead.settle()  # let them land first: no object is read twice
                     report = await self.sync()
-                    if first and (fatal := [e for e in report.errors if isinstance(e, ConfigError)]):
+                    if first and (fatal := [e for e in report.errors if is_mistake(e)]):
                         raise fatal[0]
                     first = False
                     backoff = self.poll_interval if report.ok else min(2 * backoff, self.max_backoff)
