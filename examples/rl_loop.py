@@ -148,6 +148,7 @@ class Run:
     events: list[dict] = field(default_factory=list)
     restarts: list[dict] = field(default_factory=list)
     steps: int = 0
+    submitted: list[int] = field(default_factory=list)  # the step of each submit not yet published
     publish_stats: dict = field(default_factory=dict)
 
     def lag(self, version: int, at: float) -> int:
@@ -264,7 +265,9 @@ async def train(args: argparse.Namespace, regions: dict[str, dict], run: Run, wo
         kind = (f"keyframe of {info.key_bytes:,} bytes" + (f" + delta of {info.delta_bytes:,}" if info.delta_bytes
                                                             else "") if info.keyframe
                 else f"delta of {info.delta_bytes:,} bytes")
-        print(f"v{info.version:<3} committed during step {run.steps}: {kind}, model {info.model_bytes:,} bytes, "
+        taken = run.submitted.pop(0)  # one version per submit, in order: the next submit waits for this one
+        print(f"v{info.version:<3} (the weights after step {taken}) committed during step {run.steps}: {kind}, "
+              f"model {info.model_bytes:,} bytes, "
               f"digest {info.model_digest:016x}", flush=True)
 
     pstore, pkey = open_store(PREFIX, **regions["trainer"])
@@ -287,6 +290,7 @@ async def train(args: argparse.Namespace, regions: dict[str, dict], run: Run, wo
                 await anyio.to_thread.run_sync(train_step, model, optim, batch)
                 run.steps += 1
                 if run.steps % args.every == 0:
+                    run.submitted.append(run.steps)
                     await publishing.submit(model.state_dict())
                     done = publishing.statistics().published
                     if args.kill_worker is not None and done + 1 == args.kill_at:
