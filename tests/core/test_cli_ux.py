@@ -158,18 +158,28 @@ def test_a_save_that_fails_keeps_the_state_it_resumed_from(capsys, cfg, tmp_path
 
 
 @pytest.mark.parametrize(("sent", "code", "said"), [(signal.SIGINT, 130, "interrupted"),
-                                                    (signal.SIGTERM, 143, "terminated \\(SIGTERM\\)")])
+                                                    (signal.SIGTERM, 143, "terminated \\(SIGTERM\\)"),
+                                                    ("SIGTERM, SIGINT ignored", 143, "terminated \\(SIGTERM\\)")])
 def test_ctrl_c_says_where_it_stopped_and_saves_the_state_there(cfg, tmp_path, capsys, sent, code, said) -> None:
     """The state saved on Ctrl-C is that of the last batch handed out: a resumed run goes on from it.
-    So on SIGTERM, a scheduler's preemption (SLURM, Kubernetes): the process ended at once, no state."""
+    So on SIGTERM, a scheduler's preemption (SLURM, Kubernetes): the process ended at once, no state.
+    And so on SIGTERM to a shell script's background job, which starts with SIGINT ignored: the
+    stream ignored the SIGTERM too and ran to its end (a trial's `zephon stream ... &`); a SIGINT
+    there stays ignored."""
     saved = tmp_path / "ctrl-c.state"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    background = not isinstance(sent, signal.Signals)
     run = subprocess.Popen([sys.executable, "-m", "zephon_stream.cli", "stream", str(cfg), "--save-state", str(saved),
                             "--digests"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # not ignored under &
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN if background
+                                                            else signal.SIG_DFL))  # as `&` in a script, or not
     for _ in range(24 * 3):  # three batches out
         assert run.stdout.readline()
-    run.send_signal(sent)
+    if background:
+        run.send_signal(signal.SIGINT)
+        for _ in range(24 * 2):  # it goes on
+            assert run.stdout.readline()
+    run.send_signal(signal.SIGTERM if background else sent)
     _, err = run.communicate(timeout=120)
     assert run.returncode == code, err
     m = re.search(rf"zephon stream: {said} at global step (\d+); its state is in '.*ctrl-c.state' "

@@ -264,7 +264,13 @@ def _sigterm_as_ctrl_c() -> Iterator[None]:
     """While the block runs, SIGTERM (a scheduler's preemption: SLURM, Kubernetes) stops the stream as
     Ctrl-C does: the state is saved where the output stopped (`--save-state`). It was the default
     action: the process ended at once, and the state file was never written. It is raised as SIGINT,
-    so a write that `ctrl_c_after` holds together stays whole."""
+    so a write that `ctrl_c_after` holds together stays whole.
+
+    A shell script's background job (`zephon stream ... &`, `srun ... &`) starts with SIGINT
+    ignored, and Python keeps it so: the SIGINT raised for a SIGTERM was dropped, and the stream ran
+    on to its end (a trial: 3 minutes, then SIGKILL in a real preemption, no state). There, while
+    the block runs, SIGINT gets a handler that raises only for a SIGTERM that came: a Ctrl-C meant
+    for the script's foreground stays ignored."""
     import signal
     import threading
 
@@ -276,11 +282,19 @@ def _sigterm_as_ctrl_c() -> Iterator[None]:
         _TERMINATED.append(signum)
         signal.raise_signal(signal.SIGINT)
 
+    def sigint_still_ignored(signum: int, frame: Any) -> None:
+        if _TERMINATED:
+            raise KeyboardInterrupt
+
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    previous_int = signal.signal(signal.SIGINT, sigint_still_ignored) if ignored else None
     previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if ignored:
+            signal.signal(signal.SIGINT, previous_int)
 
 
 def _stream_to(args: argparse.Namespace, out: Any) -> int:
