@@ -441,6 +441,9 @@ class _Job:
 
     def _no_input(self, src: str, objects: list[ObjectInfo]) -> str:
         """What is wrong with an input that gave no object to read: there is nothing, or nothing of a kind read."""
+        if not objects and self.listed:  # all left out by `visible` (it warned of those with a data suffix)
+            return (f"shard: {src} holds no files to read: its {len(self.listed)} files are all under names that start "
+                    "with '.' or '_' (hidden, or a job's temporary output), which zephon shard leaves out: rename them")
         if not objects:
             return f"shard: {src} {'does not exist' if missing_locally(src) else 'holds no files'}"
         kinds = ((*PARQUET_SUFFIXES, *ARROW_SUFFIXES, *(f".{e.strip().lower()}" for e in self.image_field.split(";")
@@ -1042,7 +1045,8 @@ class _Progress:
         documents, shards = self.counts()
         pct = 100 * self.done / self.total if self.total else 100.0
         buf = io.StringIO()
-        print(f"shard: {self.done}/{self.total} input bytes ({pct:.0f}%), {documents} documents, {shards} shards, "
-              f"{self.clock() - self.start:.0f} s", file=buf)
+        print(f"shard: {self.done}/{self.total} input bytes ({pct:.0f}%), {documents} document"
+              f"{'s' * (documents != 1)}, {shards} shard{'s' * (shards != 1)}, {self.clock() - self.start:.0f} s",
+              file=buf)
         self.file.write(buf.getvalue())
         self.file.flush()

@@ -183,3 +183,8 @@ def test_refuses_world_that_cannot_keep_order(config):
     with pytest.raises(ConfigError, match=r"dp_size=5 does not divide lanes=12: use a dp_size in \[1, 2, 3, 6\] "
                                           r"\(they divide lanes=12 and global_batch_size=18\)"):
         Loader(config.replace(global_batch_size=18), dp_rank=0, dp_size=5)
+    # dp_size 0 said "need 0 <= dp_rank < dp_size"; a rank without its dp_size gets the default of 1
+    with pytest.raises(ConfigError, match=r"^dp_size=0: give the number of data-parallel ranks, >= 1$"):
+        Loader(config, dp_rank=0, dp_size=0)
+    with pytest.raises(ConfigError, match=r"dp_rank=1 dp_size=1: .*; dp_size is 1 unless given\)$"):
+        Loader(config, dp_rank=1)

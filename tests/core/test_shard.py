@@ -579,6 +579,12 @@ def test_refuses_to_overwrite_and_bad_settings(dataset, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match=r"shard: \S+empty holds no files$"):
         shard(str(tmp_path / "empty"), str(tmp_path / "o"), progress=False)
+    (tmp_path / "private").mkdir()  # a folder of Python modules' texts: "holds no files" after a warning of them
+    for name in ("__init__.txt", "_helpers.txt", ".notes.txt"):
+        (tmp_path / "private" / name).write_text("text\n")
+    with pytest.raises(ConfigError, match=r"shard: \S+private holds no files to read: its 3 files are all under names "
+                                          r"that start with '.' or '_' .*: rename them$"):
+        shard(str(tmp_path / "private"), str(tmp_path / "o"), progress=False)
     (tmp_path / "odd").mkdir()
     for name in ("a.docx", "b.pdf", "c.xlsx", "d.doc"):
         (tmp_path / "odd" / name).write_bytes(b"x")
@@ -757,7 +763,7 @@ def test_progress_bar_on_a_terminal_and_lines_elsewhere():
     lines.close()
     assert plain.getvalue().splitlines() == [
         "shard: 500/1000 input bytes (50%), 3 documents, 0 shards, 6 s",
-        "shard: 1000/1000 input bytes (100%), 5 documents, 1 shards, 6 s"]
+        "shard: 1000/1000 input bytes (100%), 5 documents, 1 shard, 6 s"]
 
 
 def test_the_progress_moves_while_one_large_file_is_read(tmp_path, monkeypatch, capsys):

@@ -17,8 +17,12 @@ __all__ = ["check_world", "consumed", "rank_lanes", "rank_slots"]
 
 def check_world(lanes: int, global_batch: int, dp_size: int, dp_rank: int) -> None:
     """Refuse a world size that cannot keep the order identical to a single-rank run."""
-    if dp_size < 1 or not 0 <= dp_rank < dp_size:
-        raise ConfigError(f"dp_rank={dp_rank} dp_size={dp_size}: need 0 <= dp_rank < dp_size")
+    if dp_size < 1:
+        raise ConfigError(f"dp_size={dp_size}: give the number of data-parallel ranks, >= 1")
+    if not 0 <= dp_rank < dp_size:
+        unset = "; dp_size is 1 unless given" if dp_size == 1 else ""
+        raise ConfigError(f"dp_rank={dp_rank} dp_size={dp_size}: need 0 <= dp_rank < dp_size (dp_rank is this "
+                          f"rank's index among the dp_size ranks{unset})")
     if lanes % dp_size or global_batch % dp_size:  # the sizes that keep the order divide both
         ok = [d for d in range(1, math.gcd(lanes, global_batch) + 1) if lanes % d == 0 and global_batch % d == 0]
         what, n = ("lanes", lanes) if lanes % dp_size else ("global_batch_size", global_batch)
