@@ -191,6 +191,28 @@ def test_ctrl_c_says_where_it_stopped_and_saves_the_state_there(cfg, tmp_path, c
     assert _digests(capsys, ["stream", str(cfg), "--steps", str(step + 2), "--resume", str(saved)]) == whole[step * 24:]
 
 
+@pytest.mark.parametrize("terminated", [False, True])
+def test_a_stop_before_the_first_batch_says_so(cfg, tmp_path, capsys, monkeypatch, terminated) -> None:
+    """A SIGTERM (or Ctrl-C) while the stream starts (planning, a restore) exited 143 (130) with
+    nothing on stderr: a trial's preemption 4 s after the start looked like a lost state file."""
+    from zephon_stream.cli import main as cli
+
+    def stopped_while_planning(*args, **kwargs):
+        if terminated:
+            cli._TERMINATED.append(15)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_TERMINATED", [])
+    monkeypatch.setattr(cli, "_loader", stopped_while_planning)
+    saved = tmp_path / "never.state"
+    assert main(["stream", str(cfg), "--save-state", str(saved), "--digests"]) == (143 if terminated else 130)
+    out, err = capsys.readouterr()
+    said = "terminated (SIGTERM)" if terminated else "interrupted"
+    assert err == f"zephon stream: {said} before its first batch was out: nothing was streamed; run it again as it " \
+                  "was\n", err
+    assert not out and not saved.exists()
+
+
 def test_ctrl_c_between_taking_a_batch_and_writing_its_lines_saves_the_state_before_it(cfg, tmp_path, capsys,
                                                                                       monkeypatch) -> None:
     """A Ctrl-C that lands after the loader handed a batch out and before its digest lines were

@@ -245,15 +245,21 @@ def _save_state(loader: Any, path: Path, step: int | None = None) -> None:
 
 def _stream(args: argparse.Namespace) -> int:
     with _sigterm_as_ctrl_c():
-        if not args.digests:
-            return _stream_to(args, sys.stdout)
-        # stdout is the digests': anything else this process prints goes to stderr (a library's print,
-        # such as Ray's notice of a worker that died, made the lines no longer JSON lines)
-        data, sys.stdout = sys.stdout, sys.stderr
         try:
-            return _stream_to(args, data)
-        finally:
-            sys.stdout = data
+            if not args.digests:
+                return _stream_to(args, sys.stdout)
+            # stdout is the digests': anything else this process prints goes to stderr (a library's print,
+            # such as Ray's notice of a worker that died, made the lines no longer JSON lines)
+            data, sys.stdout = sys.stdout, sys.stderr
+            try:
+                return _stream_to(args, data)
+            finally:
+                sys.stdout = data
+        except KeyboardInterrupt as exc:  # before the stream's loop (planning, a restore): it exited 143 in silence
+            if not getattr(exc, "reported", False):
+                print(f"zephon stream: {'terminated (SIGTERM)' if _TERMINATED else 'interrupted'} before its first "
+                      "batch was out: nothing was streamed; run it again as it was", file=sys.stderr)
+            raise
 
 
 _TERMINATED: list[int] = []  # SIGTERM came (`_sigterm_as_ctrl_c`): `main` exits 143, not 130
@@ -331,7 +337,7 @@ def _stream_to(args: argparse.Namespace, out: Any) -> int:
         _save_state(loader, args.save_state, done)
         raise ZephonError(f"{exc}; the stream stopped at global step {done}, and its state is in "
                           f"{str(args.save_state)!r} (--resume it once the cause is fixed)") from exc
-    except KeyboardInterrupt:  # it may land after a batch was taken and before its lines were written
+    except KeyboardInterrupt as exc:  # it may land after a batch was taken and before its lines were written
         if progress:
             progress.close()
         where = f"zephon stream: {'terminated (SIGTERM)' if _TERMINATED else 'interrupted'} at global step {done}"
@@ -339,6 +345,7 @@ def _stream_to(args: argparse.Namespace, out: Any) -> int:
             _save_state(loader, args.save_state, done)
             where += f"; its state is in {str(args.save_state)!r} (--resume it to go on)"
         print(where, file=sys.stderr)
+        exc.reported = True  # type: ignore[attr-defined]  (`_stream` says nothing more)
         raise
     if progress:
         progress.close(data_ended=args.steps is None or loader.step < args.steps)
