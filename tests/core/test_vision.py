@@ -484,6 +484,28 @@ def test_image_source_mistakes_say_what_to_change(vision_config, dataset, tmp_pa
         _run(_one_source(vision_config, tmp_path / "mixed"))
 
 
+@pytest.mark.parametrize(("members", "fields", "fix"), [
+    ({"jpg": "image", "txt": b"a jpeg"}, {"image_field": "png"},
+     r"has no image member \(looked for png; it has jpg, txt: to read its jpg too, give image_field = 'png;jpg'\)"),
+    ({"png": "image", "json": b'{"url": "u", "caption": "a cat", "n": 3}'}, {},
+     r"has no caption member 'txt' \(it has json, png: for a field of its json member, give text_field = "
+     r"'json:caption' \(its string fields: url, caption\)\)"),
+    ({"png": "image", "txt": b"a caption"}, {"text_field": "text"},
+     r"has no caption member 'text' \(it has png, txt: give text_field = 'txt' to read its txt member\)"),
+])
+def test_a_missing_member_names_the_setting_that_reads_what_the_sample_has(vision_config, tmp_path, members,
+                                                                          fields, fix):
+    """A new user's own shards: JPEGs under image_field = "png", a JSON caption, `.txt` captions
+    under the default text_field. The error listed the members and said they must follow one
+    another in the tar, which was not the cause; it names the setting now."""
+    sample = {k: make_image(random.Random(1)) if v == "image" else v for k, v in members.items()}
+    write_tar_shards([("000000", sample)], tmp_path / "own", prefix="own")
+    cfg = _one_source(vision_config, tmp_path / "own")
+    cfg = cfg.replace(sources=[msgspec.structs.replace(cfg.sources[0], **fields)])
+    with pytest.raises(DataError, match=fix):
+        _run(cfg)
+
+
 def test_vision_tokens_of_their_own_and_a_json_caption_field_with_a_name(vision_config):
     # each was accepted: a start token equal to the image token gave one more placeholder than the image has
     with pytest.raises(ConfigError, match=r"vision.vision_start_token = '<\|image_pad\|>': is the image_token"):

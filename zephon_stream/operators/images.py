@@ -112,6 +112,7 @@ class ImageRecord(msgspec.Struct, frozen=True, array_like=True):
 
 
 _TOGETHER = "; a sample's members follow one another in the tar, as WebDataset writes them"
+_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")  # what a missing image member may be under
 
 
 class ImageParser:
@@ -152,16 +153,44 @@ class ImageParser:
                 reader.bad(err)  # the reader's policy: it counts into the epoch of its split
         return out
 
+    def _image_hint(self, members: dict[str, bytes]) -> str:
+        """The fix for a sample without an image member: the image extensions it has, else where its
+        image may be (a member apart from the others in the tar)."""
+        found = [e for e in sorted(members) if e.lower() in _IMAGE_EXTS]
+        if not found:
+            return _TOGETHER
+        return f": to read its {', '.join(found)} too, give image_field = {';'.join([*self.image_exts, *found])!r}"
+
+    def _caption_hint(self, members: dict[str, bytes]) -> str:
+        """The fix for a sample without the caption member: a text member it has, or a JSON member's
+        fields (`json:FIELD`), else where its caption may be."""
+        texts = [e for e in sorted(members) if e.lower() in ("txt", "text", "caption", "md")]
+        if texts:
+            return f": give text_field = {texts[0]!r} to read its {texts[0]} member"
+        jsons = [e for e in sorted(members) if e.lower().endswith("json")]
+        if not jsons:
+            return _TOGETHER
+        try:
+            fields = [k for k, v in msgspec.json.decode(members[jsons[0]], type=dict[str, Any]).items()
+                      if isinstance(v, str)]
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            fields = []
+        usual = [f for f in ("caption", "text", "txt", "description") if f in fields]
+        pick = (usual or fields or ["FIELD"])[0]
+        listed = f" (its string fields: {', '.join(fields[:8])})" if fields else ""
+        return f": for a field of its {jsons[0]} member, give text_field = {f'{jsons[0]}:{pick}'!r}{listed}"
+
     def _record(self, reader: TarSplitReader, sample: Any) -> ImageRecord:
         where = f"sample {sample.key!r} of {reader.key!r} at byte {sample.offset}"
         image_ext = next((e for e in self.image_exts if e in sample.members), None)
         if image_ext is None:
             raise DataError(f"{where} has no image member (looked for {', '.join(self.image_exts)}; it has "
-                            f"{', '.join(sorted(sample.members)) or 'none'}{_TOGETHER})", key=reader.key,
-                            offset=sample.offset)
+                            f"{', '.join(sorted(sample.members)) or 'none'}{self._image_hint(sample.members)})",
+                            key=reader.key, offset=sample.offset)
         if self.text_ext not in sample.members:
             raise DataError(f"{where} has no caption member {self.text_ext!r} (it has "
-                            f"{', '.join(sorted(sample.members))}{_TOGETHER})", key=reader.key, offset=sample.offset)
+                            f"{', '.join(sorted(sample.members))}{self._caption_hint(sample.members)})",
+                            key=reader.key, offset=sample.offset)
         raw = sample.members[self.text_ext]
         try:
             text = (field(msgspec.json.decode(raw, type=dict[str, Any]), self.json_field) if self.json_field
