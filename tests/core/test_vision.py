@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import io
 import random
+import re
 import struct
 import tarfile
 import zlib
@@ -258,6 +259,23 @@ def test_bad_sample_is_an_error_naming_shard_and_member_or_a_counted_skip(vision
     assert "bad-00000.tar" in str(info.value) and info.value.key.endswith("bad-00000.tar")
     assert info.value.offset >= 0
     assert _run(_one_source(vision_config, root, on_bad_record="skip")) == (7, 1)
+
+
+def test_a_source_that_skips_says_so_once(vision_config, tmp_path, caplog):
+    """Skip mode with a too-narrow image_field dropped 6 of a trial's 9 samples with no word but a
+    count (and nothing at all under --digests): the first skip of each source is logged."""
+    rng = random.Random(4)
+    samples = [(f"{i:06d}", {"png" if i % 3 == 0 else "jpg": make_image(rng), "txt": b"c"}) for i in range(9)]
+    write_tar_shards(samples, tmp_path / "narrow", prefix="n")
+    cfg = _one_source(vision_config, tmp_path / "narrow", on_bad_record="skip")
+    cfg = cfg.replace(sources=[msgspec.structs.replace(cfg.sources[0], image_field="png")])
+    with caplog.at_level("WARNING", logger="zephon_stream.loader"):
+        assert _run(cfg) == (3, 6)
+    said = [r.getMessage() for r in caplog.records if getattr(r, "event", None) == "skipping"]
+    assert len(said) == 1, said
+    assert re.match(rf"source {cfg.sources[0].name!r} skips bad records \(on_bad_record = \"skip\"\); the first: "
+                    r"sample '\d+' of 'n-00000.tar' at byte \d+ has no image member .* give image_field = "
+                    r"'png;jpg'\)\. Each is counted in statistics\(\).skipped_records$", said[0]), said[0]
 
 
 def test_a_caption_from_a_json_member_by_key_or_dotted_path(vision_config, tmp_path):

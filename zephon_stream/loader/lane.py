@@ -124,7 +124,9 @@ class Lanes:
         self.first_step = FirstStep()
 
     def _parser(self, source: int) -> Any:
-        return make_parser(self.config, source, self.plan.sources[source])
+        parser = make_parser(self.config, source, self.plan.sources[source])
+        parser.bad.source = self.config.sources[source].name  # its first skip is logged
+        return parser
 
     def _reader(self, source: int, split: Any, bad: Any, **window: Any) -> Any:
         return make_reader(self.config, source, self.plan.sources[source], self.stores[source], split, self.run_cpu,

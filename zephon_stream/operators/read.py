@@ -482,6 +482,7 @@ class BadRecords:
         self.by_epoch: collections.Counter[int] = collections.Counter()
         self.filtered_by_epoch: collections.Counter[int] = collections.Counter()
         self.first: str | None = None  # the first skipped record's error, for a later message
+        self.source: str | None = None  # a loader source's name: its first skip is logged (`Lanes`)
 
     @property
     def count(self) -> int:
@@ -493,6 +494,10 @@ class BadRecords:
         self.by_epoch[epoch] += 1
         if self.first is None:
             self.first = str(err)
+            if self.source is not None:  # a setting that skips most records (a too-narrow image_field) showed
+                log.warning("source %r skips bad records (on_bad_record = \"skip\"); the first: %s. Each is counted "
+                            "in statistics().skipped_records", self.source, err,  # nowhere but in a count
+                            extra={"event": "skipping", "source": self.source})
 
     def filtered(self, epoch: int = 0) -> None:
         """A filter dropped a record of `epoch`."""
