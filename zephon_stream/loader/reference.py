@@ -92,7 +92,9 @@ MEANINGS: dict[tuple[str, str], str] = {
                                "nested objects or structs (`doc.body`); for an image source the tar member "
                                "(`txt`, `json:caption`, `json:meta.caption`). ",
     ("sources", "image_field"): "Makes it an image+text source: the tar member extensions (`png`, "
-                                "`jpg;jpeg;png`) or Parquet column that hold the image. ",
+                                "`jpg;jpeg;png`; a sample's first of them is its image) or Parquet column that "
+                                "hold the image. With it, set `text_field` too (`txt`, as `zephon shard` writes): its "
+                                "default, `text`, is a JSON key. ",
     ("sources", "messages_field"): "Makes it a chat source: the field that holds a conversation, a list of "
                                    "`{role, content}` messages (OpenAI / Hugging Face style). ",
     ("sources", "chat_template"): "Chat sources: a Jinja chat template file (relative to the config file); "
