@@ -244,6 +244,11 @@ def _save_state(loader: Any, path: Path, step: int | None = None) -> None:
 
 
 def _stream(args: argparse.Namespace) -> int:
+    # before the handlers: a KeyboardInterrupt inside torch's import aborted the process (a review's
+    # SIGTERM 0.5 s after the start: 1 of 40 runs), where the default action ends it cleanly
+    import torch  # noqa: F401  (the Loader's batches are torch tensors: paid here or a moment later)
+
+    args.streaming = False  # set by `_stream_to` once its loop starts: what an interrupt says
     with _sigterm_as_ctrl_c():
         try:
             if not args.digests:
@@ -255,8 +260,8 @@ def _stream(args: argparse.Namespace) -> int:
                 return _stream_to(args, data)
             finally:
                 sys.stdout = data
-        except KeyboardInterrupt as exc:  # before the stream's loop (planning, a restore): it exited 143 in silence
-            if not getattr(exc, "reported", False):
+        except KeyboardInterrupt:  # before the stream's loop (planning, a restore): it exited 143 in silence
+            if not args.streaming:
                 print(f"zephon stream: {'terminated (SIGTERM)' if _TERMINATED else 'interrupted'} before its first "
                       "batch was out: nothing was streamed; run it again as it was", file=sys.stderr)
             raise
@@ -322,6 +327,7 @@ def _stream_to(args: argparse.Namespace, out: Any) -> int:
         batches = progress.track(batches)
     at_the_end = args.save_state is not None and args.save_at is None  # save where the stream stops
     start = done = loader.step  # done: the global step after the last batch whose output is out
+    args.streaming = True
     try:
         for batch in batches:
             with ctrl_c_after():  # the lines and `done` together: a Ctrl-C in the write left them apart
@@ -337,20 +343,21 @@ def _stream_to(args: argparse.Namespace, out: Any) -> int:
         _save_state(loader, args.save_state, done)
         raise ZephonError(f"{exc}; the stream stopped at global step {done}, and its state is in "
                           f"{str(args.save_state)!r} (--resume it once the cause is fixed)") from exc
-    except KeyboardInterrupt as exc:  # it may land after a batch was taken and before its lines were written
+    except KeyboardInterrupt:  # it may land after a batch was taken and before its lines were written
         if progress:
             progress.close()
         where = f"zephon stream: {'terminated (SIGTERM)' if _TERMINATED else 'interrupted'} at global step {done}"
-        if at_the_end:  # the batches whose output is out, and no more
-            _save_state(loader, args.save_state, done)
-            where += f"; its state is in {str(args.save_state)!r} (--resume it to go on)"
-        print(where, file=sys.stderr)
-        exc.reported = True  # type: ignore[attr-defined]  (`_stream` says nothing more)
+        with ctrl_c_after():  # a second Ctrl-C or SIGTERM waits for the state and the line (it cut the save)
+            if at_the_end:  # the batches whose output is out, and no more
+                _save_state(loader, args.save_state, done)
+                where += f"; its state is in {str(args.save_state)!r} (--resume it to go on)"
+            print(where, file=sys.stderr)
         raise
     if progress:
         progress.close(data_ended=args.steps is None or loader.step < args.steps)
     if at_the_end:
-        _save_state(loader, args.save_state)
+        with ctrl_c_after():
+            _save_state(loader, args.save_state)
     elif args.save_at is not None and not saved:
         raise ZephonError(f"the data ended at global step {loader.step}, before --save-at {args.save_at}: "
                           f"{str(args.save_state)!r} was not written; give a smaller --save-at")
