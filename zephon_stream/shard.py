@@ -379,6 +379,7 @@ class _Job:
         self.bad = BadRecords(on_bad)
         self.documents = 0
         self.listed: set[str] = set()  # every key under the input prefix (captions beside images)
+        self.hidden = 0  # the input folder's files that `visible` left out (names starting with "." or "_")
         self.text_field = "text"  # `field`, or its default for the inputs found
         self.chat: _CheckedChat | None = None  # chat data: its messages (and tools) field
         self.delimiter: str | None = None  # CSV: the one between values (None: by suffix)
@@ -417,8 +418,9 @@ class _Job:
         exact = [o for o in objects if o.key == prefix] if prefix and not prefix.endswith("/") else []
         if not exact:  # a folder: what is hidden in it is not input (a file named by itself is)
             under = prefix + "/" if prefix and not prefix.endswith("/") else prefix
-            objects = visible([o for o in objects if o.key.startswith(under)], under, "zephon shard", src,
-                              JSON_SUFFIXES + CSV_SUFFIXES + TEXT_SUFFIXES)
+            inside = [o for o in objects if o.key.startswith(under)]  # not a sibling's ("data-old/" beside "data")
+            objects = visible(inside, under, "zephon shard", src, JSON_SUFFIXES + CSV_SUFFIXES + TEXT_SUFFIXES)
+            self.hidden = len(inside) - len(objects)
         if not exact and any(o.key == under + "dataset_dict.json" for o in objects):
             splits = sorted({o.key[len(under):].split("/")[0] for o in objects if "/" in o.key[len(under):]})
             raise ConfigError(f"shard: {src} is a Hugging Face DatasetDict (dataset_dict.json): shard one split's "
@@ -441,8 +443,8 @@ class _Job:
 
     def _no_input(self, src: str, objects: list[ObjectInfo]) -> str:
         """What is wrong with an input that gave no object to read: there is nothing, or nothing of a kind read."""
-        if not objects and self.listed:  # all left out by `visible` (it warned of those with a data suffix)
-            return (f"shard: {src} holds no files to read: its {len(self.listed)} files are all under names that start "
+        if not objects and self.hidden:  # all left out by `visible` (it warned of those with a data suffix)
+            return (f"shard: {src} holds no files to read: its {self.hidden} files are all under names that start "
                     "with '.' or '_' (hidden, or a job's temporary output), which zephon shard leaves out: rename them")
         if not objects:
             return f"shard: {src} {'does not exist' if missing_locally(src) else 'holds no files'}"

@@ -601,6 +601,25 @@ def test_refuses_to_overwrite_and_bad_settings(dataset, tmp_path):
         shard(str(root / "a"), str(tmp_path / "o"), max_record_bytes=1.5)
 
 
+def test_hidden_names_are_counted_under_the_input_folder_only():
+    """On S3 a LIST of "data" also returns "data-old/..." and "data.jsonl": those are not the
+    folder's hidden files, and "its 2 files are all under names that start with '_'" was false."""
+    import anyio
+
+    from zephon_stream.connectors.memory import MemoryStore
+    from zephon_stream.shard import _Job
+
+    store = MemoryStore()
+    store.objects.update({"data-old/a.txt": b"x\n", "data.jsonl": b'{"text": "x"}\n', "data/_tmp.txt": b"x\n"})
+    job = _Job(1 << 20, 1 << 16, None, None, "s", "error", 1 << 20)
+    with pytest.raises(ConfigError, match=r"its 1 files are all under names that start with"):
+        anyio.run(job._inputs, store, "data", "s3://b/data")
+    del store.objects["data/_tmp.txt"]
+    job = _Job(1 << 20, 1 << 16, None, None, "s", "error", 1 << 20)
+    with pytest.raises(ConfigError, match=r"shard: s3://b/data holds no files$"):
+        anyio.run(job._inputs, store, "data", "s3://b/data")
+
+
 def test_image_folder_with_captions_becomes_tar_shards(tmp_path):
     import random
 

@@ -261,6 +261,23 @@ def test_bad_sample_is_an_error_naming_shard_and_member_or_a_counted_skip(vision
     assert _run(_one_source(vision_config, root, on_bad_record="skip")) == (7, 1)
 
 
+@pytest.mark.parametrize("text_field", ["txt", "json:caption"])
+def test_a_deeply_nested_json_member_is_a_bad_sample_not_a_crash(vision_config, tmp_path, text_field):
+    """A JSON member nested 1,000 deep raised RecursionError (from msgspec, in the error's hint of a
+    sample without its caption, or in the caption's own decode), which ended a run in skip mode."""
+    deep = b'{"a":' * 1000 + b'"x"' + b"}" * 1000
+    rng = random.Random(6)
+    samples = [(f"{i:06d}", {"png": make_image(rng), "json": msgspec.json.encode({"caption": f"c {i}"}),
+                             "txt": b"t"}) for i in range(5)]
+    samples[2] = ("000002", {"png": make_image(rng), "json": deep})
+    write_tar_shards(samples, tmp_path / "deep", prefix="d")
+    cfg = _one_source(vision_config, tmp_path / "deep")
+    cfg = cfg.replace(sources=[msgspec.structs.replace(cfg.sources[0], text_field=text_field)])
+    with pytest.raises(DataError, match=r"sample '000002' of 'd-00000.tar'"):
+        _run(cfg)
+    assert _run(cfg.replace(on_bad_record="skip")) == (4, 1)
+
+
 def test_a_source_that_skips_says_so_once(vision_config, tmp_path, caplog):
     """Skip mode with a too-narrow image_field dropped 6 of a trial's 9 samples with no word but a
     count (and nothing at all under --digests): the first skip of each source is logged."""

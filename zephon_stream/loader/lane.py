@@ -114,6 +114,8 @@ class Lanes:
         self.decode_cpu = decode_cpu or run_cpu  # image sources' decode calls (`vision.decode_threads`)
         self.images = [s.image_field is not None for s in config.sources]
         self.parsers = [self._parser(s) for s in range(len(plan.sources))]
+        for parser, src in zip(self.parsers, config.sources):
+            parser.bad.source = src.name  # the first skip of the lanes' reads is logged (not a source check's)
         self.vision = VisionTokens(config.vision, tokenizer, config.seq_len) if config.vision is not None else None
         self.chats = [ChatTokens.for_source(config, s, tokenizer) if src.messages_field is not None else None
                       for s, src in enumerate(config.sources)]
@@ -124,9 +126,7 @@ class Lanes:
         self.first_step = FirstStep()
 
     def _parser(self, source: int) -> Any:
-        parser = make_parser(self.config, source, self.plan.sources[source])
-        parser.bad.source = self.config.sources[source].name  # its first skip is logged
-        return parser
+        return make_parser(self.config, source, self.plan.sources[source])
 
     def _reader(self, source: int, split: Any, bad: Any, **window: Any) -> Any:
         return make_reader(self.config, source, self.plan.sources[source], self.stores[source], split, self.run_cpu,

@@ -34,7 +34,7 @@ import numpy as np
 from zephon_stream.connectors.base import Store
 from zephon_stream.engine.window import Spawn, read_ranges
 from zephon_stream.errors import DataError, IncompatibleState
-from zephon_stream.operators.read import BadRecords, ShardPlan, Split
+from zephon_stream.operators.read import MAX_DEPTH, BadRecords, ShardPlan, Split, nesting
 from zephon_stream.operators.types import ImageDoc, field, located
 
 __all__ = ["ImageParser", "ImageRecord", "TarSplitReader", "VisionTokens", "mark_images"]
@@ -113,6 +113,7 @@ class ImageRecord(msgspec.Struct, frozen=True, array_like=True):
 
 _TOGETHER = "; a sample's members follow one another in the tar, as WebDataset writes them"
 _IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")  # what a missing image member may be under
+_HINT_JSON_MAX = 1 << 16  # a JSON member whose fields an error lists: at most this many bytes
 
 
 class ImageParser:
@@ -170,11 +171,13 @@ class ImageParser:
         jsons = [e for e in sorted(members) if e.lower().endswith("json")]
         if not jsons:
             return _TOGETHER
-        try:
-            fields = [k for k, v in msgspec.json.decode(members[jsons[0]], type=dict[str, Any]).items()
-                      if isinstance(v, str)]
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            fields = []
+        raw, fields = members[jsons[0]], []
+        if len(raw) <= _HINT_JSON_MAX and nesting(raw) <= MAX_DEPTH:  # an error message's work stays small
+            try:
+                fields = [k[:40] for k, v in msgspec.json.decode(raw, type=dict[str, Any]).items()
+                          if isinstance(v, str)]
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                pass
         usual = [f for f in ("caption", "text", "txt", "description") if f in fields]
         pick = (usual or fields or ["FIELD"])[0]
         listed = f" (its string fields: {', '.join(fields[:8])})" if fields else ""
@@ -192,6 +195,9 @@ class ImageParser:
                             f"{', '.join(sorted(sample.members))}{self._caption_hint(sample.members)})",
                             key=reader.key, offset=sample.offset)
         raw = sample.members[self.text_ext]
+        if self.json_field and nesting(raw) > MAX_DEPTH:  # msgspec's RecursionError ended a run in skip mode
+            raise DataError(f"{where}: caption member {self.text_ext!r} nests JSON arrays or objects more than "
+                            f"{MAX_DEPTH} deep, the most a record may", key=reader.key, offset=sample.offset)
         try:
             text = (field(msgspec.json.decode(raw, type=dict[str, Any]), self.json_field) if self.json_field
                     else raw.decode())
