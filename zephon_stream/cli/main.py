@@ -244,10 +244,6 @@ def _save_state(loader: Any, path: Path, step: int | None = None) -> None:
 
 
 def _stream(args: argparse.Namespace) -> int:
-    # before the handlers: a KeyboardInterrupt inside torch's import aborted the process (a review's
-    # SIGTERM 0.5 s after the start: 1 of 40 runs), where the default action ends it cleanly
-    import torch  # noqa: F401  (the Loader's batches are torch tensors: paid here or a moment later)
-
     args.streaming = False  # set by `_stream_to` once its loop starts: what an interrupt says
     with _sigterm_as_ctrl_c():
         try:
@@ -392,7 +388,9 @@ def _loader(args: argparse.Namespace, dp_rank: int, dp_size: int) -> Any:
     from zephon_stream.loader.loader import Loader
     from zephon_stream.loader.state import state_from_bytes
 
-    loader = Loader(Config.from_toml(args.config), dp_rank=dp_rank, dp_size=dp_size, backend=args.backend)
+    config = Config.from_toml(args.config)
+    with ctrl_c_after():  # a Ctrl-C or SIGTERM inside torch's import (in the Loader's) aborted the process (a
+        loader = Loader(config, dp_rank=dp_rank, dp_size=dp_size, backend=args.backend)  # review: 1 of 40)
     if args.resume:
         states = []
         for f in args.resume:
