@@ -213,25 +213,35 @@ def test_a_stop_before_the_first_batch_says_so(cfg, tmp_path, capsys, monkeypatc
     assert not out and not saved.exists()
 
 
+def _interrupt_the_fourth_write(monkeypatch) -> None:
+    """A Ctrl-C as `zephon stream` takes its fourth batch: after the loader handed it out, before
+    its digest lines are written."""
+    from zephon_stream.cli import main as cli
+
+    real, calls = cli._write_digests, []
+
+    def interrupted_at_the_fourth(batch, out, names):
+        calls.append(batch["step"])
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        real(batch, out, names)
+
+    monkeypatch.setattr(cli, "_write_digests", interrupted_at_the_fourth)
+
+
 def test_a_second_ctrl_c_during_the_save_waits_for_the_state_and_its_line(cfg, tmp_path, capsys, monkeypatch) -> None:
     """A second Ctrl-C (or SIGTERM) while the first one's state was being saved cut the save: no
     state file, and the line said the stream stopped before its first batch (a review)."""
     from zephon_stream.cli import main as cli
 
     whole = _digests(capsys, ["stream", str(cfg), "--steps", "6"])
-    real_write, real_save, calls = cli._write_digests, cli._save_state, []
-
-    def interrupted_at_the_fourth(batch, out, names):
-        calls.append(batch["step"])
-        if len(calls) == 4:
-            raise KeyboardInterrupt
-        real_write(batch, out, names)
+    real_save = cli._save_state
 
     def interrupted_again(*args, **kwargs):
         signal.raise_signal(signal.SIGINT)  # as a second Ctrl-C lands at once
         real_save(*args, **kwargs)
 
-    monkeypatch.setattr(cli, "_write_digests", interrupted_at_the_fourth)
+    _interrupt_the_fourth_write(monkeypatch)
     monkeypatch.setattr(cli, "_save_state", interrupted_again)
     saved = tmp_path / "twice.state"
     assert main(["stream", str(cfg), "--steps", "6", "--save-state", str(saved), "--digests"]) == 130
@@ -248,18 +258,9 @@ def test_ctrl_c_between_taking_a_batch_and_writing_its_lines_saves_the_state_bef
     """A Ctrl-C that lands after the loader handed a batch out and before its digest lines were
     written: the state was that after the batch, so the resumed run's lines skipped its step (2 of
     8 interrupts of a new-user trial: 14,376 lines where 14,400 were due)."""
-    from zephon_stream.cli import main as cli
 
     whole = _digests(capsys, ["stream", str(cfg), "--steps", "6"])
-    real, calls = cli._write_digests, []
-
-    def interrupted_at_the_fourth(batch, out, names):
-        calls.append(batch["step"])
-        if len(calls) == 4:
-            raise KeyboardInterrupt
-        real(batch, out, names)
-
-    monkeypatch.setattr(cli, "_write_digests", interrupted_at_the_fourth)
+    _interrupt_the_fourth_write(monkeypatch)
     saved = tmp_path / "int.state"
     assert main(["stream", str(cfg), "--steps", "6", "--save-state", str(saved), "--digests"]) == 130
     out, err = capsys.readouterr()
