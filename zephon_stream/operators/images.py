@@ -34,7 +34,7 @@ import numpy as np
 from zephon_stream.connectors.base import Store
 from zephon_stream.engine.window import Spawn, read_ranges
 from zephon_stream.errors import DataError, IncompatibleState
-from zephon_stream.operators.read import MAX_DEPTH, BadRecords, ShardPlan, Split, nesting
+from zephon_stream.operators.read import MAX_DEPTH, BadRecords, ShardPlan, Split, too_deep
 from zephon_stream.operators.types import ImageDoc, field, located
 
 __all__ = ["ImageParser", "ImageRecord", "TarSplitReader", "VisionTokens", "mark_images"]
@@ -172,7 +172,7 @@ class ImageParser:
         if not jsons:
             return _TOGETHER
         raw, fields = members[jsons[0]], []
-        if len(raw) <= _HINT_JSON_MAX and nesting(raw) <= MAX_DEPTH:  # an error message's work stays small
+        if len(raw) <= _HINT_JSON_MAX and not too_deep(raw):  # an error message's work stays small
             try:
                 fields = [k[:40] for k, v in msgspec.json.decode(raw, type=dict[str, Any]).items()
                           if isinstance(v, str)]
@@ -195,7 +195,7 @@ class ImageParser:
                             f"{', '.join(sorted(sample.members))}{self._caption_hint(sample.members)})",
                             key=reader.key, offset=sample.offset)
         raw = sample.members[self.text_ext]
-        if self.json_field and nesting(raw) > MAX_DEPTH:  # msgspec's RecursionError ended a run in skip mode
+        if self.json_field and too_deep(raw):  # msgspec's RecursionError ended a run in skip mode
             raise DataError(f"{where}: caption member {self.text_ext!r} nests JSON arrays or objects more than "
                             f"{MAX_DEPTH} deep, the most a record may", key=reader.key, offset=sample.offset)
         try:

@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BadRecords", "FORMATS", "MAX_DEPTH", "Parser", "RecordCounts", "SUFFIXES", "ShardPlan", "SourcePlan",
            "Split", "SplitReader", "is_hidden", "nesting", "plan_parquet", "plan_shard", "plan_source", "plan_splits",
-           "visible", "warn_coarse"]
+           "too_deep", "visible", "warn_coarse"]
 
 SUFFIXES = (".jsonl", ".jsonl.zst", *GZIP_SUFFIXES)  # JSON lines, read by SplitReader
 PLAN_WORKERS = 16  # shards planned at once (a scan reads one part of at most 8 MiB at a time)
@@ -976,6 +976,11 @@ class _TooDeep(Exception):
     pass
 
 
+def too_deep(line: bytes) -> bool:
+    """Whether `line` nests JSON deeper than MAX_DEPTH: counted only where it holds enough brackets to."""
+    return line.count(b"[") + line.count(b"{") > MAX_DEPTH and nesting(line) > MAX_DEPTH
+
+
 def nesting(line: bytes) -> int:
     """How deep `line` nests JSON arrays and objects (brackets inside strings do not count)."""
     bare = np.frombuffer(_JSON_STRING.sub(b"", line), np.uint8)
@@ -1061,7 +1066,7 @@ class Parser:
     def _decode(self, reader: SplitReader, pos: int, line: bytes) -> Any:
         """The payload of one record, or None if it is bad and skipped (or filtered out)."""
         try:
-            if line.count(b"[") + line.count(b"{") > MAX_DEPTH and nesting(line) > MAX_DEPTH:
+            if too_deep(line):
                 raise _TooDeep
             value = self._text(line)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, _TooDeep) as exc:
