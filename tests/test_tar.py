@@ -530,3 +530,30 @@ def test_the_header_byte_sum_is_the_plain_sum(block: bytes) -> None:
     from zephon_stream.formats.tar import _byte_sum
 
     assert _byte_sum(block) == sum(block)
+
+
+_MEMBER_BYTES = (st.binary(max_size=64) | st.sampled_from([b'{"caption": "a cat"}', b'{"a": 1}', b"[1, 2]", b"{",
+                                                           b'{"a":' * 5000 + b"1" + b"}" * 5000, b"\xff\xfe"]))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(members=st.dictionaries(st.sampled_from(["png", "jpg", "txt", "json", "meta.json", "md", "cls"]), _MEMBER_BYTES,
+                               max_size=4),
+       text_field=st.sampled_from(["txt", "json:caption", "json:meta.caption", "caption"]))
+def test_any_sample_members_give_a_record_or_a_data_error(members: dict[str, bytes], text_field: str) -> None:
+    """The image parser on whatever members a sample has (and its error hints, which decode a JSON
+    member): an ImageRecord, or a DataError naming the sample; nothing else is raised."""
+    from zephon_stream.operators.images import ImageParser, ImageRecord
+
+    parser = ImageParser(text_field, ("png",), "error", 1 << 20)
+
+    class Reader:
+        key, base = "s.tar", 0
+
+    sample = TarSample(0, 1024, "000001", members)
+    try:
+        record = parser._record(Reader(), sample)
+    except DataError as err:
+        assert "sample '000001' of 's.tar' at byte 0" in str(err) and err.offset == 0
+    else:
+        assert isinstance(record, ImageRecord) and record.text.strip()
