@@ -45,3 +45,14 @@ def test_arrays_are_separate_and_writable(tokenizer_path: Path) -> None:
     before = b.tolist()
     a[:] = 0
     assert b.tolist() == before
+
+
+@pytest.mark.parametrize("bos", [None, "<|bos|>"])
+@pytest.mark.parametrize("texts", [TEXTS[:4], TEXTS, ["<|endoftext|> inside a caption", "a", ""], []],
+                         ids=["short", "over-inline-chars", "special-token-text", "none"])
+def test_each_gives_the_batch_ids(tokenizer_path: Path, bos: str | None, texts: list[str]) -> None:
+    """`each` (captions, encoded one by one on the caller's thread while short) gives what a batch
+    call gives, on either side of INLINE_CHARS (TEXTS holds 5,000 characters)."""
+    tok = Tokenize(str(tokenizer_path), "<|endoftext|>", bos)
+    assert [a.tolist() for a in tok.each(texts)] == [a.tolist() for a in tok(texts)]
+    assert all(a.dtype == np.uint32 and a.flags.writeable for a in tok.each(texts))

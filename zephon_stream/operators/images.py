@@ -290,7 +290,7 @@ class VisionTokens:
                 at = located(where, ref[2])
                 bad(DataError(f"bad image {rec.member!r} in {key!r} (the sample at {at}): {exc}", key=key,
                               offset=ref[2]))
-        captions = self.tokenizer([rec.text for _, rec, _, _ in images]) if images else []
+        captions = self.tokenizer.each([rec.text for _, rec, _, _ in images])  # see Tokenize.each
         dropped = self.holding_vision_tokens([(ref, c) for (ref, *_), c in zip(images, captions)], bad, key, where,
                                              "caption")
         out = []
