@@ -146,6 +146,8 @@ class Tokenize:
         encoding: 12.8 us a caption in calls of 10, 7.5 us encoded one by one; and the image
         loader's involuntary context switches went from 10,300 to 4,300 a run. One by one, the
         encoding holds the GIL (the library releases it for batches only): about 8 us a caption.
+        The calling threads keep BPE word caches of their own, as Rayon's threads do (see the
+        class docstring): for the image path, `vision.decode_threads` more caches of captions' words.
         """
         if sum(map(len, texts)) > INLINE_CHARS:
             return self(texts)
