@@ -1,6 +1,6 @@
 """Image+text loader throughput against the Pillow work alone, peak RSS, and packing efficiency.
 
-    .venv/bin/python bench/vlm.py [--repeats 5] [--epochs 3] [--backend threads] [--no-fresh]
+    .venv/bin/python bench/vlm.py [--repeats 5] [--epochs 3] [--backend threads] [--decode-processes N] [--no-fresh]
 
 Data: Tux Paint's stamps (about 785 PNGs with human-written captions, `make vlm-data` or
 `tools/vlm.py` fetch them into the cache) as tar shards, and a BPE with the Qwen2-VL vision tokens.
@@ -8,7 +8,8 @@ The *limit* is the loader's essential work done alone: every image of the same e
 resized and cut into patches (`load_image` + `patchify`) in a pool of `cpu_threads` threads, on
 the same cores. The *loader* streams the same epochs (`max_epochs`) at the defaults (12 lanes,
 shuffle_window 64, Qwen2-VL's pixel bounds) with `seq_len` 2048; its time includes planning (the
-tar index) and its first batch.
+tar index) and its first batch. `--decode-processes N` sets `vision.decode_processes` (the
+decode calls go to N worker processes, out of the GIL; their CPU counts in the loader's).
 
 Two protocols, both printed:
 - *Same process* (the issue's): one process that imports torch, then `--repeats` rounds of limit
@@ -48,8 +49,9 @@ from zephon_stream import Config, Loader, SourceConfig
 from zephon_stream.loader.config import VisionConfig
 
 
-def config(shards: str, tokenizer: str, epochs: int, backend: str) -> Config:
-    vision = VisionConfig(vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>")
+def config(shards: str, tokenizer: str, epochs: int, backend: str, decode_processes: int = 0) -> Config:
+    vision = VisionConfig(vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>",
+                          decode_processes=decode_processes)
     return Config(seed=0, lanes=12, seq_len=2048, global_batch_size=12, tokenizer=tokenizer, max_epochs=epochs,
                   backend=backend, vision=vision,
                   sources=[SourceConfig(name="stamps", uri=f"file://{shards}/", image_field="png", text_field="txt")])
@@ -104,7 +106,7 @@ def measured(mode: str, cfg: Config) -> dict[str, float]:
 def child(mode: str, args: argparse.Namespace) -> None:
     import torch  # noqa: F401  (paid before any clock starts: the loader's batches are torch)
 
-    cfg = config(args.shards, args.tokenizer, args.epochs, args.backend)
+    cfg = config(args.shards, args.tokenizer, args.epochs, args.backend, args.decode_processes)
     if mode == "rounds":  # the same-process protocol: the order swapped every round
         rounds = []
         for r in range(args.repeats):
@@ -127,7 +129,8 @@ def child(mode: str, args: argparse.Namespace) -> None:
 
 def spawn(mode: str, args: argparse.Namespace) -> Any:
     cmd = [sys.executable, __file__, "--child", mode, "--epochs", str(args.epochs), "--backend", args.backend,
-           "--shards", args.shards, "--tokenizer", args.tokenizer, "--repeats", str(args.repeats)]
+           "--shards", args.shards, "--tokenizer", args.tokenizer, "--repeats", str(args.repeats),
+           "--decode-processes", str(args.decode_processes)]
     run = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, stderr=None if mode == "rounds" else subprocess.PIPE,
                          text=True)
     return json.loads(run.stdout.splitlines()[-1])
@@ -160,6 +163,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--backend", default="threads")
+    ap.add_argument("--decode-processes", type=int, default=0, help="vision.decode_processes (0: decode on threads)")
     ap.add_argument("--data", default="data/vlm")
     ap.add_argument("--no-fresh", action="store_true", help="only the same-process rounds")
     ap.add_argument("--child", choices=["limit", "loader", "rounds"])
@@ -183,7 +187,8 @@ def main() -> None:
             print(f"fresh processes, run {r}: limit {limit[-1]['images'] / limit[-1]['seconds']:.1f} images/s, "
                   f"loader {loader[-1]['images'] / loader[-1]['seconds']:.1f} images/s", file=sys.stderr)
     threads = config(paths.shards, paths.tokenizer, 1, "threads").cpu_threads
-    print(f"data: {paths.images} stamps x {args.epochs} epochs; backend {args.backend}; limit: load_image + "
+    print(f"data: {paths.images} stamps x {args.epochs} epochs; backend {args.backend}, decode_processes "
+          f"{args.decode_processes}; limit: load_image + "
           f"patchify on {threads} threads; {args.repeats} rounds of each protocol")
     print("same process (limit and loader in one process, the order swapped every round):")
     report([r["limit"] for r in rounds], [r["loader"] for r in rounds])

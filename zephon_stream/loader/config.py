@@ -59,7 +59,9 @@ class VisionConfig(ImageSpec, frozen=True, forbid_unknown_fields=True):
     sources, so that larger decode calls do not make the memory bound larger. Images decode on
     threads of their own, more than the cores by default: Pillow holds the GIL for part of every
     image (its Python, the header, copies out), and a thread waiting for the GIL leaves its core
-    idle unless another has decoding to do.
+    idle unless another has decoding to do. `decode_processes = N` (backend "threads") sends each
+    decode call from those threads to one of N worker processes, out of the GIL
+    (`zephon_stream.vision.processes`): the same frames, faster where the GIL is the limit.
     """
 
     image_token: str = "<|image_pad|>"
@@ -69,12 +71,17 @@ class VisionConfig(ImageSpec, frozen=True, forbid_unknown_fields=True):
     decode_batch: int = 32
     decode_ahead: int = 32  # decoded images read ahead per lane and image source (whole calls)
     decode_threads: int = 4  # decode calls at once per process (a pool beside cpu_threads)
+    decode_processes: int = 0  # worker processes that decode those calls (0: the threads decode)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check(self.decode_batch >= 1, "vision.decode_batch", self.decode_batch, "must be >= 1")
         _check(self.decode_ahead >= 1, "vision.decode_ahead", self.decode_ahead, "must be >= 1")
         _check(self.decode_threads >= 1, "vision.decode_threads", self.decode_threads, "must be >= 1")
+        _check(self.decode_processes >= 0, "vision.decode_processes", self.decode_processes,
+               "must be >= 0 (0: decode on the decode threads)")
+        _check(self.decode_processes == 0 or os.name == "posix", "vision.decode_processes", self.decode_processes,
+               "needs a POSIX system (its workers map memory this process hands them); set it to 0 here")
         _check(bool(self.image_token), "vision.image_token", self.image_token, "must name a token")
         for name in ("vision_start_token", "vision_end_token"):
             _check(getattr(self, name) != self.image_token, f"vision.{name}", getattr(self, name),

@@ -105,6 +105,15 @@ class FirstStep:
             await self._clear.wait()
 
 
+def _decode_pool(config: Config) -> Any:
+    """The process's decode processes for `vision.decode_processes` (backend "threads"), else None."""
+    if config.vision is None or not config.vision.decode_processes or config.backend != "threads":
+        return None
+    from zephon_stream.vision.processes import decode_pool
+
+    return decode_pool(config.vision.decode_processes)
+
+
 class Lanes:
     """What every lane of a process shares: config, plan, stores, tokenizer, CPU policy."""
 
@@ -116,7 +125,8 @@ class Lanes:
         self.parsers = [self._parser(s) for s in range(len(plan.sources))]
         for parser, src in zip(self.parsers, config.sources):
             parser.bad.source = src.name  # the first skip of the lanes' reads is logged (not a source check's)
-        self.vision = VisionTokens(config.vision, tokenizer, config.seq_len) if config.vision is not None else None
+        self.vision = (VisionTokens(config.vision, tokenizer, config.seq_len, _decode_pool(config))
+                       if config.vision is not None else None)
         self.chats = [ChatTokens.for_source(config, s, tokenizer) if src.messages_field is not None else None
                       for s, src in enumerate(config.sources)]
         self._perm = lru_cache(maxsize=8)(self._permutation)

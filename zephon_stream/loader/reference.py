@@ -22,7 +22,8 @@ EXECUTION = {("", k) for k in ("backend", "workers", "cpu_threads", "max_restart
                                "read_ahead", "stall_warning_s")} | {
     ("sources", k) for k in ("endpoint_url", "region", "addressing_style", "profile", "connect_timeout",
                              "read_timeout", "max_attempts", "retry_deadline")} | {
-    ("vision", "decode_batch"), ("vision", "decode_ahead"), ("vision", "decode_threads")}
+    ("vision", "decode_batch"), ("vision", "decode_ahead"), ("vision", "decode_threads"),
+    ("vision", "decode_processes")}
 
 #: (table, key) -> meaning. `table` is "" for top-level keys.
 MEANINGS: dict[tuple[str, str], str] = {
@@ -141,6 +142,8 @@ MEANINGS: dict[tuple[str, str], str] = {
                                 "calls): the memory bound, in place of `doc_buffer` for image sources. ",
     ("vision", "decode_threads"): "Image decode calls at once per process, on threads beside `cpu_threads`' (more "
                                   "than the cores: Pillow holds the GIL for part of each image). ",
+    ("vision", "decode_processes"): "With backend \"threads\", worker processes that decode the decode threads' "
+                                    "calls out of the GIL (0: the threads decode); the same pixels. ",
     ("transforms", "map"): '`"pkg.module:function"`: replaces each record with the function\'s result. ',
     ("transforms", "filter"): '`"pkg.module:function"`: keeps the records for which it is true; the others are '
                               "counted per source in statistics. ",

@@ -223,8 +223,9 @@ class VisionTokens:
     (BOS to vision end) is never cut by packing and never trained on.
     """
 
-    def __init__(self, vision: Any, tokenizer: Any, seq_len: int) -> None:
+    def __init__(self, vision: Any, tokenizer: Any, seq_len: int, pool: Any = None) -> None:
         self.vision, self.tokenizer, self.seq_len = vision, tokenizer, seq_len
+        self.pool = pool  # a `vision.processes.DecodePool` that decodes the calls, or None: decoded here
         self.spec = vision.image_spec()
         self.image_id = tokenizer.token_id(vision.image_token, "vision.image_token")
         self.start = [tokenizer.token_id(t, f"vision.{f}") for f, t in
@@ -270,22 +271,41 @@ class VisionTokens:
         three), not `np.isin`, whose fixed cost was a tenth of the image path's Python time."""
         return any((ids == t).any() for t in self._reserved)
 
+    def _frames(self, images: list[bytes]) -> list[Any]:
+        """Each image's `(patch_frame, grid_h, grid_w)`, or the BadImage it raised: in `self.pool`'s
+        processes, or here, where the frame is gathered while the image is in the cache."""
+        from zephon_stream.vision.image import BadImage, load_image, patch_frame
+
+        if self.pool is not None:
+            return self.pool.decode(images, self.spec)
+        out: list[Any] = []
+        for data in images:
+            try:
+                image = load_image(data, self.spec)  # refuses a bomb from its header, before decoding
+            except BadImage as exc:
+                out.append(exc)
+                continue
+            p = self.spec.patch_size
+            out.append((patch_frame(image, self.spec), image.shape[0] // p, image.shape[1] // p))
+        return out
+
     def __call__(self, docs: list[tuple[Any, ImageRecord]], bad: BadRecords, key: str,
                  where: Callable[[int], str] | None = None) -> list[tuple[Any, ImageDoc]]:
         """Decode the images of `docs` (read from shard `key`), skipping or raising on a bad one
         as `bad` says, named at `where(offset)` (the reader's words: the sample's byte in the
         shard); tokenize the captions."""
-        from zephon_stream.vision.image import BadImage, load_image, patch_frame
+        from zephon_stream.vision.image import BadImage
 
         images = []
-        for ref, rec in docs:
+        for (ref, rec), got in zip(docs, self._frames([rec.image for _, rec in docs])):
             try:
-                image = load_image(rec.image, self.spec)  # refuses a bomb from its header, before decoding
-                gh, gw = image.shape[0] // self.spec.patch_size, image.shape[1] // self.spec.patch_size
+                if isinstance(got, BadImage):
+                    raise got
+                frame, gh, gw = got
                 if gh * gw // self.spec.merge_size ** 2 + len(self.bos + self.start + self.end) >= self.seq_len:
                     raise BadImage(f"it takes {gh * gw // self.spec.merge_size ** 2} image tokens, more than "
                                    f"seq_len = {self.seq_len} holds")
-                images.append((ref, rec, patch_frame(image, self.spec), (gh, gw)))  # gathered while in the cache
+                images.append((ref, rec, frame, (gh, gw)))
             except BadImage as exc:
                 at = located(where, ref[2])
                 bad(DataError(f"bad image {rec.member!r} in {key!r} (the sample at {at}): {exc}", key=key,

@@ -523,15 +523,22 @@ def patchify(image: np.ndarray, spec: ImageSpec, out: np.ndarray | None = None) 
     return out
 
 
-def patch_frame(image: np.ndarray, spec: ImageSpec) -> np.ndarray:
+def patch_frame(image: np.ndarray, spec: ImageSpec, out: np.ndarray | None = None) -> np.ndarray:
     """uint8 [H', W', 3] to its patches, one frame: uint8 [grid_h * grid_w, 3, patch_size^2].
 
     The byte-strided gather of `patchify` alone, in its row order, without the temporal copies:
     as many bytes as the image. The loader does it where the image is decoded, while its bytes
-    are still in the cache, and `patch_rows` makes the batch's rows from it later.
+    are still in the cache, and `patch_rows` makes the batch's rows from it later. With `out`
+    (writable C-contiguous uint8 of that shape: a decode process's shared memory), the frame is
+    written there and `out` is returned.
     """
     blocks = _blocks(image, spec)
-    out = np.empty((_patches(blocks), 3, spec.patch_size ** 2), np.uint8)
+    shape = (_patches(blocks), 3, spec.patch_size ** 2)
+    if out is None:
+        out = np.empty(shape, np.uint8)
+    elif out.shape != shape or out.dtype != np.uint8 or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"patch_frame writes into writable C-contiguous uint8 {list(shape)}, got {out.dtype} "
+                         f"{list(out.shape)}")
     out.reshape(blocks.shape)[...] = blocks
     return out
 

@@ -1,0 +1,49 @@
+"""The loader with images decoded in worker processes (`vision.decode_processes`): the determinism
+matrix's records, across resumes to and from the threads' decode, and a user's script that has no
+`if __name__ == "__main__":` guard."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from zephon_stream.testing.determinism import run_world
+
+pytestmark = pytest.mark.skipif(os.name != "posix", reason="decode processes need POSIX")
+STEPS = 24
+
+
+def with_processes(cfg, n: int = 2):
+    return cfg.replace(vision=msgspec.structs.replace(cfg.vision, decode_processes=n))
+
+
+def test_records_equal_the_threads_decode_across_resumes(vision_config) -> None:
+    baseline, _ = run_world(vision_config, 1, STEPS, backend="inline")
+    procs = with_processes(vision_config)
+    assert run_world(procs, 3, STEPS, backend="threads")[0] == baseline
+    first, states = run_world(procs, 2, 9, backend="threads")  # decoded in processes, resumed on threads
+    rest, states2 = run_world(vision_config, 4, 8, backend="threads", resume=states)
+    last, _ = run_world(with_processes(vision_config, 1), 1, STEPS - 17, backend="threads", resume=states2)
+    assert first + rest + last == baseline
+
+
+def test_a_script_without_a_main_guard_streams_images(tmp_path: Path, vision_config) -> None:
+    """The workers run a module of their own: the user's script is not imported again in them."""
+    path = tmp_path / "job.toml"
+    path.write_text(with_processes(vision_config).replace(max_epochs=1).to_toml())
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(f"""
+        from zephon_stream import Config, Loader
+        images = sum(len(b["image_grid_thw"]) for b in Loader(Config.from_toml({str(path)!r})))
+        print("images", images)
+    """))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("images") == 1 and int(run.stdout.split()[-1]) > 0

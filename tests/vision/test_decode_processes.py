@@ -1,0 +1,158 @@
+"""Decoding in worker processes (`vision.decode_processes`): the same frames and refusals as on
+threads, a dead worker named and replaced, workers that end with their parent.
+tests/core/test_decode_processes.py runs the loader with them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.vision.test_image import GENERATED, gif_header, png_bomb
+from zephon_stream import ConfigError
+from zephon_stream.loader.config import VisionConfig
+from zephon_stream.vision import ImageSpec, load_image, patch_frame
+from zephon_stream.vision.image import BadImage
+from zephon_stream.vision.processes import DecodePool
+
+pytestmark = pytest.mark.skipif(os.name != "posix", reason="decode processes need POSIX")
+
+BAD = {"bomb": png_bomb(), "gif-bomb": gif_header((1, 1), (20000, 20000)), "not-an-image": b"hello, world",
+       "truncated": GENERATED["rgb-png-500x375"][:2000], "empty": b""}
+
+
+def threads_way(data: bytes, spec: ImageSpec) -> tuple[np.ndarray, int, int] | str:
+    try:
+        image = load_image(data, spec)
+    except BadImage as exc:
+        return str(exc)
+    return patch_frame(image, spec), image.shape[0] // spec.patch_size, image.shape[1] // spec.patch_size
+
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = DecodePool(2)
+    yield pool
+    pool.close()
+
+
+SPECS = [ImageSpec(), ImageSpec(patch_size=16, max_pixels=50_000), ImageSpec(min_pixels=400_000, max_pixels=900_000)]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=["default", "patch-16-small", "large"])
+def test_frames_and_refusals_equal_the_threads_way(pool: DecodePool, spec: ImageSpec) -> None:
+    """Every generated image and every bad one, in one call: the same frames, grids and BadImage
+    texts, in order. The large spec grows the workers' slabs after the smaller ones."""
+    images = [*GENERATED.values(), *BAD.values()]
+    got = pool.decode(images, spec)
+    assert len(got) == len(images)
+    for data, out in zip(images, got):
+        want = threads_way(data, spec)
+        if isinstance(want, str):
+            assert isinstance(out, BadImage) and str(out) == want
+        else:
+            frame, gh, gw = out
+            assert (gh, gw) == want[1:] and frame.dtype == np.uint8 and frame.flags.writeable
+            np.testing.assert_array_equal(frame, want[0])
+
+
+def test_calls_from_many_threads_at_once(pool: DecodePool) -> None:
+    """More threads than workers: each call waits for a free worker and gets its own images back."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    spec, names = ImageSpec(), list(GENERATED)
+    with ThreadPoolExecutor(6) as ex:
+        results = list(ex.map(lambda i: pool.decode([GENERATED[names[i % len(names)]]], spec)[0], range(24)))
+    for i, out in enumerate(results):
+        want = threads_way(GENERATED[names[i % len(names)]], spec)
+        if isinstance(want, str):
+            assert str(out) == want
+        else:
+            np.testing.assert_array_equal(out[0], want[0])
+
+
+def test_a_dead_worker_fails_its_call_by_name_and_is_replaced() -> None:
+    pool = DecodePool(1)
+    try:
+        spec, image = ImageSpec(), GENERATED["rgb-png-500x375"]
+        assert len(pool.decode([image], spec)) == 1
+        (worker,) = pool._all
+        worker.proc.send_signal(signal.SIGKILL)
+        worker.proc.wait()
+        with pytest.raises(RuntimeError, match=r"image decode worker process \(pid \d+\) ended during a call, exit "
+                                                r"code -9"):
+            pool.decode([image], spec)
+        out = pool.decode([image], spec)  # a new worker
+        np.testing.assert_array_equal(out[0][0], threads_way(image, spec)[0])
+        assert len(pool._all) == 1 and pool._all[0].proc.pid != worker.proc.pid
+    finally:
+        pool.close()
+
+
+def test_workers_end_with_the_pool_and_with_their_parent(tmp_path: Path) -> None:
+    pool = DecodePool(2)
+    pool.decode([GENERATED["bmp"]] * 3, ImageSpec())
+    procs = [w.proc for w in pool._all]
+    assert procs and all(p.poll() is None for p in procs)
+    pool.close()
+    assert all(p.poll() is not None for p in procs)
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.decode([GENERATED["bmp"]], ImageSpec())
+    # a parent killed outright: its workers see their input end and exit
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time
+        from zephon_stream.vision import ImageSpec
+        from zephon_stream.vision.processes import DecodePool
+        pool = DecodePool(2)
+        pool.decode([open(sys.argv[1], "rb").read()] * 4, ImageSpec())
+        print(" ".join(str(w.proc.pid) for w in pool._all), flush=True)
+        time.sleep(60)
+    """))
+    (tmp_path / "img.png").write_bytes(GENERATED["rgb-png-500x375"])
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path / "img.png")], stdout=subprocess.PIPE,
+                              text=True, cwd=Path(__file__).resolve().parents[2])
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert pids
+    parent.kill()
+    parent.wait()
+    parent.stdout.close()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by init) is not running
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_decode_processes_setting_is_checked() -> None:
+    with pytest.raises(ConfigError, match=r"vision.decode_processes = -1: must be >= 0 \(0: decode on the decode "
+                                          r"threads\)"):
+        VisionConfig(decode_processes=-1)
+
+
+def test_pillows_truncated_images_setting_is_refused_as_on_threads(pool: DecodePool,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker never has `LOAD_TRUNCATED_IMAGES` set: the calling process's setting is refused as the
+    threads' decode refuses it, so the two ways decode the same images or neither does."""
+    from PIL import ImageFile
+
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    with pytest.raises(ConfigError, match="LOAD_TRUNCATED_IMAGES is True in this process"):
+        pool.decode([GENERATED["bmp"]], ImageSpec())
