@@ -156,3 +156,41 @@ def test_pillows_truncated_images_setting_is_refused_as_on_threads(pool: DecodeP
     monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
     with pytest.raises(ConfigError, match="LOAD_TRUNCATED_IMAGES is True in this process"):
         pool.decode([GENERATED["bmp"]], ImageSpec())
+
+
+def test_a_call_interrupted_before_its_reply_leaves_no_stale_reply(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KeyboardInterrupt between a request and its reply: the worker's reply is never read, so the
+    worker is dropped, and the next call gets its own images, not the interrupted call's."""
+    from zephon_stream.vision import processes
+
+    pool = DecodePool(1)
+    try:
+        spec = ImageSpec()
+        real = processes._receive
+        calls = []
+
+        def interrupted(pipe):
+            calls.append(1)
+            if len(calls) == 1:
+                raise KeyboardInterrupt
+            return real(pipe)
+
+        monkeypatch.setattr(processes, "_receive", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            pool.decode([GENERATED["rgb-png-500x375"]], spec)
+        (out,) = pool.decode([GENERATED["bmp"]], spec)
+        np.testing.assert_array_equal(out[0], threads_way(GENERATED["bmp"], spec)[0])
+    finally:
+        pool.close()
+
+
+def test_start_begins_the_workers_before_the_first_call() -> None:
+    pool = DecodePool(2)
+    try:
+        pool.start()
+        assert len(pool._all) == 2 and all(w.proc.poll() is None for w in pool._all)
+        pool.start()  # started once
+        assert len(pool._all) == 2
+        assert len(pool.decode([GENERATED["bmp"]] * 2, ImageSpec())) == 2
+    finally:
+        pool.close()

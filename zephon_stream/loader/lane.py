@@ -111,7 +111,9 @@ def _decode_pool(config: Config) -> Any:
         return None
     from zephon_stream.vision.processes import decode_pool
 
-    return decode_pool(config.vision.decode_processes)
+    pool = decode_pool(config.vision.decode_processes)
+    pool.start()  # importing Pillow in the workers while the lanes start
+    return pool
 
 
 class Lanes:

@@ -47,7 +47,7 @@ from typing import IO
 import msgspec
 import numpy as np
 
-from zephon_stream.vision.image import BadImage, ImageSpec, check_pillow_settings, load_image, patch_frame
+from zephon_stream.vision.image import BadImage, ImageSpec, _pil, check_pillow_settings, load_image, patch_frame
 
 __all__ = ["DecodePool", "decode_pool"]
 
@@ -102,6 +102,7 @@ class _Worker:
             [sys.executable, "-m", "zephon_stream.vision.processes", str(self.fd)], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, pass_fds=(self.fd,), env=env, close_fds=True)
         self.size, self.map = 0, None
+        self.in_step = True  # False from a request's send until its whole reply is read
 
     def call(self, spec: ImageSpec, images: list[bytes], need: int) -> list[tuple[np.ndarray, int, int] | BadImage]:
         if need > self.size:  # the file grows first; the worker maps the new size with this request
@@ -110,11 +111,13 @@ class _Worker:
                 self.map.close()
             self.map, self.size = mmap.mmap(self.fd, need, prot=mmap.PROT_READ), need
         assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.in_step = False  # an interruption from here on (a KeyboardInterrupt) leaves a reply unread
         try:
             _send(self.proc.stdin, msgspec.msgpack.encode(_Request(self.size, spec, images)))
             raw = _receive(self.proc.stdout)
         except (BrokenPipeError, OSError):
             raw = None
+        self.in_step = raw is not None
         if raw is None:
             code = self.proc.poll()
             raise RuntimeError(f"an image decode worker process (pid {self.proc.pid}) ended during a call"
@@ -181,13 +184,28 @@ class DecodePool:
                 worker = self._start()
             out = worker.call(spec, images, len(images) * spec.max_pixels * 3)
         except BaseException:
-            if worker is not None and worker.proc.poll() is not None:  # dead: its place takes a new one
-                self._forget(worker)
+            if worker is not None and (not worker.in_step or worker.proc.poll() is not None):
+                self._forget(worker)  # dead, or a reply left unread: its place takes a new one
                 worker = None
             self._idle.put(worker)
             raise
         self._idle.put(worker)
         return out
+
+    def start(self) -> None:
+        """Start the workers not started yet, without waiting for them: they import Pillow while
+        the caller does other work (a Loader plans its data), not in its first decode call."""
+        taken = []
+        try:
+            while True:
+                taken.append(self._idle.get_nowait())
+        except queue.Empty:
+            pass
+        try:
+            taken = [w if w is not None else self._start() for w in taken]
+        finally:
+            for w in taken:
+                self._idle.put(w)
 
     def _start(self) -> _Worker:
         with self._lock:
@@ -272,6 +290,7 @@ def _serve(fd: int, requests: IO[bytes], replies: IO[bytes]) -> None:
 
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C is the parent's
+    _pil()  # Pillow and its plugins, before the first call
     _serve(int(sys.argv[1]), sys.stdin.buffer, sys.stdout.buffer)
 
 
