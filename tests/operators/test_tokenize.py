@@ -56,3 +56,21 @@ def test_each_gives_the_batch_ids(tokenizer_path: Path, bos: str | None, texts: 
     tok = Tokenize(str(tokenizer_path), "<|endoftext|>", bos)
     assert [a.tolist() for a in tok.each(texts)] == [a.tolist() for a in tok(texts)]
     assert all(a.dtype == np.uint32 and a.flags.writeable for a in tok.each(texts))
+
+
+@pytest.mark.parametrize("setting", ["padding", "truncation"])
+def test_a_tokenizer_files_padding_and_truncation_are_not_applied(tokenizer_path: Path, tmp_path: Path,
+                                                                  setting: str) -> None:
+    """A tokenizer.json made for a model's inputs may pad a batch to its longest text or cut texts at
+    a length: a document's ids are its whole text whatever the call holds, batch or `each`."""
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    if setting == "padding":
+        tok.enable_padding(pad_id=1, pad_token="<|bos|>")
+    else:
+        tok.enable_truncation(max_length=4)
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    plain = Tokenize(str(tokenizer_path), "<|endoftext|>")
+    ours = Tokenize(str(path), "<|endoftext|>")
+    assert [a.tolist() for a in ours(TEXTS)] == [a.tolist() for a in plain(TEXTS)]
+    assert [a.tolist() for a in ours.each(TEXTS[:4])] == [a.tolist() for a in plain.each(TEXTS[:4])]

@@ -75,6 +75,10 @@ class Tokenize:
         except Exception as exc:  # the `tokenizers` library raises bare Exceptions for a malformed file
             raise ConfigError(f"tokenizer {path!r} is not a tokenizer.json file ({exc}): give the path of a "
                               "Hugging Face `tokenizers` JSON file") from exc
+        # a tokenizer.json may pad or truncate its encodings (set for a model's inputs): a document's ids
+        # are its whole text, as long as it is, whatever else is in the call
+        self._tok.no_padding()
+        self._tok.no_truncation()
         size = word_cache_size() if word_cache is True else word_cache
         resize = getattr(self._tok.model, "_resize_cache", None)  # BPE models (tokenizers >= 0.15)
         if size is not None and resize is not None:
