@@ -47,3 +47,37 @@ def test_a_script_without_a_main_guard_streams_images(tmp_path: Path, vision_con
                          cwd=Path(__file__).resolve().parents[2])
     assert run.returncode == 0, run.stderr
     assert run.stdout.count("images") == 1 and int(run.stdout.split()[-1]) > 0
+
+
+@pytest.mark.parametrize("backend", ["inline", "processes"])
+def test_other_backends_say_they_ignore_the_setting(vision_config, backend, caplog) -> None:
+    from zephon_stream.loader.lane import _decode_pool
+
+    cfg = with_processes(vision_config).replace(backend=backend)
+    with caplog.at_level("WARNING", logger="zephon_stream.loader"):
+        assert _decode_pool(cfg) is None
+    assert f"vision.decode_processes = 2 applies to backend \"threads\" only: backend {backend!r}" in caplog.text
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_an_iteration_left_open_at_exit_ends_cleanly(tmp_path: Path, vision_config, steps) -> None:
+    """`batches = iter(loader)` still open at exit: the iteration is closed first, then the decode
+    processes (closed first, they failed the lanes' calls under it: tracebacks, and a hang)."""
+    path = tmp_path / "job.toml"
+    path.write_text(with_processes(vision_config).to_toml())
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(f"""
+        from zephon_stream import Config, Loader
+        batches = iter(Loader(Config.from_toml({str(path)!r})))
+        for _ in range({steps}):
+            next(batches)
+        from zephon_stream.vision import processes
+        print("workers", *[w.proc.pid for w in processes._POOL._all], flush=True)
+    """))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    pids = [int(p) for p in run.stdout.split()[1:]]
+    assert len(pids) == 2
+    for pid in pids:  # ended with it (their parent reaped them: none is left, not even as a zombie)
+        assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"

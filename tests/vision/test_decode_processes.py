@@ -78,20 +78,37 @@ def test_calls_from_many_threads_at_once(pool: DecodePool) -> None:
             np.testing.assert_array_equal(out[0], want[0])
 
 
-def test_a_dead_worker_fails_its_call_by_name_and_is_replaced() -> None:
+def test_a_dead_worker_is_replaced_and_its_call_made_again() -> None:
     pool = DecodePool(1)
     try:
         spec, image = ImageSpec(), GENERATED["rgb-png-500x375"]
         assert len(pool.decode([image], spec)) == 1
         (worker,) = pool._all
-        worker.proc.send_signal(signal.SIGKILL)
+        worker.proc.send_signal(signal.SIGKILL)  # as the kernel kills one short of memory
         worker.proc.wait()
-        with pytest.raises(RuntimeError, match=r"image decode worker process \(pid \d+\) ended during a call, exit "
-                                                r"code -9"):
-            pool.decode([image], spec)
-        out = pool.decode([image], spec)  # a new worker
-        np.testing.assert_array_equal(out[0][0], threads_way(image, spec)[0])
+        (out,) = pool.decode([image], spec)  # made again on a new worker
+        np.testing.assert_array_equal(out[0], threads_way(image, spec)[0])
         assert len(pool._all) == 1 and pool._all[0].proc.pid != worker.proc.pid
+    finally:
+        pool.close()
+
+
+def test_a_call_whose_second_worker_dies_too_fails_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from zephon_stream.vision import processes
+
+    pool = DecodePool(1)
+    try:
+        def dies(self, *args):
+            self.proc.kill()
+            self.proc.wait()
+            raise self._died("during a call")
+
+        monkeypatch.setattr(processes._Worker, "call", dies)
+        with pytest.raises(RuntimeError, match=r"image decode worker process \(pid \d+\) ended during a call, exit "
+                                                r"code -9, and so did the worker that took its call again"):
+            pool.decode([GENERATED["bmp"]], ImageSpec())
+        monkeypatch.undo()
+        assert len(pool.decode([GENERATED["bmp"]], ImageSpec())) == 1  # its place was kept
     finally:
         pool.close()
 
@@ -103,8 +120,9 @@ def test_workers_end_with_the_pool_and_with_their_parent(tmp_path: Path) -> None
     assert procs and all(p.poll() is None for p in procs)
     pool.close()
     assert all(p.poll() is not None for p in procs)
-    with pytest.raises(RuntimeError, match="shut down"):
-        pool.decode([GENERATED["bmp"]], ImageSpec())
+    for _ in range(3):  # each call fails at once, none waits for a place lost by the one before
+        with pytest.raises(RuntimeError, match="shut down"):
+            pool.decode([GENERATED["bmp"]], ImageSpec())
     # a parent killed outright: its workers see their input end and exit
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent("""
@@ -194,3 +212,76 @@ def test_start_begins_the_workers_before_the_first_call() -> None:
         assert len(pool.decode([GENERATED["bmp"]] * 2, ImageSpec())) == 2
     finally:
         pool.close()
+
+
+def test_pillows_png_text_limits_are_the_callers(pool: DecodePool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trainers raise PngImagePlugin.MAX_TEXT_CHUNK for PNGs with large text chunks: a worker decodes
+    under the caller's limits, so an image is bad in both ways or in neither."""
+    import io
+
+    from PIL import Image, PngImagePlugin
+
+    info = PngImagePlugin.PngInfo()
+    info.add_text("comment", "x" * (3 << 20), zip=True)  # 3 MB of text, a few KB compressed
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), (10, 20, 30)).save(buf, "PNG", pnginfo=info)
+    data, spec = buf.getvalue(), ImageSpec()
+    assert isinstance(threads_way(data, spec), str)  # the default limit refuses it
+    assert isinstance(pool.decode([data], spec)[0], BadImage)
+    monkeypatch.setattr(PngImagePlugin, "MAX_TEXT_CHUNK", 8 << 20)
+    monkeypatch.setattr(PngImagePlugin, "MAX_TEXT_MEMORY", 64 << 20)
+    (frame, gh, gw) = pool.decode([data], spec)[0]
+    want = threads_way(data, spec)
+    np.testing.assert_array_equal(frame, want[0])
+
+
+def test_workers_import_nothing_from_the_current_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m` would put the current directory first on the worker's path: a numpy.py there
+    would be the worker's numpy. The worker gets this process's path, nothing else."""
+    (tmp_path / "numpy.py").write_text("raise ImportError('the numpy.py of the current directory')\n")
+    monkeypatch.chdir(tmp_path)
+    pool = DecodePool(1)
+    try:
+        (out,) = pool.decode([GENERATED["bmp"]], ImageSpec())
+        np.testing.assert_array_equal(out[0], threads_way(GENERATED["bmp"], ImageSpec())[0])
+        assert not os.get_inheritable(pool._all[0].fd)  # the slab goes to the worker alone, not to other children
+    finally:
+        pool.close()
+
+
+def test_a_worker_that_cannot_start_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = str(Path(__file__).resolve().parents[2])
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if "site-packages" not in p and p not in ("", repo)])
+    pool = DecodePool(1)
+    try:
+        with pytest.raises(RuntimeError, match=r"(?s)image decode worker process could not start .*"
+                                                r"ModuleNotFoundError: No module named"):
+            pool.decode([GENERATED["bmp"]], ImageSpec())
+    finally:
+        pool.close()
+
+
+def test_a_forked_child_decodes_in_a_pool_of_its_own(pool: DecodePool) -> None:
+    spec, image = ImageSpec(), GENERATED["rgba-png"]
+    pool.decode([image], spec)  # the parent's workers are running
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's pool object, its own workers
+        ok = False
+        try:
+            (out,) = pool.decode([image], spec)
+            ok = bool(np.array_equal(out[0], threads_way(image, spec)[0]))
+        finally:
+            os.write(write, b"1" if ok else b"0")
+            os._exit(0)
+    os.close(write)
+    assert os.read(read, 1) == b"1"
+    os.waitpid(pid, 0)
+    os.close(read)
+    (out,) = pool.decode([image], spec)  # the parent's pool is as it was
+    np.testing.assert_array_equal(out[0], threads_way(image, spec)[0])
+
+
+def test_a_vision_config_is_taken_as_its_image_spec(pool: DecodePool) -> None:
+    (out,) = pool.decode([GENERATED["bmp"]], VisionConfig(patch_size=16))
+    np.testing.assert_array_equal(out[0], threads_way(GENERATED["bmp"], ImageSpec(patch_size=16))[0])

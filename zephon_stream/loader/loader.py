@@ -7,6 +7,7 @@ import atexit
 import collections
 import logging
 import multiprocessing.util  # noqa: F401  (registers its exit handler before ours: see `_close_open_iterations`)
+import sys
 import threading
 import time
 import weakref
@@ -929,6 +930,9 @@ def _close_open_iterations() -> None:
     """
     for it in list(_OPEN_ITERATIONS):
         it.close_if_paused()
+    processes = sys.modules.get("zephon_stream.vision.processes")
+    if processes is not None:  # then the image decode processes, which those iterations no longer use
+        processes.close_pool()
 
 
 def _register_iterable_dataset() -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
@@ -226,6 +227,8 @@ class VisionTokens:
     def __init__(self, vision: Any, tokenizer: Any, seq_len: int, pool: Any = None) -> None:
         self.vision, self.tokenizer, self.seq_len = vision, tokenizer, seq_len
         self.pool = pool  # a `vision.processes.DecodePool` that decodes the calls, or None: decoded here
+        # this loader's calls in the pool at once: its own decode_processes (the pool is the process's)
+        self._at_once = threading.Semaphore(max(1, vision.decode_processes))
         self.spec = vision.image_spec()
         self.image_id = tokenizer.token_id(vision.image_token, "vision.image_token")
         self.start = [tokenizer.token_id(t, f"vision.{f}") for f, t in
@@ -277,7 +280,7 @@ class VisionTokens:
         from zephon_stream.vision.image import BadImage, load_image, patch_frame
 
         if self.pool is not None:
-            return self.pool.decode(images, self.spec)
+            return self.pool.decode(images, self.spec, self._at_once)
         out: list[Any] = []
         for data in images:
             try:

@@ -19,19 +19,25 @@ worker as an open descriptor: nothing has a name to leak, and the memory goes wi
 process that maps it. Its size is `decode_batch * max_pixels * 3` bytes, the most one call's
 frames can take; it only takes memory where a call wrote (the largest call so far).
 
-Workers run `python -m zephon_stream.vision.processes`, started on first use and shared by
-every Loader of the process (one pool per size): nothing is forked from a process that holds
-threads, and the user's script is not imported again, so no `if __name__ == "__main__":`
-guard is needed. A worker exits when this process closes its pipe, and so when this process
-ends in any way. It ignores SIGINT: a Ctrl-C is the trainer's to handle. A worker that dies
-(killed, out of memory) fails the call it had with a RuntimeError; the next call starts a
-new one. The frames are the same bytes as on threads (the same functions), so the setting
-changes no batch: tests/core/test_determinism.py runs image configs both ways.
+Workers are started (not forked) as `python -I -c <boot> <fd> <sys.path>`: this process's
+interpreter and module path exactly, nothing from the current directory, and the user's script
+is not imported again, so no `if __name__ == "__main__":` guard is needed. They start when the
+lanes do, in a session of their own (a Ctrl-C to the terminal is the trainer's to handle), and
+say they are ready, or why they could not start, in their first message. One pool serves the
+process, grown to the largest `decode_processes` asked for; each Loader's calls take at most
+its own number of workers at once. A worker exits when this process closes its pipe, and so
+when this process ends in any way. A worker that dies (killed, out of memory) is replaced and
+its call is made again on the new one (decoding is a pure function of the bytes); a second
+death fails the call. A child forked from this process makes a pool of its own.
+
+The frames are the same bytes as on threads (the same functions, and Pillow's process-wide
+PNG text limits sent with each call), so the setting changes no batch:
+tests/core/test_decode_processes.py runs the loader both ways, across resumes.
 """
 
 from __future__ import annotations
 
-import atexit
+import json
 import mmap
 import os
 import queue
@@ -41,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from pathlib import Path
+import traceback
 from typing import IO
 
 import msgspec
@@ -49,15 +55,29 @@ import numpy as np
 
 from zephon_stream.vision.image import BadImage, ImageSpec, _pil, check_pillow_settings, load_image, patch_frame
 
-__all__ = ["DecodePool", "decode_pool"]
+__all__ = ["DecodePool", "close_pool", "decode_pool"]
 
 _LEN = struct.Struct("<Q")
+# The worker's first lines: the parent's module path, then this module (never the current directory: -I);
+# a failed import is its first message, so that the parent can say why.
+_BOOT = """import sys, json
+sys.path[:] = json.loads(sys.argv[2])
+try:
+    from zephon_stream.vision.processes import main
+except BaseException:
+    import struct, traceback
+    why = traceback.format_exc().encode()
+    sys.stdout.buffer.write(struct.pack("<Q", len(why)) + why)
+    raise
+main()
+"""
 
 
 class _Request(msgspec.Struct, array_like=True):
     slab_size: int  # the worker maps this many bytes of its slab (grown when a call may need more)
     spec: ImageSpec
     images: list[bytes]
+    png_text: tuple[int, int]  # Pillow's PNG text limits in the calling process (MAX_TEXT_CHUNK, MAX_TEXT_MEMORY)
 
 
 class _Reply(msgspec.Struct, array_like=True):
@@ -81,48 +101,62 @@ def _receive(pipe: IO[bytes]) -> bytes | None:
 
 
 def _slab_file() -> int:
-    """An open descriptor of a new, empty anonymous file for a slab."""
+    """An open descriptor (not inherited by other children) of a new, empty anonymous file for a slab."""
     if hasattr(os, "memfd_create"):
         return os.memfd_create("zephon-decode-slab", os.MFD_CLOEXEC)
-    handle = tempfile.TemporaryFile()  # unlinked at once on POSIX: no name to leak
-    fd = os.dup(handle.fileno())
-    handle.close()
-    return fd
+    with tempfile.TemporaryFile() as handle:  # unlinked at once on POSIX: no name to leak
+        return os.dup(handle.fileno())  # (dup: not inheritable)
+
+
+def _png_text_limits() -> tuple[int, int]:
+    from PIL import PngImagePlugin
+
+    return PngImagePlugin.MAX_TEXT_CHUNK, PngImagePlugin.MAX_TEXT_MEMORY
+
+
+class _WorkerDied(RuntimeError):
+    pass
 
 
 class _Worker:
     """One worker process, its pipes and its slab (this process's end of it)."""
 
     def __init__(self) -> None:
+        if not sys.executable:
+            raise RuntimeError("vision.decode_processes starts Python worker processes, but this interpreter does "
+                               "not know its executable (sys.executable is empty, as when Python is embedded): "
+                               "set vision.decode_processes = 0")
         self.fd = _slab_file()
-        os.set_inheritable(self.fd, True)
-        package = str(Path(__file__).resolve().parents[2])  # where `zephon_stream` is, for a path set at run time
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package, os.environ.get("PYTHONPATH")) if p)}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "zephon_stream.vision.processes", str(self.fd)], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, pass_fds=(self.fd,), env=env, close_fds=True)
+        self.command = [sys.executable, "-I", "-c", _BOOT, str(self.fd), json.dumps(sys.path)]
+        try:
+            self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         pass_fds=(self.fd,), start_new_session=True)
+        except BaseException:
+            os.close(self.fd)
+            raise
         self.size, self.map = 0, None
+        self.ready = False  # its first message, "ready" or why it could not start, read with the first call
         self.in_step = True  # False from a request's send until its whole reply is read
+        self.closed = False
 
     def call(self, spec: ImageSpec, images: list[bytes], need: int) -> list[tuple[np.ndarray, int, int] | BadImage]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if not self.ready:
+            self._started()
         if need > self.size:  # the file grows first; the worker maps the new size with this request
             os.ftruncate(self.fd, need)
             if self.map is not None:
                 self.map.close()
             self.map, self.size = mmap.mmap(self.fd, need, prot=mmap.PROT_READ), need
-        assert self.proc.stdin is not None and self.proc.stdout is not None
         self.in_step = False  # an interruption from here on (a KeyboardInterrupt) leaves a reply unread
         try:
-            _send(self.proc.stdin, msgspec.msgpack.encode(_Request(self.size, spec, images)))
+            _send(self.proc.stdin, msgspec.msgpack.encode(_Request(self.size, spec, images, _png_text_limits())))
             raw = _receive(self.proc.stdout)
-        except (BrokenPipeError, OSError):
+        except (OSError, ValueError):  # a broken or closed pipe
             raw = None
         self.in_step = raw is not None
         if raw is None:
-            code = self.proc.poll()
-            raise RuntimeError(f"an image decode worker process (pid {self.proc.pid}) ended during a call"
-                               + (f", exit code {code}" if code is not None else "")
-                               + ": see its output above; a new one starts with the next call")
+            raise self._died("during a call")
         reply = msgspec.msgpack.decode(raw, type=_Reply)
         if reply.error:
             raise RuntimeError(f"an image decode worker process failed: {reply.error}")
@@ -138,59 +172,112 @@ class _Worker:
             del view  # no export of the map outlives the call (it is closed when it grows)
         return out
 
-    def close(self) -> None:
+    def _started(self) -> None:
+        assert self.proc.stdout is not None
         try:
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()  # the worker's end of input: it exits
-        except OSError:
-            pass
+            raw = _receive(self.proc.stdout)
+        except (OSError, ValueError):
+            raw = None
+        if raw != b"ready":
+            why = raw.decode(errors="replace") if raw else "it ended before saying it was ready"
+            self.close()
+            raise RuntimeError(f"an image decode worker process could not start ({' '.join(self.command[:4])} ...): "
+                               f"{why}")
+        self.ready = True
+
+    def _died(self, when: str) -> _WorkerDied:
+        code = self.proc.poll()
+        return _WorkerDied(f"an image decode worker process (pid {self.proc.pid}) ended {when}"
+                           + (f", exit code {code}" if code is not None else ""))
+
+    def close(self) -> None:
+        """End the worker and free this process's end of it; again, nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                if pipe is not None:
+                    pipe.close()  # the worker's end of input: it exits
+            except (OSError, ValueError):
+                pass
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
         if self.map is not None:
-            self.map.close()
+            try:
+                self.map.close()
+            except BufferError:  # a view still open somewhere: the mapping goes with it
+                pass
         os.close(self.fd)
 
 
 class DecodePool:
-    """`workers` decode processes; `decode` runs one call on an idle one (threads wait for one)."""
+    """`workers` decode processes; `decode` runs one call on an idle one (threads wait for one).
+
+    `decode(..., at_once=sem)` waits for `sem` first: a Loader's own bound on its calls at once."""
 
     def __init__(self, workers: int) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
-        self.workers = workers
+        self.workers = 0
         self._idle: queue.SimpleQueue[_Worker | None] = queue.SimpleQueue()
-        for _ in range(workers):
-            self._idle.put(None)  # a worker starts when a call first takes its place
         self._all: list[_Worker] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._pid = os.getpid()
+        self.grow(workers)
 
     def __repr__(self) -> str:
         return f"DecodePool(workers={self.workers})"
 
-    def decode(self, images: list[bytes], spec: ImageSpec) -> list[tuple[np.ndarray, int, int] | BadImage]:
+    def grow(self, workers: int) -> None:
+        """At least `workers` places (each starts its worker when first used, or with `start`)."""
+        with self._lock:
+            for _ in range(workers - self.workers):
+                self._idle.put(None)
+            self.workers = max(self.workers, workers)
+
+    def decode(self, images: list[bytes], spec: ImageSpec,
+               at_once: threading.Semaphore | None = None) -> list[tuple[np.ndarray, int, int] | BadImage]:
         """Each image as `(patch_frame(load_image(data)), grid_h, grid_w)`, or the BadImage it raised."""
+        if os.getpid() != self._pid:  # a forked child: this process's own pool, never the parent's workers
+            return decode_pool(self.workers).decode(images, spec, at_once)
         if not images:
             return []
         check_pillow_settings()  # refused here as on threads (a worker never has the setting)
-        worker = self._idle.get()
-        try:
-            if worker is None:
-                worker = self._start()
-            out = worker.call(spec, images, len(images) * spec.max_pixels * 3)
-        except BaseException:
-            if worker is not None and (not worker.in_step or worker.proc.poll() is not None):
-                self._forget(worker)  # dead, or a reply left unread: its place takes a new one
+        if type(spec) is not ImageSpec:  # (a VisionConfig: its sizing settings alone)
+            spec = ImageSpec(**{f: getattr(spec, f) for f in ImageSpec.__struct_fields__})
+        if at_once is None:
+            return self._decode(images, spec)
+        with at_once:
+            return self._decode(images, spec)
+
+    def _decode(self, images: list[bytes], spec: ImageSpec) -> list[tuple[np.ndarray, int, int] | BadImage]:
+        for attempt in (0, 1):  # a worker that dies is replaced, and its call made again once
+            worker = self._idle.get()
+            try:
+                if self._closed:
+                    raise RuntimeError("the image decode processes were shut down (DecodePool.close)")
+                if worker is None:
+                    worker = self._start()
+                return worker.call(spec, images, len(images) * spec.max_pixels * 3)
+            except _WorkerDied as exc:
+                self._forget(worker)
                 worker = None
-            self._idle.put(worker)
-            raise
-        self._idle.put(worker)
-        return out
+                if attempt:
+                    raise RuntimeError(f"{exc}, and so did the worker that took its call again: see their output "
+                                       "above (the kernel's log, for one killed for memory)") from None
+            except BaseException:
+                if worker is not None and (not worker.in_step or worker.closed or worker.proc.poll() is not None):
+                    self._forget(worker)  # dead, or a reply left unread: its place takes a new one
+                    worker = None
+                raise
+            finally:
+                self._idle.put(worker)
+        raise AssertionError("unreachable")
 
     def start(self) -> None:
         """Start the workers not started yet, without waiting for them: they import Pillow while
@@ -202,15 +289,17 @@ class DecodePool:
         except queue.Empty:
             pass
         try:
-            taken = [w if w is not None else self._start() for w in taken]
+            for i, worker in enumerate(taken):
+                if worker is None:
+                    taken[i] = self._start()
         finally:
-            for w in taken:
-                self._idle.put(w)
+            for worker in taken:
+                self._idle.put(worker)
 
     def _start(self) -> _Worker:
         with self._lock:
             if self._closed:
-                raise RuntimeError("the image decode processes were shut down (the interpreter is exiting)")
+                raise RuntimeError("the image decode processes were shut down (DecodePool.close)")
             worker = _Worker()
             self._all.append(worker)
             return worker
@@ -222,7 +311,7 @@ class DecodePool:
         worker.close()
 
     def close(self) -> None:
-        """End every worker (they also end when this process does)."""
+        """End every worker (they also end when this process does). Calls after it fail."""
         with self._lock:
             self._closed = True
             workers, self._all = self._all, []
@@ -230,25 +319,28 @@ class DecodePool:
             worker.close()
 
 
-_POOLS: dict[int, DecodePool] = {}
-_POOLS_LOCK = threading.Lock()
+_POOL: DecodePool | None = None
+_POOL_LOCK = threading.Lock()
 
 
 def decode_pool(workers: int) -> DecodePool:
-    """The process's pool of `workers` decode processes, shared by every Loader that asks for as many."""
-    with _POOLS_LOCK:
-        pool = _POOLS.get(workers)
-        if pool is None:
-            pool = _POOLS[workers] = DecodePool(workers)
-        return pool
+    """The process's decode pool, with at least `workers` workers (shared by every Loader)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL._pid != os.getpid() or _POOL._closed:
+            _POOL = DecodePool(workers)  # (a forked child's own: the parent's is left as it is, unused)
+        else:
+            _POOL.grow(workers)
+        return _POOL
 
 
-@atexit.register
-def _close_pools() -> None:
-    with _POOLS_LOCK:
-        pools = list(_POOLS.values())
-        _POOLS.clear()
-    for pool in pools:
+def close_pool() -> None:
+    """End the process's decode pool, if it has one (the Loader's exit handler calls it once the
+    iterations still open are closed; the workers would end with this process anyway)."""
+    global _POOL
+    with _POOL_LOCK:
+        pool, _POOL = _POOL, None
+    if pool is not None and pool._pid == os.getpid():
         pool.close()
 
 
@@ -256,11 +348,14 @@ def _close_pools() -> None:
 
 
 def _serve(fd: int, requests: IO[bytes], replies: IO[bytes]) -> None:
+    from PIL import PngImagePlugin
+
     slab, size = None, 0
     decode = msgspec.msgpack.Decoder(_Request)
     while (raw := _receive(requests)) is not None:
         try:
             req = decode.decode(raw)
+            PngImagePlugin.MAX_TEXT_CHUNK, PngImagePlugin.MAX_TEXT_MEMORY = req.png_text  # as in the caller
             if req.slab_size != size:
                 if slab is not None:
                     slab.close()
@@ -290,8 +385,15 @@ def _serve(fd: int, requests: IO[bytes], replies: IO[bytes]) -> None:
 
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C is the parent's
-    _pil()  # Pillow and its plugins, before the first call
-    _serve(int(sys.argv[1]), sys.stdin.buffer, sys.stdout.buffer)
+    replies = sys.stdout.buffer
+    try:
+        fd = int(sys.argv[1])
+        _pil()  # Pillow and its plugins, before the first call
+    except BaseException:
+        _send(replies, traceback.format_exc().encode())
+        raise SystemExit(1) from None
+    _send(replies, b"ready")
+    _serve(fd, sys.stdin.buffer, replies)
 
 
 if __name__ == "__main__":
