@@ -21,7 +21,8 @@ REPO = ROOT.parent
 
 TOP_LEVEL = {
     "AccessDenied", "AlreadyExists", "BaseVersionMismatch", "BatchStream", "BucketNotFound", "CheckpointError",
-    "Config", "ConfigError", "ConnectorError", "DataError", "DigestMismatch", "IncompatibleState", "LaneState",
+    "Config", "ConfigError", "ConnectorError", "DataError", "DecodeWorkerError", "DigestMismatch", "IncompatibleState",
+    "LaneState",
     "Loader", "LoaderState", "LoaderStatistics", "ObjectNotFound", "Publisher", "RefitError", "ScheduleEntry",
     "Sharding", "SourceConfig", "StateHeader", "Subscriber", "Throttled", "VersionConflict", "VisionConfig",
     "ZephonError", "state_from_bytes", "state_to_bytes", "Map", "Filter", "TransformStep",

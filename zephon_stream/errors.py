@@ -34,7 +34,8 @@ import msgspec
 
 __all__ = [
     "AccessDenied", "AlreadyExists", "BaseVersionMismatch", "BucketNotFound", "CheckpointError", "ConfigError",
-    "ConnectorError", "DataError", "DigestMismatch", "IncompatibleState", "ObjectNotFound", "RefitError",
+    "ConnectorError", "DataError", "DecodeWorkerError", "DigestMismatch", "IncompatibleState", "ObjectNotFound",
+    "RefitError",
     "Throttled", "ZephonError", "closest_key", "in_source", "root_error", "unwrap_groups",
 ]
 
@@ -98,6 +99,11 @@ def in_source(name: str, uri: str) -> Iterator[None]:
         if err is exc:
             raise
         raise err from exc
+
+
+class DecodeWorkerError(ZephonError, RuntimeError):
+    """An image decode worker process (`vision.decode_processes`) could not start, or died and so
+    did the one that took its call again."""
 
 
 class CheckpointError(ZephonError):

@@ -13,6 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from zephon_stream.loader.loader import Loader
 from zephon_stream.testing.determinism import run_world
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="decode processes need POSIX")
@@ -51,12 +52,29 @@ def test_a_script_without_a_main_guard_streams_images(tmp_path: Path, vision_con
 
 @pytest.mark.parametrize("backend", ["inline", "processes"])
 def test_other_backends_say_they_ignore_the_setting(vision_config, backend, caplog) -> None:
-    from zephon_stream.loader.lane import _decode_pool
+    """Said in the calling process: the processes backend's lane workers build the lanes, and their log
+    may go nowhere (a trial saw nothing from that backend)."""
+    from zephon_stream.loader import backends
 
-    cfg = with_processes(vision_config).replace(backend=backend)
+    backends._warn_once.cache_clear()
+    cfg = with_processes(vision_config).replace(backend=backend, max_epochs=1)
     with caplog.at_level("WARNING", logger="zephon_stream.loader"):
-        assert _decode_pool(cfg) is None
+        for _ in Loader(cfg):
+            break
     assert f"vision.decode_processes = 2 applies to backend \"threads\" only: backend {backend!r}" in caplog.text
+
+
+def test_more_processes_than_cores_is_said_and_the_threads_follow(vision_config, caplog, monkeypatch) -> None:
+    from zephon_stream.loader import backends
+
+    backends._warn_once.cache_clear()
+    monkeypatch.setattr(backends, "usable_cores", lambda: 2)
+    cfg = with_processes(vision_config, 6)
+    with caplog.at_level("WARNING", logger="zephon_stream.loader"):
+        backends.warn_decode_processes(cfg)
+    assert "vision.decode_processes = 6 is more than the 2 cores this process may run on" in caplog.text
+    assert backends.decode_policy(cfg).threads == 6  # a call reaches a worker from a decode thread: one each
+    assert backends.decode_policy(with_processes(vision_config, 2)).threads == vision_config.vision.decode_threads
 
 
 @pytest.mark.parametrize("steps", [1, 3])

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests.vision.test_image import GENERATED, gif_header, png_bomb
-from zephon_stream import ConfigError
+from zephon_stream import ConfigError, DecodeWorkerError
 from zephon_stream.loader.config import VisionConfig
 from zephon_stream.vision import ImageSpec, load_image, patch_frame
 from zephon_stream.vision.image import BadImage
@@ -93,6 +93,18 @@ def test_a_dead_worker_is_replaced_and_its_call_made_again() -> None:
         pool.close()
 
 
+def test_a_worker_killed_as_it_starts_is_replaced() -> None:
+    pool = DecodePool(1)
+    try:
+        pool.start()
+        (worker,) = pool._all
+        worker.proc.kill()  # before it said it was ready
+        (out,) = pool.decode([GENERATED["bmp"]], ImageSpec())
+        np.testing.assert_array_equal(out[0], threads_way(GENERATED["bmp"], ImageSpec())[0])
+    finally:
+        pool.close()
+
+
 def test_a_call_whose_second_worker_dies_too_fails_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     from zephon_stream.vision import processes
 
@@ -104,8 +116,8 @@ def test_a_call_whose_second_worker_dies_too_fails_by_name(monkeypatch: pytest.M
             raise self._died("during a call")
 
         monkeypatch.setattr(processes._Worker, "call", dies)
-        with pytest.raises(RuntimeError, match=r"image decode worker process \(pid \d+\) ended during a call, exit "
-                                                r"code -9, and so did the worker that took its call again"):
+        with pytest.raises(DecodeWorkerError, match=r"image decode worker process \(pid \d+\) ended during a call, "
+                                                     r"killed by SIGKILL, and so did the worker that took its call"):
             pool.decode([GENERATED["bmp"]], ImageSpec())
         monkeypatch.undo()
         assert len(pool.decode([GENERATED["bmp"]], ImageSpec())) == 1  # its place was kept
@@ -254,7 +266,7 @@ def test_a_worker_that_cannot_start_says_why(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(sys, "path", [p for p in sys.path if "site-packages" not in p and p not in ("", repo)])
     pool = DecodePool(1)
     try:
-        with pytest.raises(RuntimeError, match=r"(?s)image decode worker process could not start .*"
+        with pytest.raises(DecodeWorkerError, match=r"(?s)image decode worker process could not start .*"
                                                 r"ModuleNotFoundError: No module named"):
             pool.decode([GENERATED["bmp"]], ImageSpec())
     finally:

@@ -25,6 +25,8 @@ parent raises one ConfigError that says what to add.
 
 from __future__ import annotations
 
+import functools
+import logging
 import multiprocessing
 import os
 import signal
@@ -54,6 +56,8 @@ from zephon_stream.operators.read import RecordCounts
 from zephon_stream.operators.tokenize import Tokenize
 from zephon_stream.operators.types import LaneFailure, Sample
 
+log = logging.getLogger("zephon_stream.loader")
+
 __all__ = ["NO_MAIN_GUARD", "check_spawn_allowed", "cpu_policy", "run_lanes"]
 
 Streams = dict[int, anyio.abc.ObjectReceiveStream[list[Sample]]]
@@ -73,7 +77,29 @@ def decode_policy(config: Config) -> CpuPolicy | None:
     """The image sources' decode threads (`vision.decode_threads`), or None without images."""
     if config.vision is None:
         return None
-    return CpuPolicy(config.vision.decode_threads, inline=config.backend == "inline")
+    vision = config.vision
+    processes = vision.decode_processes if config.backend == "threads" else 0  # threads hand their calls to them
+    return CpuPolicy(max(vision.decode_threads, processes), inline=config.backend == "inline")
+
+
+@functools.lru_cache(maxsize=16)
+def _warn_once(message: str) -> None:
+    log.warning(message)
+
+
+def warn_decode_processes(config: Config) -> None:
+    """Say where `vision.decode_processes` cannot do what it says (in this process: a lane worker's
+    log may go nowhere)."""
+    n = config.vision.decode_processes if config.vision is not None else 0
+    if not n:
+        return
+    if config.backend != "threads":
+        where = "on the event loop's thread" if config.backend == "inline" else "in its lane processes, on threads"
+        _warn_once(f"vision.decode_processes = {n} applies to backend \"threads\" only: backend "
+                   f"{config.backend!r} decodes images {where}")
+    elif n > usable_cores():
+        _warn_once(f"vision.decode_processes = {n} is more than the {usable_cores()} cores this process may run on: "
+                   "the workers only take turns on them (each rank of a node starts its own)")
 
 
 @asynccontextmanager
@@ -85,6 +111,7 @@ async def run_lanes(config: Config, tokenizer: Tokenize, plan: DataPlan, stores:
     `stores` serve the lanes run here; worker processes and actors open their own (wrapped by
     `wrap_store`), and the fourth callable sums their counters (all zero when none runs).
     """
+    warn_decode_processes(config)
     if config.backend == "processes":
         async with _run_processes(config, plan, states, wrap_store) as out:
             yield out

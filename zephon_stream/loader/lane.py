@@ -31,7 +31,6 @@ from __future__ import annotations
 import collections
 import copy
 import functools
-import logging
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from functools import lru_cache
@@ -59,8 +58,6 @@ from zephon_stream.operators.single import SinglePack
 from zephon_stream.operators.sources import make_parser, make_reader
 from zephon_stream.operators.tokenize import Tokenize
 from zephon_stream.operators.types import Doc, LaneFailure, Sample
-
-log = logging.getLogger("zephon_stream.loader")
 
 __all__ = ["Lanes", "TextLane"]
 
@@ -109,24 +106,15 @@ class FirstStep:
 
 
 def _decode_pool(config: Config) -> Any:
-    """The process's decode processes for `vision.decode_processes` (backend "threads"), else None."""
-    if config.vision is None or not config.vision.decode_processes:
-        return None
-    if config.backend != "threads":
-        where = "on the event loop's thread" if config.backend == "inline" else "in its lane processes' threads"
-        _ignored_once(f"vision.decode_processes = {config.vision.decode_processes} applies to backend \"threads\" "
-                      f"only: backend {config.backend!r} decodes images {where}")
+    """The process's decode processes for `vision.decode_processes` (backend "threads"), else None
+    (`backends.run_lanes` warns that other backends ignore the setting)."""
+    if config.vision is None or not config.vision.decode_processes or config.backend != "threads":
         return None
     from zephon_stream.vision.processes import decode_pool
 
     pool = decode_pool(config.vision.decode_processes)
     pool.start()  # importing Pillow in the workers while the lanes start
     return pool
-
-
-@functools.lru_cache(maxsize=16)
-def _ignored_once(message: str) -> None:
-    log.warning(message)
 
 
 class Lanes:

@@ -143,7 +143,8 @@ MEANINGS: dict[tuple[str, str], str] = {
     ("vision", "decode_threads"): "Image decode calls at once per process, on threads beside `cpu_threads`' (more "
                                   "than the cores: Pillow holds the GIL for part of each image). ",
     ("vision", "decode_processes"): "With backend \"threads\", worker processes that decode the decode threads' "
-                                    "calls out of the GIL (0: the threads decode); the same pixels. ",
+                                    "calls out of the GIL (0: the threads decode); the same pixels. Set it to the "
+                                    "cores the loader may use. ",
     ("transforms", "map"): '`"pkg.module:function"`: replaces each record with the function\'s result. ',
     ("transforms", "filter"): '`"pkg.module:function"`: keeps the records for which it is true; the others are '
                               "counted per source in statistics. ",

@@ -20,8 +20,9 @@ process that maps it. Its size is `decode_batch * max_pixels * 3` bytes, the mos
 frames can take; it only takes memory where a call wrote (the largest call so far).
 
 Workers are started (not forked) as `python -I -c <boot> <fd> <sys.path>`: this process's
-interpreter and module path exactly, nothing from the current directory, and the user's script
-is not imported again, so no `if __name__ == "__main__":` guard is needed. They start when the
+interpreter and module path exactly (not the current directory on top of it, as `python -m`
+would put it; nor PYTHONPATH again), and the user's script is not imported again, so no
+`if __name__ == "__main__":` guard is needed. They start when the
 lanes do, in a session of their own (a Ctrl-C to the terminal is the trainer's to handle), and
 say they are ready, or why they could not start, in their first message. One pool serves the
 process, grown to the largest `decode_processes` asked for; each Loader's calls take at most
@@ -53,6 +54,7 @@ from typing import IO
 import msgspec
 import numpy as np
 
+from zephon_stream.errors import DecodeWorkerError
 from zephon_stream.vision.image import BadImage, ImageSpec, _pil, check_pillow_settings, load_image, patch_frame
 
 __all__ = ["DecodePool", "close_pool", "decode_pool"]
@@ -60,7 +62,8 @@ __all__ = ["DecodePool", "close_pool", "decode_pool"]
 _LEN = struct.Struct("<Q")
 # The worker's first lines: the parent's module path, then this module (never the current directory: -I);
 # a failed import is its first message, so that the parent can say why.
-_BOOT = """import sys, json
+_BOOT = """# zephon_stream.vision.processes: an image decode worker
+import sys, json
 sys.path[:] = json.loads(sys.argv[2])
 try:
     from zephon_stream.vision.processes import main
@@ -123,9 +126,9 @@ class _Worker:
 
     def __init__(self) -> None:
         if not sys.executable:
-            raise RuntimeError("vision.decode_processes starts Python worker processes, but this interpreter does "
-                               "not know its executable (sys.executable is empty, as when Python is embedded): "
-                               "set vision.decode_processes = 0")
+            raise DecodeWorkerError("vision.decode_processes starts Python worker processes, but this interpreter does "
+                                    "not know its executable (sys.executable is empty, as when Python is embedded): "
+                                    "set vision.decode_processes = 0")
         self.fd = _slab_file()
         self.command = [sys.executable, "-I", "-c", _BOOT, str(self.fd), json.dumps(sys.path)]
         try:
@@ -159,7 +162,7 @@ class _Worker:
             raise self._died("during a call")
         reply = msgspec.msgpack.decode(raw, type=_Reply)
         if reply.error:
-            raise RuntimeError(f"an image decode worker process failed: {reply.error}")
+            raise DecodeWorkerError(f"an image decode worker process failed: {reply.error}")
         p2 = spec.patch_size ** 2
         out: list[tuple[np.ndarray, int, int] | BadImage] = []
         for frame in reply.frames:
@@ -178,17 +181,22 @@ class _Worker:
             raw = _receive(self.proc.stdout)
         except (OSError, ValueError):
             raw = None
+        if raw is None:  # ended without a word: killed, as one can be at any time
+            raise self._died("as it started")
         if raw != b"ready":
-            why = raw.decode(errors="replace") if raw else "it ended before saying it was ready"
             self.close()
-            raise RuntimeError(f"an image decode worker process could not start ({' '.join(self.command[:4])} ...): "
-                               f"{why}")
+            raise DecodeWorkerError(f"an image decode worker process could not start ({sys.executable} -I -c "
+                                    f"<zephon_stream.vision.processes' worker>): {raw.decode(errors='replace')}")
         self.ready = True
 
     def _died(self, when: str) -> _WorkerDied:
-        code = self.proc.poll()
-        return _WorkerDied(f"an image decode worker process (pid {self.proc.pid}) ended {when}"
-                           + (f", exit code {code}" if code is not None else ""))
+        try:
+            code = self.proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            code = None
+        how = (f", killed by {signal.Signals(-code).name}" if code is not None and code < 0 and -code in
+               signal.valid_signals() else f", exit code {code}" if code is not None else "")
+        return _WorkerDied(f"an image decode worker process (pid {self.proc.pid}) ended {when}{how}")
 
     def close(self) -> None:
         """End the worker and free this process's end of it; again, nothing."""
@@ -260,7 +268,7 @@ class DecodePool:
             worker = self._idle.get()
             try:
                 if self._closed:
-                    raise RuntimeError("the image decode processes were shut down (DecodePool.close)")
+                    raise DecodeWorkerError("the image decode processes were shut down (DecodePool.close)")
                 if worker is None:
                     worker = self._start()
                 return worker.call(spec, images, len(images) * spec.max_pixels * 3)
@@ -268,8 +276,8 @@ class DecodePool:
                 self._forget(worker)
                 worker = None
                 if attempt:
-                    raise RuntimeError(f"{exc}, and so did the worker that took its call again: see their output "
-                                       "above (the kernel's log, for one killed for memory)") from None
+                    raise DecodeWorkerError(f"{exc}, and so did the worker that took its call again (the kernel's "
+                                            "log says whether it was killed for memory)") from None
             except BaseException:
                 if worker is not None and (not worker.in_step or worker.closed or worker.proc.poll() is not None):
                     self._forget(worker)  # dead, or a reply left unread: its place takes a new one
@@ -299,7 +307,7 @@ class DecodePool:
     def _start(self) -> _Worker:
         with self._lock:
             if self._closed:
-                raise RuntimeError("the image decode processes were shut down (DecodePool.close)")
+                raise DecodeWorkerError("the image decode processes were shut down (DecodePool.close)")
             worker = _Worker()
             self._all.append(worker)
             return worker
