@@ -479,8 +479,8 @@ def test_text_that_holds_a_vision_token_s_text_is_a_bad_record(vision_config, tm
     # "<|image_pad|>" in a caption or a text document became the image token's id: a placeholder
     # without an image, which a Qwen2-VL model counts against the image's features
     root = _shard_with(tmp_path, {"png": make_image(random.Random(4)), "txt": b"look <|image_pad|> here"})
-    with pytest.raises(DataError, match=r"bad caption in 'bad-00000.tar' at byte \d+: its text holds "
-                                        r"'<\|image_pad\|>', which only an image span may"):
+    with pytest.raises(DataError, match=r"bad caption of sample '000004' in 'bad-00000.tar' at byte \d+: its text "
+                                        r"holds '<\|image_pad\|>', which only an image span may"):
         _run(_one_source(vision_config, root))
     assert _run(_one_source(vision_config, root, on_bad_record="skip")) == (7, 1)
     (tmp_path / "text").mkdir()

@@ -252,8 +252,9 @@ class VisionTokens:
         return docs if not dropped else [d for i, d in enumerate(docs) if i not in dropped]
 
     def holding_vision_tokens(self, docs: list[tuple[Any, Any]], bad: BadRecords, key: str,
-                              where: Callable[[int], str] | None, what: str) -> set[int]:
-        """The positions in `docs` of those whose ids hold a vision token, each passed to `bad`."""
+                              where: Callable[[int], str] | None, what: str | list[str]) -> set[int]:
+        """The positions in `docs` of those whose ids hold a vision token, each passed to `bad`,
+        named `what` (or `what[i]`: a caption by its sample's key)."""
         if not docs or not self._holds_reserved(np.concatenate([getattr(d, "ids", d) for _, d in docs])):
             return set()  # one look at them all: the common case
         out = set()
@@ -263,7 +264,8 @@ class VisionTokens:
                 continue
             at = located(where, ref[2])
             tokens = ", ".join(repr(self.reserved[int(t)]) for t in self._reserved[found])
-            bad(DataError(f"bad {what} in {key!r} at {at}: its text holds {tokens}, which only an image span may: "
+            name = what if isinstance(what, str) else what[i]
+            bad(DataError(f"bad {name} in {key!r} at {at}: its text holds {tokens}, which only an image span may: "
                           "the model would take it for part of an image; remove it from the data", key=key,
                           offset=ref[2]))
             out.add(i)
@@ -315,7 +317,8 @@ class VisionTokens:
                               offset=ref[2]))
         captions = self.tokenizer.each([rec.text for _, rec, _, _ in images])  # see Tokenize.each
         dropped = self.holding_vision_tokens([(ref, c) for (ref, *_), c in zip(images, captions)], bad, key, where,
-                                             "caption")
+                                             [f"caption of sample {rec.member.rsplit('.', 1)[0]!r}"
+                                              for _, rec, _, _ in images])
         out = []
         before, after, bos = self.bos + self.start, self.end, len(self.bos)
         first = len(before)  # the BOS (if any) opens the document, before the image
