@@ -504,6 +504,13 @@ def test_image_source_mistakes_say_what_to_change(vision_config, dataset, tmp_pa
                                           r"image_field makes it an image\+text source: remove image_field to read it "
                                           r"as text"):
         next(iter(Loader(vision_config.replace(sources=[on_text]), backend="inline")))
+    # compressed tar shards: named, with the command that makes them readable
+    (tmp_path / "gz").mkdir()
+    (tmp_path / "gz" / "s-0.tar.gz").write_bytes(b"\x1f\x8b not read")
+    on_gz = msgspec.structs.replace(vision_config.sources[0], uri=f"file://{tmp_path}/gz/")
+    with pytest.raises(ConfigError, match=r"\(it holds \*\.tar\.gz: 1\); image shards are read as plain tar .*: "
+                                          r"decompress them, e\.g\. `gunzip \*\.tar\.gz`"):
+        next(iter(Loader(vision_config.replace(sources=[on_gz]), backend="inline")))
     # members of two samples interleaved: each sample then lacks a member, which the tar holds
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:

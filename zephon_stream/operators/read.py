@@ -271,6 +271,9 @@ def _list_shards(objects: list[ObjectInfo], name: str, uri: str, images: bool) -
                    if not images and set(there) & _CONVERTIBLE else "")
         if images and any(o.key.endswith(FORMATS["lines"]) for o in objects):
             convert = "; image_field makes it an image+text source: remove image_field to read it as text"
+        elif images and any(o.key.endswith((".tar.gz", ".tgz", ".tar.zst", ".tar.bz2", ".tar.xz")) for o in objects):
+            convert = ("; image shards are read as plain tar (each sample by a ranged read; its images are compressed "
+                       "already): decompress them, e.g. `gunzip *.tar.gz` or `zstd -d *.tar.zst`")
         raise ConfigError(f"source {name!r}: no {what} objects under {uri}{held}{convert}")
     if len(present) > 1:
         raise ConfigError(f"source {name!r}: {uri} holds both {_KIND_NAMES[present[0]]} shards "
