@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextvars
+import os
+import signal
 import threading
+import time
 
 import anyio
 import pytest
@@ -125,3 +128,25 @@ def test_cancelled_caller_waits_for_the_call_unless_it_abandons_it():
     started.clear(), release.clear(), finished.clear()
     assert anyio.run(cancel_after_start, True) is False
     assert finished.wait(10)
+
+
+def test_a_forked_child_runs_calls_on_threads_of_its_own() -> None:
+    """The child of a fork has none of the parent's threads: calls in it ran nowhere, and a Loader
+    opened in it waited for ever (multiprocessing's default start method on Linux, after the
+    parent had streamed)."""
+    assert anyio.run(threads.run_sync, sum, [1, 2]) == 3  # the parent's spawner and a worker are running
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)  # a hang ends the child, and the test, instead of the run
+        try:
+            ok = anyio.run(threads.run_sync, sum, [3, 4]) == 7
+        finally:
+            os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0
+    assert anyio.run(threads.run_sync, sum, [5, 6]) == 11  # the parent's pool is as it was

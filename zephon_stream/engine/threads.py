@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -136,6 +137,16 @@ class _Pool:
 
 
 _POOL = _Pool()
+
+
+def _new_pool_in_child() -> None:
+    """A forked child has none of the parent's threads, spawner included: the pool it inherited would
+    queue calls that nothing runs (a Loader opened in the child waited for ever). It starts its own."""
+    global _POOL
+    _POOL = _Pool()
+
+
+os.register_at_fork(after_in_child=_new_pool_in_child)
 
 
 async def run_sync(fn: Callable[..., T], *args: Any, limiter: anyio.CapacityLimiter | None = None,
