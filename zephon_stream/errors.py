@@ -22,14 +22,12 @@ Every message says what was wrong, the offending value, and what to do.
 
 from __future__ import annotations
 
-import asyncio
 import difflib
 import re
 import typing
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
-import anyio
 import msgspec
 
 __all__ = [
@@ -139,14 +137,17 @@ def root_error(exc: BaseException) -> BaseException:
     """
     if not isinstance(exc, BaseExceptionGroup):
         return exc
+    import asyncio  # (here, not at the top: a decode worker imports this module, and asyncio is 40 ms)
+
+    aftermath = _aftermath()
     leaves = _leaves(exc)
     real = [e for e in leaves if not isinstance(e, asyncio.CancelledError)]
     if not real:
         return exc
-    causes = [e for e in real if not isinstance(e, _AFTERMATH)]
+    causes = [e for e in real if not isinstance(e, aftermath)]
     first = next((e for e in real if isinstance(e, ZephonError)), (causes or real)[0])
     for other in real:
-        if other is first or (type(other), str(other)) == (type(first), str(first)) or isinstance(other, _AFTERMATH):
+        if other is first or (type(other), str(other)) == (type(first), str(first)) or isinstance(other, aftermath):
             continue
         note = f"another task failed too: {type(other).__name__}: {other}"
         if note not in getattr(first, "__notes__", ()):
@@ -167,8 +168,11 @@ def unwrap_groups() -> Iterator[None]:
         raise err from err.__cause__  # its own cause, not the group it came in
 
 
-# A stream that another task's failure closed or broke under the task using it.
-_AFTERMATH = (anyio.ClosedResourceError, anyio.BrokenResourceError)
+def _aftermath() -> tuple[type[BaseException], ...]:
+    """A stream that another task's failure closed or broke under the task using it."""
+    import anyio
+
+    return anyio.ClosedResourceError, anyio.BrokenResourceError
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:
