@@ -557,3 +557,11 @@ def test_vision_tokens_of_their_own_and_a_json_caption_field_with_a_name(vision_
                                 vision_end_token="<|vision_start|>")
     with pytest.raises(ConfigError, match=r"text_field = 'json:': names the caption member"):
         msgspec.structs.replace(vision_config.sources[0], text_field="json:")
+
+
+def test_a_sample_key_ends_at_the_first_dot_of_the_member_name():
+    from zephon_stream.operators.images import _sample_key
+
+    assert _sample_key("000004.png") == "000004"
+    assert _sample_key("000004.0.png") == "000004"  # the extension "0.png", as the tar reader cuts it
+    assert _sample_key("a.b/c/000004.seg.png") == "a.b/c/000004"

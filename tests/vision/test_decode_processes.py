@@ -307,3 +307,50 @@ def test_a_worker_imports_neither_torch_nor_the_event_loop() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2]).stdout
     assert out.strip() == "[]"
+
+
+def test_workers_that_died_while_idle_are_replaced_not_blamed_on_the_call() -> None:
+    pool = DecodePool(2)
+    try:
+        pool.start()
+        for worker in list(pool._all):
+            worker.proc.kill()
+            worker.proc.wait()
+        (out,) = pool.decode([GENERATED["bmp"]], ImageSpec())  # both places: new workers, no failure
+        np.testing.assert_array_equal(out[0], threads_way(GENERATED["bmp"], ImageSpec())[0])
+    finally:
+        pool.close()
+
+
+def test_a_worker_killed_by_a_real_time_signal_is_named() -> None:
+    pool = DecodePool(1)
+    try:
+        pool.start()
+        (worker,) = pool._all
+        worker.proc.send_signal(signal.SIGRTMIN + 1)  # no name: Signals() refuses the number
+        worker.proc.wait()
+        assert f"killed by signal {int(signal.SIGRTMIN) + 1}" in str(worker._died("during a call"))
+    finally:
+        pool.close()
+
+
+def test_a_forked_child_lets_go_of_the_parents_workers() -> None:
+    """A child holding copies of the workers' pipes kept them from ending: the parent's close waited
+    5 s a worker (and a parent that died left them running while the child lived)."""
+    pool = DecodePool(2)
+    pool.decode([GENERATED["bmp"]] * 2, ImageSpec())
+    from zephon_stream.vision import processes
+
+    processes._POOL, before = pool, processes._POOL  # as the loader's pool
+    try:
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(20)  # alive, as a DataLoader worker would be, while the parent closes
+            os._exit(0)
+        start = time.monotonic()
+        pool.close()
+        assert time.monotonic() - start < 3
+    finally:
+        processes._POOL = before
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)

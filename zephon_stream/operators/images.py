@@ -252,9 +252,9 @@ class VisionTokens:
         return docs if not dropped else [d for i, d in enumerate(docs) if i not in dropped]
 
     def holding_vision_tokens(self, docs: list[tuple[Any, Any]], bad: BadRecords, key: str,
-                              where: Callable[[int], str] | None, what: str | list[str]) -> set[int]:
+                              where: Callable[[int], str] | None, what: str | Callable[[int], str]) -> set[int]:
         """The positions in `docs` of those whose ids hold a vision token, each passed to `bad`,
-        named `what` (or `what[i]`: a caption by its sample's key)."""
+        named `what` (or `what(i)`: a caption by its sample's key)."""
         if not docs or not self._holds_reserved(np.concatenate([getattr(d, "ids", d) for _, d in docs])):
             return set()  # one look at them all: the common case
         out = set()
@@ -264,7 +264,7 @@ class VisionTokens:
                 continue
             at = located(where, ref[2])
             tokens = ", ".join(repr(self.reserved[int(t)]) for t in self._reserved[found])
-            name = what if isinstance(what, str) else what[i]
+            name = what if isinstance(what, str) else what(i)
             bad(DataError(f"bad {name} in {key!r} at {at}: its text holds {tokens}, which only an image span may: "
                           "the model would take it for part of an image; remove it from the data", key=key,
                           offset=ref[2]))
@@ -317,8 +317,7 @@ class VisionTokens:
                               offset=ref[2]))
         captions = self.tokenizer.each([rec.text for _, rec, _, _ in images])  # see Tokenize.each
         dropped = self.holding_vision_tokens([(ref, c) for (ref, *_), c in zip(images, captions)], bad, key, where,
-                                             [f"caption of sample {rec.member.rsplit('.', 1)[0]!r}"
-                                              for _, rec, _, _ in images])
+                                             lambda i: f"caption of sample {_sample_key(images[i][1].member)!r}")
         out = []
         before, after, bos = self.bos + self.start, self.end, len(self.bos)
         first = len(before)  # the BOS (if any) opens the document, before the image
@@ -335,6 +334,11 @@ class VisionTokens:
             out.append((ref, ImageDoc(ids, frame, (1, gh, gw), span, (first, first + k))))
         return out
 
+
+
+def _sample_key(member: str) -> str:
+    """The sample key of a member name: up to the first '.' of its basename (as the tar reader cuts it)."""
+    return member[:member.find(".", member.rfind("/") + 1)]
 
 
 def mark_images(text: str, batch: dict[str, Any], row: int, vision: Any) -> str:

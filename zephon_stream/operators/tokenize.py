@@ -185,6 +185,14 @@ _SHARED: OrderedDict[tuple[Any, ...], Tokenize] = OrderedDict()  # see Tokenize.
 _SHARED_LOCK = threading.Lock()
 
 
+def _new_lock_in_child() -> None:
+    global _SHARED_LOCK
+    _SHARED_LOCK = threading.Lock()  # one another thread held at the fork would never be released there
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
 def _read(path: str) -> bytes:
     """The bytes of the tokenizer file `path`, or a ConfigError that says what to pass instead."""
     try:

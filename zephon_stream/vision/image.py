@@ -65,6 +65,7 @@ import ctypes
 import functools
 import io
 import math
+import os
 import struct
 import threading
 from typing import TYPE_CHECKING, Any
@@ -321,6 +322,14 @@ def _png_without_animation(data: bytes) -> bytes:
 
 
 _pillow_limit_lock = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    global _pillow_limit_lock
+    _pillow_limit_lock = threading.Lock()  # one another thread held at the fork would never be released there
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def _raise_pillow_limit(limit: int) -> None:

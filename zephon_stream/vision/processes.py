@@ -194,8 +194,13 @@ class _Worker:
             code = self.proc.wait(timeout=1)
         except subprocess.TimeoutExpired:
             code = None
-        how = (f", killed by {signal.Signals(-code).name}" if code is not None and code < 0 and -code in
-               signal.valid_signals() else f", exit code {code}" if code is not None else "")
+        if code is not None and code < 0:
+            try:
+                how = f", killed by {signal.Signals(-code).name}"
+            except ValueError:  # a real-time signal: a number without a name
+                how = f", killed by signal {-code}"
+        else:
+            how = f", exit code {code}" if code is not None else ""
         return _WorkerDied(f"an image decode worker process (pid {self.proc.pid}) ended {when}{how}")
 
     def close(self) -> None:
@@ -269,6 +274,9 @@ class DecodePool:
             try:
                 if self._closed:
                     raise DecodeWorkerError("the image decode processes were shut down (DecodePool.close)")
+                if worker is not None and worker.proc.poll() is not None:  # died while idle: not this call's
+                    self._forget(worker)
+                    worker = None
                 if worker is None:
                     worker = self._start()
                 return worker.call(spec, images, len(images) * spec.max_pixels * 3)
@@ -340,6 +348,37 @@ def decode_pool(workers: int) -> DecodePool:
         else:
             _POOL.grow(workers)
         return _POOL
+
+
+def _after_fork_in_child() -> None:
+    """A forked child holds copies of the parent's pipes to its workers and of their slabs: a worker
+    would see no end of input until the child ended too (the parent's close waited 5 s a worker,
+    and a parent that died left its workers running). The child lets go of them, without a word to
+    the workers (its copies of the pipes go to /dev/null, so nothing it flushes reaches them), and
+    makes a pool of its own when it needs one."""
+    global _POOL, _POOL_LOCK
+    pool, _POOL, _POOL_LOCK = _POOL, None, threading.Lock()
+    if pool is None:
+        return
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for worker in pool._all:
+            worker.closed = True  # nothing in the child closes or waits for it
+            for pipe in (worker.proc.stdin, worker.proc.stdout):
+                if pipe is not None and not pipe.closed:
+                    os.dup2(null, pipe.fileno())
+            os.dup2(null, worker.fd)
+            if worker.map is not None:
+                try:
+                    worker.map.close()
+                except BufferError:
+                    pass
+                worker.map = None
+    finally:
+        os.close(null)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def close_pool() -> None:
