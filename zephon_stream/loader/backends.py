@@ -47,7 +47,7 @@ from zephon_stream.engine.cpu import CpuPolicy, rayon_threads, usable_cores
 from zephon_stream.engine.memory import managed_memory
 from zephon_stream.errors import ConfigError, ZephonError
 from zephon_stream.loader.config import Config
-from zephon_stream.loader.lane import Lanes, TextLane
+from zephon_stream.loader.lane import Lanes, TextLane, decode_processes
 from zephon_stream.loader.plan import DataPlan, open_stores
 from zephon_stream.loader.ray_backend import Wire, run_ray
 from zephon_stream.loader.restarts import Supervision, supervised
@@ -77,9 +77,8 @@ def decode_policy(config: Config) -> CpuPolicy | None:
     """The image sources' decode threads (`vision.decode_threads`), or None without images."""
     if config.vision is None:
         return None
-    vision = config.vision
-    processes = vision.decode_processes if config.backend == "threads" else 0  # threads hand their calls to them
-    return CpuPolicy(max(vision.decode_threads, processes), inline=config.backend == "inline")
+    # a call reaches a decode process from a decode thread: at least one thread a process
+    return CpuPolicy(max(config.vision.decode_threads, decode_processes(config)), inline=config.backend == "inline")
 
 
 @functools.lru_cache(maxsize=16)
@@ -93,7 +92,7 @@ def warn_decode_processes(config: Config) -> None:
     n = config.vision.decode_processes if config.vision is not None else 0
     if not n:
         return
-    if config.backend != "threads":
+    if not decode_processes(config):
         where = "on the event loop's thread" if config.backend == "inline" else "in its lane processes, on threads"
         _warn_once(f"vision.decode_processes = {n} applies to backend \"threads\" only: backend "
                    f"{config.backend!r} decodes images {where}")

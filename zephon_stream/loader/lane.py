@@ -59,7 +59,7 @@ from zephon_stream.operators.sources import make_parser, make_reader
 from zephon_stream.operators.tokenize import Tokenize
 from zephon_stream.operators.types import Doc, LaneFailure, Sample
 
-__all__ = ["Lanes", "TextLane"]
+__all__ = ["Lanes", "TextLane", "decode_processes"]
 
 RunCpu = Callable[..., Awaitable[Any]]
 _EMPTY_RUN = 8  # split positions in a row without a document before a lane checks the whole source
@@ -105,14 +105,19 @@ class FirstStep:
             await self._clear.wait()
 
 
+def decode_processes(config: Config) -> int:
+    """The decode processes a config runs: `vision.decode_processes` with backend "threads", else 0
+    (`backends.warn_decode_processes` says so where the setting asks for more)."""
+    return config.vision.decode_processes if config.vision is not None and config.backend == "threads" else 0
+
+
 def _decode_pool(config: Config) -> Any:
-    """The process's decode processes for `vision.decode_processes` (backend "threads"), else None
-    (`backends.run_lanes` warns that other backends ignore the setting)."""
-    if config.vision is None or not config.vision.decode_processes or config.backend != "threads":
+    """The process's decode processes for `decode_processes(config)`, or None for none."""
+    if not (n := decode_processes(config)):
         return None
     from zephon_stream.vision.processes import decode_pool
 
-    pool = decode_pool(config.vision.decode_processes)
+    pool = decode_pool(n)
     pool.start()  # importing Pillow in the workers while the lanes start
     return pool
 

@@ -121,6 +121,9 @@ class _WorkerDied(RuntimeError):
     pass
 
 
+_SHUT_DOWN = "the image decode processes were shut down (DecodePool.close)"
+
+
 class _Worker:
     """One worker process, its pipes and its slab (this process's end of it)."""
 
@@ -273,7 +276,7 @@ class DecodePool:
             worker = self._idle.get()
             try:
                 if self._closed:
-                    raise DecodeWorkerError("the image decode processes were shut down (DecodePool.close)")
+                    raise DecodeWorkerError(_SHUT_DOWN)
                 if worker is not None and worker.proc.poll() is not None:  # died while idle: not this call's
                     self._forget(worker)
                     worker = None
@@ -315,7 +318,7 @@ class DecodePool:
     def _start(self) -> _Worker:
         with self._lock:
             if self._closed:
-                raise DecodeWorkerError("the image decode processes were shut down (DecodePool.close)")
+                raise DecodeWorkerError(_SHUT_DOWN)
             worker = _Worker()
             self._all.append(worker)
             return worker
