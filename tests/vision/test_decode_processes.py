@@ -5,11 +5,13 @@ tests/core/test_decode_processes.py runs the loader with them."""
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
@@ -79,8 +81,7 @@ def test_calls_from_many_threads_at_once(pool: DecodePool) -> None:
 
 
 def test_a_dead_worker_is_replaced_and_its_call_made_again() -> None:
-    pool = DecodePool(1)
-    try:
+    with closing(DecodePool(1)) as pool:
         spec, image = ImageSpec(), GENERATED["rgb-png-500x375"]
         assert len(pool.decode([image], spec)) == 1
         (worker,) = pool._all
@@ -89,27 +90,21 @@ def test_a_dead_worker_is_replaced_and_its_call_made_again() -> None:
         (out,) = pool.decode([image], spec)  # made again on a new worker
         np.testing.assert_array_equal(out[0], threads_way(image, spec)[0])
         assert len(pool._all) == 1 and pool._all[0].proc.pid != worker.proc.pid
-    finally:
-        pool.close()
 
 
 def test_a_worker_killed_as_it_starts_is_replaced() -> None:
-    pool = DecodePool(1)
-    try:
+    with closing(DecodePool(1)) as pool:
         pool.start()
         (worker,) = pool._all
         worker.proc.kill()  # before it said it was ready
         (out,) = pool.decode([GENERATED["bmp"]], ImageSpec())
         np.testing.assert_array_equal(out[0], threads_way(GENERATED["bmp"], ImageSpec())[0])
-    finally:
-        pool.close()
 
 
 def test_a_call_whose_second_worker_dies_too_fails_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     from zephon_stream.vision import processes
 
-    pool = DecodePool(1)
-    try:
+    with closing(DecodePool(1)) as pool:
         def dies(self, *args):
             self.proc.kill()
             self.proc.wait()
@@ -121,8 +116,6 @@ def test_a_call_whose_second_worker_dies_too_fails_by_name(monkeypatch: pytest.M
             pool.decode([GENERATED["bmp"]], ImageSpec())
         monkeypatch.undo()
         assert len(pool.decode([GENERATED["bmp"]], ImageSpec())) == 1  # its place was kept
-    finally:
-        pool.close()
 
 
 def test_workers_end_with_the_pool_and_with_their_parent(tmp_path: Path) -> None:
@@ -138,37 +131,32 @@ def test_workers_end_with_the_pool_and_with_their_parent(tmp_path: Path) -> None
     # a parent killed outright: its workers see their input end and exit
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent("""
-        import sys, time
+        import signal, sys
         from zephon_stream.vision import ImageSpec
         from zephon_stream.vision.processes import DecodePool
         pool = DecodePool(2)
         pool.decode([open(sys.argv[1], "rb").read()] * 4, ImageSpec())
         print(" ".join(str(w.proc.pid) for w in pool._all), flush=True)
-        time.sleep(60)
+        signal.pause()  # until killed
     """))
     (tmp_path / "img.png").write_bytes(GENERATED["rgb-png-500x375"])
     parent = subprocess.Popen([sys.executable, str(script), str(tmp_path / "img.png")], stdout=subprocess.PIPE,
                               text=True, cwd=Path(__file__).resolve().parents[2])
     pids = [int(p) for p in parent.stdout.readline().split()]
     assert pids
-    parent.kill()
-    parent.wait()
-    parent.stdout.close()
-    deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(_alive(pid) for pid in pids)
-
-
-def _alive(pid: int) -> bool:
+    exits = [os.pidfd_open(pid) for pid in pids]  # readable once the process has ended
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie (exited, not yet reaped by init) is not running
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
+        parent.kill()
+        parent.wait()
+        parent.stdout.close()
+        ended, _, _ = select.select(exits, [], [], 10)  # waits on the exits themselves, not on a clock
+        while len(ended) < len(exits) and (more := select.select(
+                [fd for fd in exits if fd not in ended], [], [], 10)[0]):
+            ended += more
+        assert sorted(ended) == sorted(exits)
+    finally:
+        for fd in exits:
+            os.close(fd)
 
 
 def test_decode_processes_setting_is_checked() -> None:
@@ -193,8 +181,7 @@ def test_a_call_interrupted_before_its_reply_leaves_no_stale_reply(monkeypatch: 
     worker is dropped, and the next call gets its own images, not the interrupted call's."""
     from zephon_stream.vision import processes
 
-    pool = DecodePool(1)
-    try:
+    with closing(DecodePool(1)) as pool:
         spec = ImageSpec()
         real = processes._receive
         calls = []
@@ -210,20 +197,15 @@ def test_a_call_interrupted_before_its_reply_leaves_no_stale_reply(monkeypatch: 
             pool.decode([GENERATED["rgb-png-500x375"]], spec)
         (out,) = pool.decode([GENERATED["bmp"]], spec)
         np.testing.assert_array_equal(out[0], threads_way(GENERATED["bmp"], spec)[0])
-    finally:
-        pool.close()
 
 
 def test_start_begins_the_workers_before_the_first_call() -> None:
-    pool = DecodePool(2)
-    try:
+    with closing(DecodePool(2)) as pool:
         pool.start()
         assert len(pool._all) == 2 and all(w.proc.poll() is None for w in pool._all)
         pool.start()  # started once
         assert len(pool._all) == 2
         assert len(pool.decode([GENERATED["bmp"]] * 2, ImageSpec())) == 2
-    finally:
-        pool.close()
 
 
 def test_pillows_png_text_limits_are_the_callers(pool: DecodePool, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -252,25 +234,19 @@ def test_workers_import_nothing_from_the_current_directory(tmp_path: Path, monke
     would be the worker's numpy. The worker gets this process's path, nothing else."""
     (tmp_path / "numpy.py").write_text("raise ImportError('the numpy.py of the current directory')\n")
     monkeypatch.chdir(tmp_path)
-    pool = DecodePool(1)
-    try:
+    with closing(DecodePool(1)) as pool:
         (out,) = pool.decode([GENERATED["bmp"]], ImageSpec())
         np.testing.assert_array_equal(out[0], threads_way(GENERATED["bmp"], ImageSpec())[0])
         assert not os.get_inheritable(pool._all[0].fd)  # the slab goes to the worker alone, not to other children
-    finally:
-        pool.close()
 
 
 def test_a_worker_that_cannot_start_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     repo = str(Path(__file__).resolve().parents[2])
     monkeypatch.setattr(sys, "path", [p for p in sys.path if "site-packages" not in p and p not in ("", repo)])
-    pool = DecodePool(1)
-    try:
+    with closing(DecodePool(1)) as pool:
         with pytest.raises(DecodeWorkerError, match=r"(?s)image decode worker process could not start .*"
                                                 r"ModuleNotFoundError: No module named"):
             pool.decode([GENERATED["bmp"]], ImageSpec())
-    finally:
-        pool.close()
 
 
 def test_a_forked_child_decodes_in_a_pool_of_its_own(pool: DecodePool) -> None:
@@ -310,28 +286,22 @@ def test_a_worker_imports_neither_torch_nor_the_event_loop() -> None:
 
 
 def test_workers_that_died_while_idle_are_replaced_not_blamed_on_the_call() -> None:
-    pool = DecodePool(2)
-    try:
+    with closing(DecodePool(2)) as pool:
         pool.start()
         for worker in list(pool._all):
             worker.proc.kill()
             worker.proc.wait()
         (out,) = pool.decode([GENERATED["bmp"]], ImageSpec())  # both places: new workers, no failure
         np.testing.assert_array_equal(out[0], threads_way(GENERATED["bmp"], ImageSpec())[0])
-    finally:
-        pool.close()
 
 
 def test_a_worker_killed_by_a_real_time_signal_is_named() -> None:
-    pool = DecodePool(1)
-    try:
+    with closing(DecodePool(1)) as pool:
         pool.start()
         (worker,) = pool._all
         worker.proc.send_signal(signal.SIGRTMIN + 1)  # no name: Signals() refuses the number
         worker.proc.wait()
         assert f"killed by signal {int(signal.SIGRTMIN) + 1}" in str(worker._died("during a call"))
-    finally:
-        pool.close()
 
 
 def test_a_forked_child_lets_go_of_the_parents_workers() -> None:
@@ -345,7 +315,7 @@ def test_a_forked_child_lets_go_of_the_parents_workers() -> None:
     try:
         pid = os.fork()
         if pid == 0:
-            time.sleep(20)  # alive, as a DataLoader worker would be, while the parent closes
+            signal.pause()  # alive, as a DataLoader worker would be, while the parent closes (until killed)
             os._exit(0)
         start = time.monotonic()
         pool.close()
