@@ -394,6 +394,62 @@ def test_ctrl_c_while_waiting_for_a_batch_consumes_nothing(config, backend, monk
     assert _records(got[:2] + batches_to(resumed, steps)) == expected
 
 
+CTRL_C_AT_THE_START = """
+import signal
+import sys
+import threading
+import time
+
+import anyio.from_thread
+
+from zephon_stream import Loader
+
+interrupted = threading.Event()
+
+
+def ctrl_c(signum, frame):
+    interrupted.set()
+    raise KeyboardInterrupt
+
+
+signal.signal(signal.SIGINT, ctrl_c)
+start_loop = anyio.from_thread.run_eventloop
+
+
+def waiting_for_the_loop() -> bool:
+    frame = sys._current_frames()[threading.main_thread().ident]
+    while frame is not None and not (frame.f_code.co_name == "result" and "futures" in frame.f_code.co_filename):
+        frame = frame.f_back
+    return frame is not None
+
+
+def loop_starting(*args, **kwargs):  # Ctrl-C lands while the main thread waits for the loop to be up
+    while not waiting_for_the_loop():
+        time.sleep(0.001)
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    interrupted.wait(1.0)  # before, the main thread took it at once; now it is held until the loop is up
+    return start_loop(*args, **kwargs)
+
+
+anyio.from_thread.run_eventloop = loop_starting
+loader = Loader.from_toml(sys.argv[1])
+try:
+    next(iter(loader))
+except KeyboardInterrupt:
+    print("interrupted at step", loader.step)
+anyio.from_thread.run_eventloop = start_loop
+print("then step", next(iter(loader))["step"])
+"""
+
+
+def test_ctrl_c_as_the_loop_starts_ends_the_iteration(config, tmp_path) -> None:
+    """Ctrl-C while a `for` loop's event-loop thread was starting (the first instants of a stream):
+    anyio's portal joined that thread with its loop never stopped, and the process hung for good.
+    Seen as a `zephon stream` that a terminal's Ctrl-C did not end (a CI run's timeout)."""
+    proc = _run_script(tmp_path, config, CTRL_C_AT_THE_START, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "interrupted at step 0\nthen step 0\n", proc.stderr
+
+
 def test_stall_warning_s_0_never_warns(config, caplog) -> None:
     """`stall_warning_s = 0` turns the stall watch off: a lane that keeps a batch waiting logs nothing."""
     from zephon_stream.testing.stores import WrappedStore

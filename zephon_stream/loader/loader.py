@@ -12,7 +12,7 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack, ExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import msgspec
 from zephon_stream.connectors.base import Store, StoreStatistics
 from zephon_stream.engine import threads
 from zephon_stream.engine.memory import managed_memory
+from zephon_stream.engine.signals import ctrl_c_after
 from zephon_stream.errors import CheckpointError, ConfigError, IncompatibleState, ZephonError, unwrap_groups
 from zephon_stream.loader.backends import run_lanes, start_fork_server
 from zephon_stream.loader.config import Config, ScheduleEntry
@@ -540,7 +541,12 @@ class Loader:
         """The batches, each consumed (`commit`) as it is yielded; with `deferred`, (batch, commit)
         pairs: the caller consumes each as it hands it out (an `async for` whose wait was cancelled
         after the batch was made holds it, and the state must not be past it)."""
-        with anyio.from_thread.start_blocking_portal() as portal:
+        with ExitStack() as stack:
+            # Ctrl-C held while the event-loop thread starts: anyio's portal, interrupted while it waited
+            # for the loop, joined the thread with the loop left running (the process hung for good);
+            # and one in the import of anyio.from_thread (its first use) came out as a RuntimeError
+            with ctrl_c_after():
+                portal = stack.enter_context(anyio.from_thread.start_blocking_portal())
             cm = portal.wrap_async_context_manager(self.open())
             stream = cm.__enter__()
             try:
