@@ -121,6 +121,23 @@ def transforms_run(cfg: Config) -> dict[str, Any]:
     return {"records": sorted(records, key=lambda r: r[1]), "filtered": filtered}
 
 
+def png_text_run(cfg: Config) -> list[tuple[int, int]]:
+    """test_vision.py's case on one actor: (images, skipped) under Pillow's default PNG text limits,
+    then under the trainer's raised ones."""
+    from PIL import PngImagePlugin
+
+    from tests.core.test_vision import RAISED_PNG_TEXT_LIMITS, _run
+
+    cfg = cfg.replace(ray_actors=1)
+    default = PngImagePlugin.MAX_TEXT_CHUNK, PngImagePlugin.MAX_TEXT_MEMORY
+    try:
+        before = _run(cfg, "ray")
+        PngImagePlugin.MAX_TEXT_CHUNK, PngImagePlugin.MAX_TEXT_MEMORY = RAISED_PNG_TEXT_LIMITS
+        return [before, _run(cfg, "ray")]
+    finally:
+        PngImagePlugin.MAX_TEXT_CHUNK, PngImagePlugin.MAX_TEXT_MEMORY = default
+
+
 class Out(dict):
     """The results so far, written to OUT after each case (whole: a new file renamed over the old),
     so that the cases done before a crash of the child or of Ray are still checked one by one."""
@@ -135,7 +152,8 @@ class Out(dict):
         os.replace(part, self.path)
 
 
-def cases(text: Config, vision: Config, transforms: Config, errors: Config, steps: int, out: Out) -> None:
+def cases(text: Config, vision: Config, transforms: Config, errors: Config, png_text: Config, steps: int,
+          out: Out) -> None:
     """Each case's records into `out`. Lane actors start slowly on a loaded 2-core host (seconds
     each), so the cases are chosen to start few: 9 for the matrix, 1 for the transforms, 11 for the
     kills, 1 for the refusal."""
@@ -160,6 +178,7 @@ def cases(text: Config, vision: Config, transforms: Config, errors: Config, step
     cuts = set(random.Random(15).sample(range(7, 2 * steps - 8), 10)) | {5, 6}
     timed(out, "kills", lambda: killed_run(text.replace(max_restarts=len(cuts)), 2 * steps, cuts, seed=15))
     timed(out, "max_restarts", lambda: refused_after_max_restarts(one))
+    timed(out, "png_text", lambda: png_text_run(png_text))
     # bad records in several lanes: the same error after the same batches as in-process (test_error_order.py)
     timed(out, "errors", lambda: {"inline": first_errors(errors, backend="inline"),
                                   "ray": first_errors(errors.replace(ray_actors=2), backend="ray",
@@ -177,8 +196,8 @@ def timed(out: Out, case: str, run: Callable[[], Any]) -> None:
 def main(spec_path: str, out_path: str) -> None:
     loopback_up()
     spec = json.loads(Path(spec_path).read_text())
-    text, vision, transforms, errors = (Config.from_toml(spec[name])
-                                        for name in ("text", "vision", "transforms", "errors"))
+    text, vision, transforms, errors, png_text = (Config.from_toml(spec[name])
+                                                  for name in ("text", "vision", "transforms", "errors", "png_text"))
     result = Out(Path(out_path))
     idle, threads.IDLE_SECONDS = threads.IDLE_SECONDS, 0.5  # the thread that starts Ray would end at once
     with anyio.from_thread.start_blocking_portal() as portal:
@@ -196,7 +215,7 @@ def main(spec_path: str, out_path: str) -> None:
                 result.save()
                 result["outlives_idle_threads"] = ray_outlives_idle_threads()
                 threads.IDLE_SECONDS = idle
-                cases(text, vision, transforms, errors, spec["steps"], result)
+                cases(text, vision, transforms, errors, png_text, spec["steps"], result)
                 result["node_ip"] = ray.util.get_node_ip_address()
             finally:
                 session.__exit__(None, None, None)

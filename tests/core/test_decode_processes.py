@@ -60,8 +60,30 @@ def test_other_backends_say_they_ignore_the_setting(vision_config, backend, capl
     cfg = with_processes(vision_config).replace(backend=backend, max_epochs=1)
     with caplog.at_level("WARNING", logger="zephon_stream.loader"):
         for _ in Loader(cfg):
+            assert _decode_workers_below(os.getpid()) == []  # and so it is: a lane worker started 2 of its own
             break
     assert f"vision.decode_processes = 2 applies to backend \"threads\" only: backend {backend!r}" in caplog.text
+
+
+def _decode_workers_below(pid: int) -> list[int]:
+    """The decode processes among the descendants of `pid` (they start in a session of their own)."""
+    parent, marked = {}, []
+    for entry in Path("/proc").iterdir():
+        try:
+            parent[int(entry.name)] = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            if b"an image decode worker" in (entry / "cmdline").read_bytes():
+                marked.append(int(entry.name))
+        except (ValueError, OSError):
+            continue
+
+    def below(p: int) -> bool:
+        while p > 1:
+            p = parent.get(p, 0)
+            if p == pid:
+                return True
+        return False
+
+    return [p for p in marked if below(p)]
 
 
 def test_more_processes_than_cores_is_said_and_the_threads_follow(vision_config, caplog, monkeypatch) -> None:

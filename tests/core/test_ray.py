@@ -25,6 +25,7 @@ import pytest
 
 from tests.core.test_error_order import bad_text_config
 from tests.core.test_transforms import bangs, ray_transforms_config
+from tests.core.test_vision import png_text_config
 from zephon_stream.loader.config import Config
 from zephon_stream.testing.determinism import real, run_world
 
@@ -80,7 +81,8 @@ class RayChild:
 
     def _run(self, text: Config, vision: Config) -> ChildResults:
         configs = {"text": text, "vision": vision, "transforms": ray_transforms_config(text),
-                   "errors": bad_text_config(text, self.tmp)}
+                   "errors": bad_text_config(text, self.tmp),
+                   "png_text": png_text_config(vision, self.tmp / "png_text")}
         for name, cfg in configs.items():
             (self.tmp / f"{name}.toml").write_text(cfg.to_toml())
         spec = self.tmp / "spec.json"
@@ -183,6 +185,11 @@ def test_text_matrix_on_ray(results, config, case):
 
 def test_image_text_on_ray(results, vision_config):
     assert records(results, "vision_dp1") == baseline(vision_config)
+
+
+def test_pillow_s_png_text_limits_are_the_trainer_s_on_ray(results):
+    """The lane actors decode under the trainer's raised limits (test_vision.py: threads, processes)."""
+    assert results["png_text"] == [[7, 1], [8, 0]]
 
 
 def test_actors_killed_at_random_points(results, config):

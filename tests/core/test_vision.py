@@ -244,8 +244,8 @@ def _one_source(config: Config, root: Path, **changes: object) -> Config:
     return config.replace(sources=[src], lanes=1, global_batch_size=1, max_epochs=1, **changes)
 
 
-def _run(cfg: Config) -> tuple[int, int]:
-    loader = Loader(cfg, backend="threads")
+def _run(cfg: Config, backend: str = "threads") -> tuple[int, int]:
+    loader = Loader(cfg, backend=backend)
     images = sum(sum(d["images"] for d in sample_digests(b)) for b in loader)
     return images, loader.statistics().skipped_records
 
@@ -473,6 +473,37 @@ def test_pillow_s_load_truncated_images_is_refused_not_obeyed(vision_config, tmp
         next(iter(Loader(_one_source(vision_config, root, on_bad_record="skip"), backend=backend)))
     with pytest.raises(ConfigError, match="LOAD_TRUNCATED_IMAGES"):
         load_image(make_image(random.Random(1)), vision_config.vision.image_spec())
+
+
+# Pillow's PNG text limits as a trainer raises them for data with large text chunks (defaults 1 MiB, 64 MiB)
+RAISED_PNG_TEXT_LIMITS = (8 << 20, 64 << 20)
+
+
+def png_text_config(vision_config: Config, root: Path) -> Config:
+    """One source of 8 images, one a PNG with 3 MB of text (a few KB compressed): past Pillow's
+    default MAX_TEXT_CHUNK, a bad image, skipped; under `RAISED_PNG_TEXT_LIMITS`, decoded (the Ray
+    child's case too)."""
+    from PIL import PngImagePlugin
+
+    info = PngImagePlugin.PngInfo()
+    info.add_text("comment", "x" * (3 << 20), zip=True)
+    png = io.BytesIO()
+    Image.new("RGB", (64, 48), (10, 20, 30)).save(png, "PNG", pnginfo=info)
+    return _one_source(vision_config, _shard_with(root, {"png": png.getvalue(), "txt": b"a caption"}),
+                       on_bad_record="skip")
+
+
+@pytest.mark.parametrize("backend", ["threads", "processes"])
+def test_pillow_s_png_text_limits_are_the_trainer_s_on_every_backend(vision_config, tmp_path, monkeypatch, backend):
+    # the trainer raised the limits: the image decoded on threads (in its process), and was a bad image
+    # on processes, whose lane workers decoded under Pillow's defaults (Ray's: test_ray.py)
+    from PIL import PngImagePlugin
+
+    cfg = png_text_config(vision_config, tmp_path)
+    assert _run(cfg, backend) == (7, 1)
+    monkeypatch.setattr(PngImagePlugin, "MAX_TEXT_CHUNK", RAISED_PNG_TEXT_LIMITS[0])
+    monkeypatch.setattr(PngImagePlugin, "MAX_TEXT_MEMORY", RAISED_PNG_TEXT_LIMITS[1])
+    assert _run(cfg, backend) == (8, 0)
 
 
 def test_text_that_holds_a_vision_token_s_text_is_a_bad_record(vision_config, tmp_path):

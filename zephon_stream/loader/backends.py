@@ -47,7 +47,14 @@ from zephon_stream.engine.cpu import CpuPolicy, rayon_threads, usable_cores
 from zephon_stream.engine.memory import managed_memory
 from zephon_stream.errors import ConfigError, ZephonError
 from zephon_stream.loader.config import Config
-from zephon_stream.loader.lane import Lanes, TextLane, decode_processes
+from zephon_stream.loader.lane import (
+    Lanes,
+    TextLane,
+    decode_processes,
+    lane_worker_config,
+    png_text_limits,
+    use_png_text_limits,
+)
 from zephon_stream.loader.plan import DataPlan, open_stores
 from zephon_stream.loader.ray_backend import Wire, run_ray
 from zephon_stream.loader.restarts import Supervision, supervised
@@ -308,6 +315,7 @@ class _Workers:
                  sup: Supervision) -> None:
         self.cfg, self.plan, self.wrap_store, self.sup = cfg, plan, wrap_store, sup
         self.ctx = _context()
+        self.png_text = png_text_limits(cfg)
         self.sends: dict[int, Any] = {}
         self.group_of = {lane: w for w, group in enumerate(sup.groups) for lane in group}
         self.ctrl: list[Any] = [None] * len(sup.groups)  # each live worker's credit pipe
@@ -357,7 +365,7 @@ class _Workers:
         credits = [self.sup.credits(lane) for lane in self.sup.live(w)]
         self.ctrl[w] = ctrl_w
         environ = worker_environ(len(self.sup.groups))
-        payload = msgspec.msgpack.encode((self.cfg, self.plan, self.sup.states(w), credits, environ))
+        payload = msgspec.msgpack.encode((self.cfg, self.plan, self.sup.states(w), credits, environ, self.png_text))
         proc = self.ctx.Process(target=_worker_main, args=(payload, data_w, ctrl_r, self.wrap_store, self.counters[w]),
                                 name=f"zephon-lanes-{w}", daemon=True)
         try:
@@ -434,9 +442,10 @@ def _worker_main(payload: bytes, data_w: Any, ctrl_r: Any, wrap_store: Callable[
     # Ctrl-C in a terminal signals the whole process group: the trainer's process takes it and stops
     # the workers; a worker that took it too printed a KeyboardInterrupt traceback each
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    cfg_raw, plan_raw, states_raw, credits, environ = msgspec.msgpack.decode(payload)
+    cfg_raw, plan_raw, states_raw, credits, environ, png_text = msgspec.msgpack.decode(payload)
     os.environ.clear()  # the parent's environment now (credentials, ZEPHON_*), not the fork server's
     os.environ.update(environ)
+    use_png_text_limits(png_text)
     cfg = msgspec.convert(cfg_raw, Config)
     plan = msgspec.convert(plan_raw, DataPlan)
     states = [msgspec.convert(s, LaneState) for s in states_raw]
@@ -458,7 +467,7 @@ async def _worker(cfg: Config, plan: DataPlan, states: list[LaneState], initial_
     async with AsyncExitStack() as stack:
         await stack.enter_async_context(managed_memory())  # as in the loader's process (ZEPHON_MALLOC)
         stores = await open_stores(cfg, stack, wrap_store, planned=True)
-        local = cfg.replace(backend="threads")
+        local = lane_worker_config(cfg)
         async with _run_local(local, plan, stores, tokenizer, {s.lane: s for s in states}) as (streams, shared):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_credits, ctrl_r, credits, tg.cancel_scope)

@@ -37,6 +37,7 @@ from functools import lru_cache
 from typing import Any
 
 import anyio
+import msgspec
 
 from zephon_stream.chat import ChatTokens
 from zephon_stream.connectors.base import Store, overlaps_reads
@@ -109,6 +110,34 @@ def decode_processes(config: Config) -> int:
     """The decode processes a config runs: `vision.decode_processes` with backend "threads", else 0
     (`backends.warn_decode_processes` says so where the setting asks for more)."""
     return config.vision.decode_processes if config.vision is not None and config.backend == "threads" else 0
+
+
+def lane_worker_config(config: Config) -> Config:
+    """The config a lane worker (backend "processes", a Ray actor) runs its lanes on: backend
+    "threads", with the images decoded on those threads. `decode_processes` is for backend
+    "threads" alone (`backends.warn_decode_processes`): each worker started N decode processes."""
+    vision = config.vision
+    if vision is not None and vision.decode_processes:
+        vision = msgspec.structs.replace(vision, decode_processes=0)
+    return config.replace(backend="threads", vision=vision)
+
+
+def png_text_limits(config: Config) -> tuple[int, int] | None:
+    """This process's Pillow PNG text limits, for a lane worker to decode under (see
+    `vision.image.png_text_limits`); None without images (no Pillow import for text)."""
+    if config.vision is None:
+        return None
+    from zephon_stream.vision.image import png_text_limits as here
+
+    return here()
+
+
+def use_png_text_limits(limits: list[int] | tuple[int, int] | None) -> None:
+    """In a lane worker: the limits `png_text_limits` took in the trainer's process."""
+    if limits is not None:
+        from zephon_stream.vision.image import use_png_text_limits as use
+
+        use((limits[0], limits[1]))
 
 
 def _decode_pool(config: Config) -> Any:

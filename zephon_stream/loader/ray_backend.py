@@ -45,6 +45,7 @@ from zephon_stream.engine import threads
 from zephon_stream.engine.cpu import rayon_threads
 from zephon_stream.errors import ConfigError
 from zephon_stream.loader.config import Config
+from zephon_stream.loader.lane import lane_worker_config, png_text_limits, use_png_text_limits
 from zephon_stream.loader.plan import DataPlan, open_stores
 from zephon_stream.loader.restarts import Supervision, supervised
 from zephon_stream.loader.state import LaneState
@@ -103,8 +104,9 @@ class _LaneActor:
         """Start the lanes of `payload` (config, plan, states); returns this process's id."""
         import asyncio  # Ray runs async actors on asyncio: the lanes live in a task of the actor's loop
 
-        cfg_raw, plan_raw, states_raw = msgspec.msgpack.decode(payload)
-        cfg = msgspec.convert(cfg_raw, Config).replace(backend="threads")
+        cfg_raw, plan_raw, states_raw, png_text = msgspec.msgpack.decode(payload)
+        cfg = lane_worker_config(msgspec.convert(cfg_raw, Config))
+        use_png_text_limits(png_text)  # the trainer's, as the threads backend decodes under them
         size_tokenizer_pool(cfg.ray_num_cpus)  # before this process first tokenizes
         states = [msgspec.convert(s, LaneState) for s in states_raw]
         self.turn = {s.lane: anyio.Condition() for s in states}
@@ -202,6 +204,7 @@ class _Actors:
                  sup: Supervision) -> None:
         self.cfg, self.wrap_store, self.wire, self.sup = cfg, wrap_store, wire, sup
         self.plan = msgspec.msgpack.encode(plan)  # encoded once: every actor start ships it
+        self.png_text = png_text_limits(cfg)
         self.sends: dict[int, Any] = {}
         self.group_of = {lane: w for w, group in enumerate(sup.groups) for lane in group}
         self.actors: list[Any] = [None] * len(sup.groups)  # the live actor of each group (None while starting)
@@ -246,7 +249,7 @@ class _Actors:
     async def _serve(self, w: int, actor: Any) -> str | None:
         """Run `actor` for group `w` until its lanes end (None), or until it is lost (why)."""
         lanes = self.sup.live(w)
-        started = actor.start.remote(_enc.encode((self.cfg, msgspec.Raw(self.plan), self.sup.states(w))))
+        started = actor.start.remote(_enc.encode((self.cfg, msgspec.Raw(self.plan), self.sup.states(w), self.png_text)))
         # the actor goes live and its lanes' credits become pulls in one step: no credit is lost
         self.actors[w] = actor
         for lane in lanes:

@@ -186,6 +186,25 @@ def check_pillow_settings() -> None:
             "ImageFile.LOAD_TRUNCATED_IMAGES = False`)")
 
 
+def png_text_limits() -> tuple[int, int]:
+    """Pillow's process-wide PNG text limits here (`PngImagePlugin.MAX_TEXT_CHUNK`, `MAX_TEXT_MEMORY`).
+
+    A PNG whose text chunks pass them is a bad image; trainers raise them for data with large
+    text chunks. A decode in another process (decode workers, the processes backend's and Ray's
+    lane workers) runs under the trainer's limits, taken with `png_text_limits` and set there
+    with `use_png_text_limits`: an image is bad in every backend or in none."""
+    from PIL import PngImagePlugin
+
+    return PngImagePlugin.MAX_TEXT_CHUNK, PngImagePlugin.MAX_TEXT_MEMORY
+
+
+def use_png_text_limits(limits: tuple[int, int]) -> None:
+    """Set this process's PNG text limits to another process's `png_text_limits()`."""
+    from PIL import PngImagePlugin
+
+    PngImagePlugin.MAX_TEXT_CHUNK, PngImagePlugin.MAX_TEXT_MEMORY = limits
+
+
 def _open(data: bytes, spec: ImageSpec) -> PILImage.Image:
     """Parse the header with the plugin of the first format in `FORMATS` that accepts the bytes.
 

@@ -55,7 +55,16 @@ import msgspec
 import numpy as np
 
 from zephon_stream.errors import DecodeWorkerError
-from zephon_stream.vision.image import BadImage, ImageSpec, _pil, check_pillow_settings, load_image, patch_frame
+from zephon_stream.vision.image import (
+    BadImage,
+    ImageSpec,
+    _pil,
+    check_pillow_settings,
+    load_image,
+    patch_frame,
+    png_text_limits,
+    use_png_text_limits,
+)
 
 __all__ = ["DecodePool", "close_pool", "decode_pool"]
 
@@ -111,12 +120,6 @@ def _slab_file() -> int:
         return os.dup(handle.fileno())  # (dup: not inheritable)
 
 
-def _png_text_limits() -> tuple[int, int]:
-    from PIL import PngImagePlugin
-
-    return PngImagePlugin.MAX_TEXT_CHUNK, PngImagePlugin.MAX_TEXT_MEMORY
-
-
 class _WorkerDied(RuntimeError):
     pass
 
@@ -156,7 +159,7 @@ class _Worker:
             self.map, self.size = mmap.mmap(self.fd, need, prot=mmap.PROT_READ), need
         self.in_step = False  # an interruption from here on (a KeyboardInterrupt) leaves a reply unread
         try:
-            _send(self.proc.stdin, msgspec.msgpack.encode(_Request(self.size, spec, images, _png_text_limits())))
+            _send(self.proc.stdin, msgspec.msgpack.encode(_Request(self.size, spec, images, png_text_limits())))
             raw = _receive(self.proc.stdout)
         except (OSError, ValueError):  # a broken or closed pipe
             raw = None
@@ -398,14 +401,12 @@ def close_pool() -> None:
 
 
 def _serve(fd: int, requests: IO[bytes], replies: IO[bytes]) -> None:
-    from PIL import PngImagePlugin
-
     slab, size = None, 0
     decode = msgspec.msgpack.Decoder(_Request)
     while (raw := _receive(requests)) is not None:
         try:
             req = decode.decode(raw)
-            PngImagePlugin.MAX_TEXT_CHUNK, PngImagePlugin.MAX_TEXT_MEMORY = req.png_text  # as in the caller
+            use_png_text_limits(req.png_text)  # as in the caller
             if req.slab_size != size:
                 if slab is not None:
                     slab.close()
