@@ -234,6 +234,14 @@ async def managed_memory(policy: AllocatorPolicy | None | bool = True) -> AsyncI
 
 
 _trimming = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    global _trimming
+    _trimming = threading.Lock()  # one held at the fork (a trim in another thread) stayed held: no trims there
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
 trims = 0  # malloc_trim calls made by managed_memory in this process (for tests and benchmarks)
 trim_seconds = 0.0  # the CPU time they took, in all
 
