@@ -32,7 +32,8 @@ Inputs, by key suffix under `src` (a URI or a local path; a file or a folder):
 - with `image_field`: an image folder (image files, extensions `image_field`, with a caption file
   of extension `text_field` beside each) or Parquet with an image column named `image_field`
   (binary, or HF's `Image` struct<bytes, path>), written as tar shards of samples
-  `{n:09d}.{png|jpg|...}` + `{n:09d}.txt`, the image bytes as they were.
+  `{n:09d}.{png|jpg|...}` + `{n:09d}.txt`, the image bytes as they were; beside each shard, its
+  name map `_{name}-{i:05d}.names.jsonl` says which input each sample was.
 
 Outputs go to `dst` as `{name}-{i:05d}.jsonl.zst` (or `.tar`), each about `target_bytes`
 (compressed), in input order (inputs sorted by key). A JSONL.zst shard is a run of independent
@@ -379,6 +380,7 @@ class _Job:
         self.bad = BadRecords(on_bad)
         self.documents = 0
         self.listed: set[str] = set()  # every key under the input prefix (captions beside images)
+        self.base = ""  # the input folder's prefix: an image sample's name map gives its input's key below it
         self.hidden = 0  # the input folder's files that `visible` left out (names starting with "." or "_")
         self.text_field = "text"  # `field`, or its default for the inputs found
         self.chat: _CheckedChat | None = None  # chat data: its messages (and tools) field
@@ -421,6 +423,9 @@ class _Job:
             inside = [o for o in objects if o.key.startswith(under)]  # not a sibling's ("data-old/" beside "data")
             objects = visible(inside, under, "zephon shard", src, JSON_SUFFIXES + CSV_SUFFIXES + TEXT_SUFFIXES)
             self.hidden = len(inside) - len(objects)
+            self.base = under
+        else:
+            self.base = prefix.rpartition("/")[0] + "/" if "/" in prefix else ""
         if not exact and any(o.key == under + "dataset_dict.json" for o in objects):
             splits = sorted({o.key[len(under):].split("/")[0] for o in objects if "/" in o.key[len(under):]})
             raise ConfigError(f"shard: {src} is a Hugging Face DatasetDict (dataset_dict.json): shard one split's "
@@ -868,8 +873,10 @@ class _Job:
             return None
         return await store.read(obj.key)
 
-    def _sample(self, key: str, member: str, image: bytes, text: str) -> tuple[str, dict[str, bytes]]:
-        """A tar sample: the image's bytes as they are (extension from its magic, else its name)."""
+    def _sample(self, key: str, member: str, image: bytes, text: str) -> tuple[str, dict[str, bytes], bytes]:
+        """A tar sample: the image's bytes as they are (extension from its magic, else its name); and
+        its line of the name map (`_TarOut`): the input's key below the input folder, and for a table
+        the row's image name (HF's `Image.path`) or place."""
         ext = next((e for magic, e in _IMAGE_MAGIC if image.startswith(magic)), None)
         if ext is None and image[:4] == b"RIFF" and image[8:12] == b"WEBP":
             ext = "webp"
@@ -878,7 +885,11 @@ class _Job:
         if not ext or not ext.isalnum():
             raise DataError(f"image {member!r} of {key!r}: its format is not known from its bytes or name",
                             key=key, offset=0)
-        return f"{self.documents - 1:09d}", {ext: image, "txt": text.encode()}
+        sample = f"{self.documents - 1:09d}"
+        origin = {"key": sample, "from": key[len(self.base):] if key.startswith(self.base) else key}
+        if member != key:
+            origin["item"] = member
+        return sample, {ext: image, "txt": text.encode()}, _enc.encode(origin) + b"\n"
 
 
 class _ZstOut:
@@ -934,13 +945,15 @@ class _TarOut:
         self.keys: list[str] = []
         self.bytes_out = 0
         self._samples: list[tuple[str, dict[str, bytes]]] = []
+        self._names: list[bytes] = []  # the samples' lines of the shard's name map
         self._size = 0
 
-    async def add(self, sample: tuple[str, dict[str, bytes]]) -> None:
+    async def add(self, sample: tuple[str, dict[str, bytes], bytes]) -> None:
         size = sum(len(v) + 1024 for v in sample[1].values())  # data, header and padding, about
         if self._samples and self._size + size > self.job.target:
             await self._shard()
-        self._samples.append(sample)
+        self._samples.append(sample[:2])
+        self._names.append(sample[2])
         self._size += size
 
     async def _shard(self) -> None:
@@ -954,9 +967,12 @@ class _TarOut:
             data = paths[0].read_bytes()
         key = f"{self.prefix}{self.job.name}-{len(self.keys):05d}.tar"
         await self.store.put(key, data)
+        # each sample's input: samples are renamed 000000000, ... (inputs' names may repeat across folders,
+        # and a sample's key ends at its first dot); "_" first, so that no source reads it as data
+        await self.store.put(f"{self.prefix}_{self.job.name}-{len(self.keys):05d}.names.jsonl", b"".join(self._names))
         self.keys.append(key)
         self.bytes_out += len(data)
-        self._samples, self._size = [], 0
+        self._samples, self._names, self._size = [], [], 0
 
     async def close(self) -> None:
         if self._samples:

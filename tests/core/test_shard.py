@@ -642,6 +642,19 @@ def test_image_folder_with_captions_becomes_tar_shards(tmp_path):
         samples += parse_samples(data, 0, path.name, 1 << 20)
     assert [s.members.get("png", s.members.get("jpg")) for s in samples] == [images[i] for i in range(12)]
     assert [s.members["txt"].decode() for s in samples] == [f"caption {i}" for i in range(12)]
+    # samples are renamed (000000000, ...): each shard's name map says which input each one was
+    assert _names(tmp_path / "out") == [
+        {"key": s.key, "from": f"im{i:02d}.{'png' if i % 2 else 'jpg'}"} for i, s in enumerate(samples)]
+
+
+def _names(out: Path) -> list[dict]:
+    """The name maps of `out`'s tar shards, one per shard and in shard order; no source reads them."""
+    from zephon_stream.operators.read import is_hidden
+
+    shards = sorted(p.name for p in out.glob("*.tar"))
+    maps = sorted(p.name for p in out.glob("*.names.jsonl"))
+    assert maps == [f"_{n.removesuffix('.tar')}.names.jsonl" for n in shards] and all(is_hidden(m, "") for m in maps)
+    return [json.loads(line) for m in maps for line in (out / m).read_bytes().splitlines()]
 
 
 def test_parquet_image_column_becomes_tar_shards_bytes_unchanged(vision_parquet_dataset, tmp_path):
@@ -655,6 +668,9 @@ def test_parquet_image_column_becomes_tar_shards_bytes_unchanged(vision_parquet_
     for path in sorted((tmp_path / "out").glob("*.tar")):
         got += [s.members["png"] for s in parse_samples(path.read_bytes(), 0, path.name, 1 << 20)]
     assert got == images
+    names = _names(tmp_path / "out")
+    assert len(names) == len(images) and {n["from"] for n in names} == {p.name for p in (root / "pq").iterdir()}
+    assert all(n["item"] for n in names), names[:3]
 
 
 def test_cli_shards_and_prints_a_summary(dataset, tmp_path, capsys):
