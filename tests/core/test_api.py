@@ -450,6 +450,44 @@ def test_ctrl_c_as_the_loop_starts_ends_the_iteration(config, tmp_path) -> None:
     assert proc.returncode == 0 and proc.stdout == "interrupted at step 0\nthen step 0\n", proc.stderr
 
 
+CTRL_C_AT_THE_STOP = """
+import signal
+import sys
+
+from anyio.from_thread import BlockingPortal
+
+from zephon_stream import Loader
+
+send = BlockingPortal.call
+
+
+def call(self, func, *args):  # Ctrl-C just before the portal's stop is sent to its loop
+    if getattr(func, "__name__", "") == "stop" and not fired:
+        fired.append(1)
+        signal.raise_signal(signal.SIGINT)
+    return send(self, func, *args)
+
+
+fired = []
+BlockingPortal.call = call
+loader = Loader.from_toml(sys.argv[1])
+batches = iter(loader)
+next(batches)
+try:
+    batches.close()
+except KeyboardInterrupt:
+    print("interrupted at the close")
+print("then step", next(iter(loader))["step"])
+"""
+
+
+def test_ctrl_c_as_the_loop_stops_ends_the_iteration(config, tmp_path) -> None:
+    """As at the start: a Ctrl-C before the portal's stop was sent to the loop (the close after a
+    `break`, or after an error) left the thread's join waiting for ever."""
+    proc = _run_script(tmp_path, config, CTRL_C_AT_THE_STOP, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "interrupted at the close\nthen step 1\n", proc.stderr
+
+
 def test_stall_warning_s_0_never_warns(config, caplog) -> None:
     """`stall_warning_s = 0` turns the stall watch off: a lane that keeps a batch waiting logs nothing."""
     from zephon_stream.testing.stores import WrappedStore

@@ -18,10 +18,11 @@ def ctrl_c_after() -> Iterator[None]:
     Python raises KeyboardInterrupt between any two bytecodes of the main thread: inside a write
     whose bytes had gone out, between a batch handed out and the step noted, or in the middle of
     handing a call to the loader's event-loop thread. The main thread's handler only; in another
-    thread (where no signal handler runs) the block runs as it is.
+    thread (where no signal handler runs), or under a handler set outside Python, the block runs
+    as it is.
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield  # None: a handler set outside Python (an embedding host), which this could not put back
         return
     held: list[Any] = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
@@ -29,7 +30,7 @@ def ctrl_c_after() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-    if not held or previous == signal.SIG_IGN or previous is None:
+    if not held or previous == signal.SIG_IGN:
         return
     if previous is signal.default_int_handler:
         raise KeyboardInterrupt

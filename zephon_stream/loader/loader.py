@@ -564,7 +564,11 @@ class Loader:
                     elif stream.commit():  # handed out: only now the rank's state moves past it
                         yield batch  # (else set_weights decided its step meanwhile: it is made again)
             finally:  # an early `break` closes the generator: stop the lanes without an error
-                cm.__exit__(None, None, None)
+                with ctrl_c_after():  # held through the stops of the lanes and of the loop's thread, as at its
+                    try:  # start: one before the portal's stop was sent left thread.join() waiting for good
+                        cm.__exit__(None, None, None)
+                    finally:
+                        stack.close()
 
     def __aiter__(self) -> _ThreadedAsyncIterator:
         """`async for` over a pipeline run in a helper thread; `open()` runs it on your loop instead."""
