@@ -488,6 +488,40 @@ def test_ctrl_c_as_the_loop_stops_ends_the_iteration(config, tmp_path) -> None:
     assert proc.returncode == 0 and proc.stdout == "interrupted at the close\nthen step 1\n", proc.stderr
 
 
+ASYNC_FOR_CUT = """
+import asyncio
+import gc
+import signal
+import sys
+
+from zephon_stream import Loader
+
+gc.disable()  # as before the collector's next pass
+loader = Loader.from_toml(sys.argv[1])
+
+
+async def train():
+    async for batch in loader:
+        if batch["step"] == 1:
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C: asyncio.run cancels this task at its next wait
+
+
+try:
+    asyncio.run(train())
+except KeyboardInterrupt:
+    print("interrupted at step", loader.step)
+print("then step", next(iter(loader))["step"])
+"""
+
+
+def test_a_stream_after_an_async_for_cut_by_ctrl_c(config, tmp_path) -> None:
+    """The cut `async for` kept its stream open, the lanes running, until the garbage collector's
+    next pass (its exception's traceback held it in a cycle): a new stream or a load_state_dict
+    meanwhile was refused as "a stream open already"."""
+    proc = _run_script(tmp_path, config, ASYNC_FOR_CUT, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "interrupted at step 2\nthen step 2\n", proc.stderr
+
+
 def test_stall_warning_s_0_never_warns(config, caplog) -> None:
     """`stall_warning_s = 0` turns the stall watch off: a lane that keeps a batch waiting logs nothing."""
     from zephon_stream.testing.stores import WrappedStore

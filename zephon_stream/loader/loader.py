@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import gc
 import logging
 import multiprocessing.util  # noqa: F401  (registers its exit handler before ours: see `_close_open_iterations`)
 import sys
@@ -276,7 +277,7 @@ class Loader:
         Only while no stream of this loader is open: load first, then iterate (or load into a new
         Loader). The next batch is then the one after the saved step.
         """
-        if self._opened:
+        if self._still_open():
             raise CheckpointError("load_state_dict() while a stream of this loader is open (a `for batch in "
                                   "loader` loop or an `open()` block): leave it first (break, or close the "
                                   "iterator), or load the state into a new Loader")
@@ -468,7 +469,7 @@ class Loader:
         beside it (another `for` loop, an `iter(loader)` not yet exhausted or closed) is refused.
         """
         self._check_usable()
-        if self._opened:
+        if self._still_open():
             raise ZephonError("this Loader has a stream open already (a `for batch in loader` loop, an iterator from "
                               "`iter(loader)` not exhausted or closed, or an `open()` block): each stream continues "
                               "from the last batch handed out, so only one may be open; leave the other first "
@@ -597,6 +598,14 @@ class Loader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _still_open(self) -> bool:
+        """Whether a stream of this loader is open. An iteration dropped inside a reference cycle
+        stays open (its lanes running) until the garbage collector finds it: an `async for` cut by
+        Ctrl-C is held so by its exception's traceback. Collected here, it closes, before a refusal."""
+        if self._opened:
+            gc.collect()
+        return bool(self._opened)
 
     def _check_usable(self) -> None:
         if self._closed:
