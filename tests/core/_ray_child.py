@@ -156,7 +156,7 @@ def cases(text: Config, vision: Config, transforms: Config, errors: Config, png_
           out: Out) -> None:
     """Each case's records into `out`. Lane actors start slowly on a loaded 2-core host (seconds
     each), so the cases are chosen to start few: 9 for the matrix, 1 for the transforms, 11 for the
-    kills, 1 for the refusal."""
+    kills, 1 for the refusal, 2 for the errors, 2 for the PNG text limits."""
     one = text.replace(ray_actors=1)
     timed(out, "dp1_three_actors_latency", lambda: run_world(
         text.replace(ray_actors=3, sample_buffer=1), 1, steps, backend="ray",
@@ -178,11 +178,11 @@ def cases(text: Config, vision: Config, transforms: Config, errors: Config, png_
     cuts = set(random.Random(15).sample(range(7, 2 * steps - 8), 10)) | {5, 6}
     timed(out, "kills", lambda: killed_run(text.replace(max_restarts=len(cuts)), 2 * steps, cuts, seed=15))
     timed(out, "max_restarts", lambda: refused_after_max_restarts(one))
-    timed(out, "png_text", lambda: png_text_run(png_text))
     # bad records in several lanes: the same error after the same batches as in-process (test_error_order.py)
     timed(out, "errors", lambda: {"inline": first_errors(errors, backend="inline"),
                                   "ray": first_errors(errors.replace(ray_actors=2), backend="ray",
                                                       wrap_store=WithLatency(seed=6, max_ms=3))})
+    timed(out, "png_text", lambda: png_text_run(png_text))  # Pillow's PNG text limits, the trainer's
 
 
 def timed(out: Out, case: str, run: Callable[[], Any]) -> None:
