@@ -522,6 +522,56 @@ def test_a_stream_after_an_async_for_cut_by_ctrl_c(config, tmp_path) -> None:
     assert proc.returncode == 0 and proc.stdout == "interrupted at step 2\nthen step 2\n", proc.stderr
 
 
+CTRL_C_IN_A_STUCK_STOP = """
+import os
+import signal
+import sys
+import threading
+import time
+
+import anyio
+
+from zephon_stream import Loader
+from zephon_stream.testing.stores import WrappedStore
+
+stuck = threading.Event()
+
+
+class Stuck(WrappedStore):  # once set, each read hangs in a thread that no cancel stops (a hung mount)
+    async def read(self, key, start=0, end=None):
+        if stuck.is_set():
+            await anyio.to_thread.run_sync(time.sleep, 3600)
+        return await self.inner.read(key, start, end)
+
+
+def ctrl_c_every_half_second():
+    for _ in range(20):
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+loader = Loader.from_toml(sys.argv[1], wrap_store=Stuck)
+start = None
+try:
+    for batch in loader:
+        if batch["step"] == 1:
+            stuck.set()
+            time.sleep(1.0)  # the lanes' next reads hang
+            start = time.monotonic()
+            threading.Thread(target=ctrl_c_every_half_second, daemon=True).start()
+            time.sleep(30)  # the training step, which the first Ctrl-C cuts
+finally:
+    print("left the loop", "within 5 s" if time.monotonic() - start < 5 else "late")
+"""
+
+
+def test_ctrl_c_ends_a_loop_whose_stop_is_stuck(config, tmp_path) -> None:
+    """A Ctrl-C held through the whole stop of the lanes (ae8e5b1) made a stop stuck on a read
+    (a hung mount) deaf to every Ctrl-C; it is held only while the portal's stop is sent."""
+    proc = _run_script(tmp_path, config.replace(max_epochs=0), CTRL_C_IN_A_STUCK_STOP, timeout=60)
+    assert proc.stdout == "left the loop within 5 s\n" and "KeyboardInterrupt" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_stall_warning_s_0_never_warns(config, caplog) -> None:
     """`stall_warning_s = 0` turns the stall watch off: a lane that keeps a batch waiting logs nothing."""
     from zephon_stream.testing.stores import WrappedStore

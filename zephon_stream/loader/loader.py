@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import contextlib
 import gc
 import logging
 import multiprocessing.util  # noqa: F401  (registers its exit handler before ours: see `_close_open_iterations`)
@@ -548,6 +549,7 @@ class Loader:
             # and one in the import of anyio.from_thread (its first use) came out as a RuntimeError
             with ctrl_c_after():
                 portal = stack.enter_context(anyio.from_thread.start_blocking_portal())
+            stack.push(_stop_sent_whole(portal))  # ... and while its stop is sent (before anyio's exit joins it)
             cm = portal.wrap_async_context_manager(self.open())
             stream = cm.__enter__()
             try:
@@ -565,11 +567,7 @@ class Loader:
                     elif stream.commit():  # handed out: only now the rank's state moves past it
                         yield batch  # (else set_weights decided its step meanwhile: it is made again)
             finally:  # an early `break` closes the generator: stop the lanes without an error
-                with ctrl_c_after():  # held through the stops of the lanes and of the loop's thread, as at its
-                    try:  # start: one before the portal's stop was sent left thread.join() waiting for good
-                        cm.__exit__(None, None, None)
-                    finally:
-                        stack.close()
+                cm.__exit__(None, None, None)
 
     def __aiter__(self) -> _ThreadedAsyncIterator:
         """`async for` over a pipeline run in a helper thread; `open()` runs it on your loop instead."""
@@ -820,6 +818,21 @@ async def _watch_stalls(stream: BatchStream, ended: anyio.Event, every: float) -
             log.warning("batch %d has waited %.0f s for the samples of lane %d (backend %r): a read, its "
                         "retries or a lane worker is slow or stuck; still waiting", stream.frontier.step, waited,
                         wait[0], stream.config.backend)
+
+
+def _stop_sent_whole(portal: Any) -> Callable[..., bool]:
+    """An exit callback that sends `portal` its stop with Ctrl-C held. One that landed before the
+    stop reached the loop left anyio's exit joining a thread whose loop never stops: the process hung
+    for good. Held for that round trip only: the lanes' stop before it and the thread's join after
+    it stay open to Ctrl-C (a read stuck on a hung mount must not make it useless). Cancels what
+    remains in the loop when the stream ends by an exception, as anyio's exit does."""
+
+    def send(exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        with ctrl_c_after(), contextlib.suppress(RuntimeError):  # RuntimeError: the portal stopped already
+            portal.call(portal.stop, exc_type is not None)
+        return False
+
+    return send
 
 
 class _KeptCall:
