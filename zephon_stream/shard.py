@@ -70,6 +70,7 @@ from zephon_stream.formats.parquet import PARQUET_SUFFIXES
 from zephon_stream.loader.config import SourceConfig
 from zephon_stream.operators.read import (
     MAX_DEPTH,
+    NAME_MAP_SUFFIX,
     SUFFIXES,
     BadRecords,
     Parser,
@@ -482,10 +483,13 @@ class _Job:
 
     async def _refuse_existing(self, store: Store, prefix: str, dst: str) -> None:
         taken = [o.key for o in await store.list(prefix + self.name + "-")]
-        if taken:
-            raise ConfigError(f"shard: {dst} already holds {taken[0]!r} ({len(taken)} objects named {self.name}-*): "
-                              "remove them to shard again, or write to another folder (another name adds a second "
-                              "set of shards beside these, and a source over the folder reads both)")
+        maps = [o.key for o in await store.list(prefix + "_" + self.name + "-")]  # image shards' name maps
+        if taken or maps:
+            named = f"{self.name}-*" + (f" and _{self.name}-*" if maps else "")
+            raise ConfigError(f"shard: {dst} already holds {(taken or maps)[0]!r} ({len(taken) + len(maps)} objects "
+                              f"named {named}): remove them to shard again, or write to another folder (another "
+                              "name adds a second set of shards beside these, and a source over the folder reads "
+                              "both)")
 
     def _items(self, store: Store, obj: ObjectInfo) -> AsyncIterator[Any]:
         if obj.key.endswith(PARQUET_SUFFIXES):
@@ -969,7 +973,8 @@ class _TarOut:
         await self.store.put(key, data)
         # each sample's input: samples are renamed 000000000, ... (inputs' names may repeat across folders,
         # and a sample's key ends at its first dot); "_" first, so that no source reads it as data
-        await self.store.put(f"{self.prefix}_{self.job.name}-{len(self.keys):05d}.names.jsonl", b"".join(self._names))
+        names = f"{self.prefix}_{self.job.name}-{len(self.keys):05d}{NAME_MAP_SUFFIX}"
+        await self.store.put(names, b"".join(self._names))
         self.keys.append(key)
         self.bytes_out += len(data)
         self._samples, self._names, self._size = [], [], 0

@@ -620,7 +620,7 @@ def test_hidden_names_are_counted_under_the_input_folder_only():
         anyio.run(job._inputs, store, "data", "s3://b/data")
 
 
-def test_image_folder_with_captions_becomes_tar_shards(tmp_path):
+def test_image_folder_with_captions_becomes_tar_shards(tmp_path, caplog):
     import random
 
     from tests.core.conftest import make_image
@@ -643,21 +643,32 @@ def test_image_folder_with_captions_becomes_tar_shards(tmp_path):
     assert [s.members.get("png", s.members.get("jpg")) for s in samples] == [images[i] for i in range(12)]
     assert [s.members["txt"].decode() for s in samples] == [f"caption {i}" for i in range(12)]
     # samples are renamed (000000000, ...): each shard's name map says which input each one was
-    assert _names(tmp_path / "out") == [
+    assert _names(tmp_path / "out", caplog) == [
         {"key": s.key, "from": f"im{i:02d}.{'png' if i % 2 else 'jpg'}"} for i, s in enumerate(samples)]
+    for p in (tmp_path / "out").glob("*.tar"):  # shards removed, their maps left: a new run would leave stale maps
+        p.unlink()
+    with pytest.raises(ConfigError, match=r"already holds '.*_shard-00000.names.jsonl' \(\d+ objects named shard-\* "
+                                          r"and _shard-\*\): remove them"):
+        shard(str(tmp_path / "in"), str(tmp_path / "out"), image_field="png;jpg", progress=False)
 
 
-def _names(out: Path) -> list[dict]:
+def _names(out: Path, caplog: pytest.LogCaptureFixture) -> list[dict]:
     """The name maps of `out`'s tar shards, one per shard and in shard order; no source reads them."""
-    from zephon_stream.operators.read import is_hidden
+    from zephon_stream.connectors.base import ObjectInfo
+    from zephon_stream.operators.read import is_hidden, visible
 
     shards = sorted(p.name for p in out.glob("*.tar"))
     maps = sorted(p.name for p in out.glob("*.names.jsonl"))
     assert maps == [f"_{n.removesuffix('.tar')}.names.jsonl" for n in shards] and all(is_hidden(m, "") for m in maps)
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # a source over the folder reads the shards alone, and says nothing
+        listed = [ObjectInfo(key=name, size=1, etag="") for name in shards + maps]
+        assert visible(listed, "", "source 'img'", str(out)) == listed[:len(shards)]
+    assert caplog.records == []
     return [json.loads(line) for m in maps for line in (out / m).read_bytes().splitlines()]
 
 
-def test_parquet_image_column_becomes_tar_shards_bytes_unchanged(vision_parquet_dataset, tmp_path):
+def test_parquet_image_column_becomes_tar_shards_bytes_unchanged(vision_parquet_dataset, tmp_path, caplog):
     from zephon_stream.formats.tar import parse_samples
 
     root, images = vision_parquet_dataset
@@ -668,7 +679,7 @@ def test_parquet_image_column_becomes_tar_shards_bytes_unchanged(vision_parquet_
     for path in sorted((tmp_path / "out").glob("*.tar")):
         got += [s.members["png"] for s in parse_samples(path.read_bytes(), 0, path.name, 1 << 20)]
     assert got == images
-    names = _names(tmp_path / "out")
+    names = _names(tmp_path / "out", caplog)
     assert len(names) == len(images) and {n["from"] for n in names} == {p.name for p in (root / "pq").iterdir()}
     assert all(n["item"] for n in names), names[:3]
 

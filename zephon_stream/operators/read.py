@@ -226,6 +226,11 @@ def is_hidden(key: str, prefix: str) -> bool:
     return any(p.startswith((".", "_")) for p in parts)
 
 
+#: The suffix of `zephon shard`'s name maps beside image tar shards (`_NAME-00000.names.jsonl`): hidden
+#: by their leading "_", and known not to be data, so that no source warns of them.
+NAME_MAP_SUFFIX = ".names.jsonl"
+
+
 def visible(objects: list[ObjectInfo], prefix: str, owner: str, uri: str,
             suffixes: tuple[str, ...] = ()) -> list[ObjectInfo]:
     """`objects` less the hidden ones (`is_hidden`), with a warning from `owner` naming those that
@@ -233,7 +238,7 @@ def visible(objects: list[ObjectInfo], prefix: str, owner: str, uri: str,
     hidden = [o for o in objects if is_hidden(o.key, prefix)]
     if hidden:
         looks = (*(s for k in FORMATS.values() for s in k), *suffixes)
-        data = [o.key for o in hidden if o.key.lower().endswith(looks)]
+        data = [o.key for o in hidden if o.key.lower().endswith(looks) and not o.key.endswith(NAME_MAP_SUFFIX)]
         if data:
             log.warning("%s: %d object%s under %s with a data suffix %s not read, being under a name that starts "
                         "with '.' or '_' (hidden, or a job's temporary output): %s", owner, len(data),
