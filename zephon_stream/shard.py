@@ -64,7 +64,7 @@ import zstandard
 from zephon_stream.connectors import missing_locally, open_store, parse_uri
 from zephon_stream.connectors.base import ObjectInfo, Store
 from zephon_stream.engine import threads
-from zephon_stream.errors import ConfigError, DataError, ZephonError
+from zephon_stream.errors import ConfigError, DataError, ObjectNotFound, ZephonError
 from zephon_stream.formats.jsonl_zst import seek_table, write_jsonl_shards
 from zephon_stream.formats.parquet import PARQUET_SUFFIXES
 from zephon_stream.loader.config import SourceConfig
@@ -382,6 +382,7 @@ class _Job:
         self.documents = 0
         self.listed: set[str] = set()  # every key under the input prefix (captions beside images)
         self.base = ""  # the input folder's prefix: an image sample's name map gives its input's key below it
+        self.single = False  # the input is one file (its caption is not in `listed`)
         self.hidden = 0  # the input folder's files that `visible` left out (names starting with "." or "_")
         self.text_field = "text"  # `field`, or its default for the inputs found
         self.chat: _CheckedChat | None = None  # chat data: its messages (and tools) field
@@ -419,6 +420,7 @@ class _Job:
         objects = sorted(await store.list(prefix), key=lambda o: o.key)
         self.listed = {o.key for o in objects}
         exact = [o for o in objects if o.key == prefix] if prefix and not prefix.endswith("/") else []
+        self.single = bool(exact)
         if not exact:  # a folder: what is hidden in it is not input (a file named by itself is)
             under = prefix + "/" if prefix and not prefix.endswith("/") else prefix
             inside = [o for o in objects if o.key.startswith(under)]  # not a sibling's ("data-old/" beside "data")
@@ -607,7 +609,8 @@ class _Job:
                                     columns=columns, bad=self.bad)
         async for pos, block in reader.blocks():
             for _, _, record in parser.parse(reader, pos, block):
-                yield self._row(obj.key, record)
+                if (row := self._row(obj.key, record)) is not None:
+                    yield row
 
     def _table_parser(self, kind: type) -> tuple[Any, list[tuple[str, str]]]:
         """A parser of table rows (Parquet's, for Arrow too) and the columns it needs: [(name, kind)]."""
@@ -619,12 +622,12 @@ class _Job:
         return parser, parser.columns
 
     def _row(self, key: str, record: Any) -> Any:
-        """A parsed table row as output: a JSON line, or an image sample."""
+        """A parsed table row as output: a JSON line, or an image sample (None: a bad one, skipped)."""
+        if self.image_field:
+            return self._sample(key, record.member, record.image, record.text)
         self.documents += 1
         if self.chat is not None:
             return self._chat_line(record)
-        if self.image_field:
-            return self._sample(key, record.member, record.image, record.text)
         return _enc.encode({"text": record}) + b"\n"
 
     async def _arrow(self, store: Store, obj: ObjectInfo) -> AsyncIterator[Any]:
@@ -683,7 +686,8 @@ class _Job:
             if batch is None:
                 return
             for _, _, record in parser.parse(rows, pos, pa.Table.from_batches([batch])):
-                yield self._row(obj.key, record)
+                if (row := self._row(obj.key, record)) is not None:
+                    yield row
             pos += batch.num_rows
 
     async def _csv(self, store: Store, obj: ObjectInfo) -> AsyncIterator[Any]:
@@ -854,7 +858,7 @@ class _Job:
     async def _image_file(self, store: Store, obj: ObjectInfo) -> AsyncIterator[tuple[str, dict]]:
         """An image file and the caption beside it (same name, extension `text_field`) as one sample."""
         caption_key = obj.key.rsplit(".", 1)[0] + "." + self.text_field.lstrip(".")
-        if caption_key not in self.listed:
+        if caption_key not in self.listed and not (self.single and await _exists(store, caption_key)):
             self.bad(DataError(f"image {obj.key!r} has no caption {caption_key!r} beside it", key=obj.key, offset=0))
             return
         image, caption = await self._whole(store, obj), await store.read(caption_key)
@@ -866,8 +870,8 @@ class _Job:
             if image is not None:
                 self.bad(DataError(f"caption {caption_key!r} is empty or not UTF-8", key=caption_key, offset=0))
             return
-        self.documents += 1
-        yield self._sample(obj.key, obj.key, image, text)
+        if (sample := self._sample(obj.key, obj.key, image, text)) is not None:
+            yield sample
 
     async def _whole(self, store: Store, obj: ObjectInfo) -> bytes | None:
         if obj.size > self.max_record:
@@ -877,23 +881,34 @@ class _Job:
             return None
         return await store.read(obj.key)
 
-    def _sample(self, key: str, member: str, image: bytes, text: str) -> tuple[str, dict[str, bytes], bytes]:
+    def _sample(self, key: str, member: str, image: bytes, text: str) -> tuple[str, dict[str, bytes], bytes] | None:
         """A tar sample: the image's bytes as they are (extension from its magic, else its name); and
         its line of the name map (`_TarOut`): the input's key below the input folder, and for a table
-        the row's image name (HF's `Image.path`) or place."""
+        the row's image name (HF's `Image.path`) or place. None for an image of no known format (a
+        bad record)."""
         ext = next((e for magic, e in _IMAGE_MAGIC if image.startswith(magic)), None)
         if ext is None and image[:4] == b"RIFF" and image[8:12] == b"WEBP":
             ext = "webp"
         if ext is None and "." in member:
             ext = member.rsplit(".", 1)[-1].lower()
-        if not ext or not ext.isalnum():
-            raise DataError(f"image {member!r} of {key!r}: its format is not known from its bytes or name",
-                            key=key, offset=0)
+        if not ext or not ext.isalnum():  # a bad record, skipped with on_bad = "skip" (it stopped the run)
+            self.bad(DataError(f"image {member!r} of {key!r}: its format is not known from its bytes or name",
+                               key=key, offset=0))
+            return None
+        self.documents += 1
         sample = f"{self.documents - 1:09d}"
         origin = {"key": sample, "from": key[len(self.base):] if key.startswith(self.base) else key}
         if member != key:
             origin["item"] = member
         return sample, {ext: image, "txt": text.encode()}, _enc.encode(origin) + b"\n"
+
+
+async def _exists(store: Store, key: str) -> bool:
+    try:
+        await store.head(key)
+    except ObjectNotFound:
+        return False
+    return True
 
 
 class _ZstOut:

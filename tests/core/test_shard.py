@@ -684,6 +684,46 @@ def test_parquet_image_column_becomes_tar_shards_bytes_unchanged(vision_parquet_
     assert all(n["item"] for n in names), names[:3]
 
 
+def test_an_image_of_no_known_format_is_a_bad_record(tmp_path, caplog):
+    """A Parquet image whose bytes and name say no format stopped the run even with skip, and its
+    sample number was taken: the keys after it skipped one."""
+    import random
+
+    from tests.core.conftest import make_image
+    from zephon_stream.formats.tar import parse_samples
+
+    rng = random.Random(3)
+    images = [{"bytes": make_image(rng), "path": f"im{i}.png"} for i in range(4)]
+    images[1] = {"bytes": b"neither a known magic nor a name", "path": None}
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"image": images, "caption": [f"caption {i}" for i in range(4)]}),
+                   tmp_path / "pq" / "a.parquet")
+    with pytest.raises(DataError, match=r"image 'row 1 of row group 0' of '.*a.parquet': its format is not known"):
+        shard(str(tmp_path / "pq"), str(tmp_path / "o1"), image_field="image", text_field="caption", progress=False)
+    report = shard(str(tmp_path / "pq"), str(tmp_path / "o2"), image_field="image", text_field="caption",
+                   on_bad="skip", progress=False)
+    assert (report.documents, report.skipped) == (3, 1)
+    (path,) = (tmp_path / "o2").glob("*.tar")
+    samples = parse_samples(path.read_bytes(), 0, path.name, 1 << 20)
+    assert [s.key for s in samples] == ["000000000", "000000001", "000000002"]
+    assert [s.members["txt"] for s in samples] == [b"caption 0", b"caption 2", b"caption 3"]
+    assert [n["item"] for n in _names(tmp_path / "o2", caplog)] == ["im0.png", "im2.png", "im3.png"]
+
+
+def test_one_image_file_as_the_input(tmp_path, caplog):
+    """Its caption beside it was not found: only the file itself had been listed."""
+    import random
+
+    from tests.core.conftest import make_image
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "cat.png").write_bytes(make_image(random.Random(2)))
+    (tmp_path / "in" / "cat.txt").write_text("a cat")
+    report = shard(str(tmp_path / "in" / "cat.png"), str(tmp_path / "out"), image_field="png", progress=False)
+    assert report.documents == 1
+    assert _names(tmp_path / "out", caplog) == [{"key": "000000000", "from": "cat.png"}]
+
+
 def test_cli_shards_and_prints_a_summary(dataset, tmp_path, capsys):
     root, _ = dataset
     assert main(["shard", str(root / "a"), str(tmp_path / "out"), "--target-size", "8KiB",
