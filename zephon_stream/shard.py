@@ -64,7 +64,7 @@ import zstandard
 from zephon_stream.connectors import missing_locally, open_store, parse_uri
 from zephon_stream.connectors.base import ObjectInfo, Store
 from zephon_stream.engine import threads
-from zephon_stream.errors import ConfigError, DataError, ObjectNotFound, ZephonError
+from zephon_stream.errors import ConfigError, DataError, ZephonError
 from zephon_stream.formats.jsonl_zst import seek_table, write_jsonl_shards
 from zephon_stream.formats.parquet import PARQUET_SUFFIXES
 from zephon_stream.loader.config import SourceConfig
@@ -76,6 +76,7 @@ from zephon_stream.operators.read import (
     Parser,
     Split,
     SplitReader,
+    is_object,
     nesting,
     plan_parquet,
     plan_shard,
@@ -858,7 +859,7 @@ class _Job:
     async def _image_file(self, store: Store, obj: ObjectInfo) -> AsyncIterator[tuple[str, dict]]:
         """An image file and the caption beside it (same name, extension `text_field`) as one sample."""
         caption_key = obj.key.rsplit(".", 1)[0] + "." + self.text_field.lstrip(".")
-        if caption_key not in self.listed and not (self.single and await _exists(store, caption_key)):
+        if caption_key not in self.listed and not (self.single and await is_object(store, caption_key)):
             self.bad(DataError(f"image {obj.key!r} has no caption {caption_key!r} beside it", key=obj.key, offset=0))
             return
         image, caption = await self._whole(store, obj), await store.read(caption_key)
@@ -901,14 +902,6 @@ class _Job:
         if member != key:
             origin["item"] = member
         return sample, {ext: image, "txt": text.encode()}, _enc.encode(origin) + b"\n"
-
-
-async def _exists(store: Store, key: str) -> bool:
-    try:
-        await store.head(key)
-    except ObjectNotFound:
-        return False
-    return True
 
 
 class _ZstOut:

@@ -126,7 +126,7 @@ async def plan_source(store: Store, prefix: str, name: str, uri: str, text_field
     source's own bound is PLAN_WORKERS).
     """
     listed = await store.list(prefix)
-    if not listed and prefix.endswith("/") and await _is_object(store, prefix[:-1]):
+    if not listed and prefix.endswith("/") and await is_object(store, prefix[:-1]):
         parent = uri.rstrip("/").rsplit("/", 1)[0] + "/"
         raise ConfigError(f"source {name!r}: {uri} names one object, not a folder (a prefix) of shards: give the "
                           f"prefix it is under, {parent}, to read every shard there")
@@ -251,8 +251,9 @@ def visible(objects: list[ObjectInfo], prefix: str, owner: str, uri: str,
 _KIND_NAMES = {"lines": "JSON-lines", "parquet": "Parquet", "tar": "tar"}  # format families, as messages name them
 
 
-async def _is_object(store: Store, key: str) -> bool:
-    """Whether `key` names an object (a source's uri that names a shard, read as a prefix, lists nothing)."""
+async def is_object(store: Store, key: str) -> bool:
+    """Whether `key` names an object (a source's uri that names a shard, read as a prefix, lists
+    nothing; the caption beside an image that `zephon shard` was given alone)."""
     try:
         await store.head(key)
     except ObjectNotFound:
