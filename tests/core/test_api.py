@@ -545,7 +545,7 @@ class Stuck(WrappedStore):  # once set, each read hangs in a thread that no canc
 
 
 def ctrl_c_every_half_second():
-    for _ in range(20):
+    for _ in range(80):
         time.sleep(0.5)
         os.kill(os.getpid(), signal.SIGINT)
 
@@ -561,7 +561,7 @@ try:
             threading.Thread(target=ctrl_c_every_half_second, daemon=True).start()
             time.sleep(30)  # the training step, which the first Ctrl-C cuts
 finally:
-    print("left the loop", "within 5 s" if time.monotonic() - start < 5 else "late")
+    print("left the loop", "within 20 s" if time.monotonic() - start < 20 else "late")  # about 1.5 s; hung before
 """
 
 
@@ -569,7 +569,7 @@ def test_ctrl_c_ends_a_loop_whose_stop_is_stuck(config, tmp_path) -> None:
     """A Ctrl-C held through the whole stop of the lanes (ae8e5b1) made a stop stuck on a read
     (a hung mount) deaf to every Ctrl-C; it is held only while the portal's stop is sent."""
     proc = _run_script(tmp_path, config.replace(max_epochs=0), CTRL_C_IN_A_STUCK_STOP, timeout=60)
-    assert proc.stdout == "left the loop within 5 s\n" and "KeyboardInterrupt" in proc.stderr, proc.stderr[-2000:]
+    assert proc.stdout == "left the loop within 20 s\n" and "KeyboardInterrupt" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_stall_warning_s_0_never_warns(config, caplog) -> None:
