@@ -65,6 +65,7 @@ import anyio
 import msgspec
 
 from zephon_stream.engine import threads
+from zephon_stream.engine.forks import ForkLock
 from zephon_stream.errors import ConfigError
 
 __all__ = ["MEMORY_ENV", "AllocatorPolicy", "AllocatorStats", "allocator_stats", "configure_allocator", "malloc_info",
@@ -233,15 +234,7 @@ async def managed_memory(policy: AllocatorPolicy | None | bool = True) -> AsyncI
             tg.cancel_scope.cancel()
 
 
-_trimming = threading.Lock()
-
-
-def _new_lock_in_child() -> None:
-    global _trimming
-    _trimming = threading.Lock()  # one held at the fork (a trim in another thread) stayed held: no trims there
-
-
-os.register_at_fork(after_in_child=_new_lock_in_child)
+_trimming = ForkLock()  # one held at the fork (a trim in another thread) stayed held: no trims there
 trims = 0  # malloc_trim calls made by managed_memory in this process (for tests and benchmarks)
 trim_seconds = 0.0  # the CPU time they took, in all
 

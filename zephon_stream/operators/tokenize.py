@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
 from array import array
 from collections import OrderedDict
 from pathlib import Path
@@ -14,6 +13,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from zephon_stream.engine.cpu import rayon_threads, usable_cores
+from zephon_stream.engine.forks import ForkLock
 from zephon_stream.errors import ConfigError
 
 __all__ = ["WORD_CACHE_ENV", "WORD_CACHE_TOTAL", "Tokenize", "word_cache_size"]
@@ -182,15 +182,7 @@ class Tokenize:
 
 
 _SHARED: OrderedDict[tuple[Any, ...], Tokenize] = OrderedDict()  # see Tokenize.shared
-_SHARED_LOCK = threading.Lock()
-
-
-def _new_lock_in_child() -> None:
-    global _SHARED_LOCK
-    _SHARED_LOCK = threading.Lock()  # one another thread held at the fork would never be released there
-
-
-os.register_at_fork(after_in_child=_new_lock_in_child)
+_SHARED_LOCK = ForkLock()
 
 
 def _read(path: str) -> bytes:

@@ -65,14 +65,13 @@ import ctypes
 import functools
 import io
 import math
-import os
 import struct
-import threading
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 
+from zephon_stream.engine.forks import ForkLock
 from zephon_stream.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -340,15 +339,7 @@ def _png_without_animation(data: bytes) -> bytes:
     return b"".join(kept)
 
 
-_pillow_limit_lock = threading.Lock()
-
-
-def _new_lock_in_child() -> None:
-    global _pillow_limit_lock
-    _pillow_limit_lock = threading.Lock()  # one another thread held at the fork would never be released there
-
-
-os.register_at_fork(after_in_child=_new_lock_in_child)
+_pillow_limit_lock = ForkLock()
 
 
 def _raise_pillow_limit(limit: int) -> None:
